@@ -1,0 +1,251 @@
+"""Aurora and Muon: orthogonalizing optimizers for the 2-D weight matrices of a Transformer.
+
+Muon (K. Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/) replaces the
+momentum update U of a matrix by its polar factor polar(U) = U (U^T U)^{-1/2}, computed
+with a few Newton-Schulz iterations in bfloat16. Aurora (Tilde Research, 2026, "Aurora:
+A Leverage-Aware Spectral Optimizer", arXiv 2606.27715) keeps the update (nearly)
+orthogonal but also equalizes its row norms on non-square matrices, so that no row (an
+MLP neuron) gets a much larger update than the others. On a square matrix Aurora is Muon;
+with ``pp_iterations=0`` it is Muon everywhere.
+
+This file has no dependency on train_gpt.py. Public API:
+
+* ``polar(U, ns)``: approximate polar factor of ``[..., m, n]`` matrices.
+* ``aurora_direction(U, pp_iterations, pp_beta, ns, eps)``: Aurora's update direction.
+* ``Aurora``: the optimizer (a ``torch.optim.Optimizer``), sharded across processes
+  when ``torch.distributed`` is initialized.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+# Newton-Schulz iterations X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per step.
+NS_COEFFICIENTS = {
+    # Muon's tuned quintic: fast, converges only to singular values in about [0.7, 1.2].
+    "quintic5": [(3.4445, -4.7750, 2.0315)] * 5,
+    # Plain cubic-in-A iteration: converges to the exact polar factor, needs more steps.
+    "simple12": [(2.0, -1.5, 0.5)] * 12,
+    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv 2505.16932): per-step optimal.
+    "polar_express": [
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ],
+}
+
+
+def polar(U, ns="polar_express", dtype=torch.bfloat16):
+    """Approximate polar factor (nearest semi-orthogonal matrix) by Newton-Schulz.
+
+    Args:
+        U: ``[..., m, n]`` float tensor; leading dims are a batch of independent matrices.
+        ns: iteration, one of ``NS_COEFFICIENTS`` (``quintic5``, ``simple12``, ``polar_express``).
+        dtype: dtype of the iteration (bfloat16 by default, as in Muon; float64 for references).
+
+    Returns:
+        ``[..., m, n]`` tensor in ``U``'s dtype whose singular values are near 1 (how near
+        depends on ``ns``). A zero matrix gives a zero matrix.
+
+    Raises:
+        ValueError: ``U`` has fewer than 2 dims, or ``ns`` is unknown.
+
+    Each matrix is first divided by its Frobenius norm (``1.02 * norm + 1e-6`` for Polar
+    Express, ``norm + 1e-7`` otherwise) so all singular values start in (0, 1]. The
+    iteration runs on the wide orientation (``X X^T`` is the small ``min(m, n)`` square).
+    """
+    if U.ndim < 2:
+        raise ValueError(f"polar: expected a [..., m, n] tensor, got shape {tuple(U.shape)}")
+    if ns not in NS_COEFFICIENTS:
+        raise ValueError(f"polar: unknown ns={ns!r}; choose one of {sorted(NS_COEFFICIENTS)}")
+    tall = U.size(-2) > U.size(-1)
+    X = U.mT if tall else U
+    norm = X.float().norm(dim=(-2, -1), keepdim=True)
+    if ns == "polar_express":
+        X = X.float() / (1.02 * norm + 1e-6)
+    else:
+        X = X.float() / (norm + 1e-7)
+    X = X.to(dtype)
+    for a, b, c in NS_COEFFICIENTS[ns]:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return (X.mT if tall else X).to(U.dtype)
+
+
+def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7):
+    """Aurora's update direction O for a momentum matrix U (METHODS.md §2).
+
+    Args:
+        U: ``[..., m, n]`` float tensor (a batch of same-shape matrices is fine).
+        pp_iterations: K, rounds of row scaling + polar; 0 gives plain Muon.
+        pp_beta: exponent of the row-scale correction (0.5 by default).
+        ns: Newton-Schulz variant used for each polar factor (see ``polar``).
+        eps: floor on row norms (and ``eps**2`` on squared row norms).
+
+    Returns:
+        float32 ``[..., m, n]``: the (nearly) semi-orthogonal direction, multiplied by
+        ``sqrt(max(1, m / n))``. For a tall (or transposed wide) matrix with ``K >= 1`` its
+        rows have near-equal norms; a square matrix, or ``K = 0``, gives Muon's ``polar(U)``.
+
+    Raises:
+        ValueError: bad ``pp_iterations``/``pp_beta``/``eps`` or ``U`` not at least 2-D.
+
+    Algorithm (tall orientation M > N, float32 outside the polar iterations):
+    ``D = 1/max(|row_i(U)|, eps)``; for k = 1..K: ``P = polar(diag(D) U)``; if k < K:
+    ``D *= ((N/M) / max(|row_i(P)|^2, eps^2)) ** beta``. The result is P.
+    """
+    if U.ndim < 2:
+        raise ValueError(f"aurora_direction: expected [..., m, n], got shape {tuple(U.shape)}")
+    _check_aurora_hparams(pp_iterations, pp_beta, eps)
+    m, n = U.shape[-2:]
+    U = U.float()
+    if pp_iterations == 0 or m == n:
+        O = polar(U, ns)
+    else:
+        tall = m > n
+        V = U if tall else U.mT  # [..., M, N] with M > N
+        M, N = V.shape[-2:]
+        D = 1.0 / V.norm(dim=-1).clamp_min(eps)  # one scale per row, [..., M]
+        for k in range(pp_iterations):
+            P = polar(D.unsqueeze(-1) * V, ns).float()
+            if k < pp_iterations - 1:
+                row_sq = P.square().sum(dim=-1).clamp_min(eps * eps)
+                D = D * ((N / M) / row_sq) ** pp_beta
+        O = P if tall else P.mT
+    return O * math.sqrt(max(1.0, m / n))
+
+
+def _check_aurora_hparams(pp_iterations, pp_beta, eps):
+    if not isinstance(pp_iterations, int) or pp_iterations < 0:
+        raise ValueError(f"pp_iterations must be an int >= 0 (0 = Muon), got {pp_iterations!r}")
+    if not pp_beta > 0:
+        raise ValueError(f"pp_beta must be > 0, got {pp_beta!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
+class Aurora(torch.optim.Optimizer):
+    """Aurora (arXiv 2606.27715) / Muon for 2-D weight matrices, sharded over processes.
+
+    Per matrix W (m x n) with gradient G: ``M <- mu M + (1 - mu) G``; ``U = (1 - mu) G + mu M``
+    with Nesterov (else ``U = M``); ``O = aurora_direction(U)``;
+    ``W <- W (1 - lr wd) - lr O``. Same-shape matrices are orthogonalized as one batched
+    ``[k, m, n]`` call. When ``torch.distributed`` is initialized with world size W, each
+    shape's list of k matrices is padded to a multiple of W and cut into W equal chunks;
+    rank r orthogonalizes chunk r only, then the directions are all-gathered, so every
+    rank applies identical updates. Gradients must already be identical on every rank
+    (all-reduced); the momentum buffers are kept (identically) on every rank.
+
+    Args:
+        params: 2-D parameters, or param groups (dicts). A group may carry ``names``, a list
+            of the parameters' names in the model, used in error messages.
+        lr: learning rate (default 0.05). weight_decay: decoupled, scaled by lr (0.025).
+        momentum: mu (0.95). nesterov: Nesterov momentum (True).
+        pp_iterations: K (2); 0 = Muon. pp_beta: row-scale exponent (0.5).
+        ns: Newton-Schulz variant for ``polar`` ("polar_express"). eps: row-norm floor (1e-7).
+        check_finite: raise ``FloatingPointError`` naming the parameter when a gradient or
+            update is not finite, before any weight is changed (costs one host sync a step).
+        compile: run the direction computation through ``torch.compile``.
+
+    Raises:
+        ValueError: a parameter is not 2-D, or a hyperparameter is out of range.
+    """
+
+    def __init__(self, params, lr=0.05, weight_decay=0.025, momentum=0.95, nesterov=True,
+                 pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7,
+                 check_finite=True, compile=False):
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if ns not in NS_COEFFICIENTS:
+            raise ValueError(f"unknown ns={ns!r}; choose one of {sorted(NS_COEFFICIENTS)}")
+        _check_aurora_hparams(pp_iterations, pp_beta, eps)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        pp_iterations=pp_iterations, pp_beta=pp_beta, ns=ns, eps=eps)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            names = group.setdefault("names", [None] * len(group["params"]))
+            if len(names) != len(group["params"]):
+                raise ValueError("param group 'names' must have one name per parameter")
+            for i, p in enumerate(group["params"]):
+                if p.ndim != 2:
+                    name = names[i] or f"param {i}"
+                    raise ValueError(f"Aurora handles 2-D matrices only; {name} has shape "
+                                     f"{tuple(p.shape)} (give it to Adam)")
+        self.check_finite = check_finite
+        self._direction = torch.compile(aurora_direction, dynamic=False) if compile else aurora_direction
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter (grads of None count as zero).
+
+        Raises:
+            FloatingPointError: a gradient or update is NaN/inf (names the parameter);
+                no weight has been changed when it is raised.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        distributed = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+
+        pending = []  # (group, params, names, directions [k, m, n], grad finite flags [k])
+        for group in self.param_groups:
+            mu = group["momentum"]
+            by_shape = {}
+            for p, name in zip(group["params"], group["names"]):
+                by_shape.setdefault(tuple(p.shape), []).append((p, name))
+            for shape, items in by_shape.items():
+                params = [p for p, _ in items]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                updates = []
+                for p, g in zip(params, grads):
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    buf = state["momentum_buffer"]
+                    buf.lerp_(g, 1 - mu)
+                    updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
+                U = torch.stack(updates).float()  # [k, m, n]
+                grad_ok = torch.stack([torch.isfinite(g).all() for g in grads])
+                k = U.size(0)
+                chunk = -(-k // world)  # ceil(k / world) matrices per rank
+                if world > 1 and chunk * world != k:  # pad so every rank gets an equal chunk
+                    U = torch.cat([U, U.new_zeros(chunk * world - k, *shape)])
+                mine = U[rank * chunk:(rank + 1) * chunk]
+                O_mine = self._direction(mine, group["pp_iterations"], group["pp_beta"],
+                                         group["ns"], group["eps"])
+                if world > 1:
+                    O = U.new_empty(chunk * world, *shape)
+                    dist.all_gather_into_tensor(O, O_mine.contiguous())
+                    O = O[:k]
+                else:
+                    O = O_mine
+                pending.append((group, params, [n for _, n in items], O, grad_ok))
+
+        if self.check_finite and pending:
+            flags = torch.cat([ok & torch.isfinite(O).flatten(1).all(1)
+                               for _, _, _, O, ok in pending])
+            if not bool(flags.all()):  # one host sync; locate the culprit only on failure
+                for _, params, names, O, ok in pending:
+                    for i, p in enumerate(params):
+                        if not bool(ok[i]) or not bool(torch.isfinite(O[i]).all()):
+                            what = "gradient" if not bool(ok[i]) else "update"
+                            name = names[i] or f"parameter of shape {tuple(p.shape)}"
+                            raise FloatingPointError(
+                                f"Aurora: non-finite {what} in {name}; weights left unchanged "
+                                f"(lower the lr or check the data/loss for NaN)")
+
+        for group, params, _, O, _ in pending:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p, o in zip(params, O):
+                p.mul_(1 - lr * wd)
+                p.add_(o.to(p.dtype), alpha=-lr)
+        return loss
