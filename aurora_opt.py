@@ -181,6 +181,24 @@ class Aurora(torch.optim.Optimizer):
         self.check_finite = check_finite
         self._direction = torch.compile(aurora_direction, dynamic=False) if compile else aurora_direction
 
+    def _shards(self):
+        """(world, rank) of the process group, (1, 0) without one."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+    @torch.no_grad()
+    def warmup(self):
+        """Run the direction computation once per matrix shape on zeros (compiles it, changes nothing)."""
+        world, _ = self._shards()
+        for group in self.param_groups:
+            counts = {}
+            for p in group["params"]:
+                counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+            for shape, k in counts.items():
+                zeros = torch.zeros(-(-k // world), *shape, device=group["params"][0].device)
+                self._direction(zeros, group["pp_iterations"], group["pp_beta"], group["ns"], group["eps"])
+
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter (grads of None count as zero).
@@ -193,8 +211,7 @@ class Aurora(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        distributed = dist.is_available() and dist.is_initialized()
-        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        world, rank = self._shards()
 
         pending = []  # (group, params, names, directions [k, m, n], grad finite flags [k])
         for group in self.param_groups:

@@ -123,7 +123,7 @@ PRESETS = {
 }
 
 # Fields whose change changes the trajectory of a run (checked on --resume).
-RUN_DEFINING = ("train_files", "val_files", "val_tokens", "vocab_size", "n_layer", "n_head", "model_dim",
+RUN_DEFINING = ("val_tokens", "vocab_size", "n_layer", "n_head", "model_dim",
                 "mlp_ratio", "seq_len", "logit_softcap", "rope_base", "batch_tokens", "num_iterations",
                 "tst_bag_size", "tst_frac", "tst_mode", "optimizer", "matrix_lr", "matrix_wd", "momentum",
                 "momentum_start", "momentum_warmup_steps", "nesterov", "ns", "pp_iterations", "pp_beta",
@@ -590,9 +590,11 @@ def mce_loss(logits, targets, reduction="mean"):
 
 
 def tst_switch_step(cfg):
-    """Step at which phase 2 (plain next-token training) starts: round(r * N); 0 when TST is off."""
-    if cfg.tst_bag_size == 1 or cfg.tst_frac == 0:
-        return 0
+    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
+
+    With ``--tst-bag-size 1`` phase 1 is plain next-token training through the TST code path,
+    so a run with s = 1 repeats a run without TST bit for bit.
+    """
     return int(round(cfg.tst_frac * cfg.num_iterations))
 
 
@@ -697,6 +699,12 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def to_device(self, t):
+        """Host tensor to the device (pinned, asynchronous on CUDA)."""
+        if self.device.type == "cuda":
+            return t.contiguous().pin_memory().to(self.device, non_blocking=True)
+        return t
+
 
 def setup_runtime(cfg):
     """Pick the device and join the process group when launched by torchrun.
@@ -799,6 +807,16 @@ class ValData:
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
 
+def next_micro_batches(loader, step, cfg, rt):
+    """This rank's ``[(inputs, targets)]`` for optimizer ``step`` (its phase's layout), on the device.
+
+    Returns ``(micro_batches, advance)``; the loader moves ``global_seqs * advance`` tokens on.
+    """
+    _, s, mode = phase_of(step, cfg)
+    seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
+    return [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance)], advance
+
+
 def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
 
@@ -806,15 +824,13 @@ def val_batch_seqs(cfg):
 @torch.no_grad()
 def evaluate(model, val, mode, bag_size, cfg, rt):
     """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric)."""
-    model.eval()
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
     for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
-        inputs, targets = inputs.to(rt.device, non_blocking=True), targets.to(rt.device, non_blocking=True)
+        inputs, targets = rt.to_device(inputs), rt.to_device(targets)
         with rt.autocast():
             total += model(inputs, targets).double()
         count += (targets != IGNORE_INDEX).sum()
-    model.train()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
     return (total / count.clamp_min(1)).item()
@@ -824,7 +840,7 @@ def evaluate(model, val, mode, bag_size, cfg, rt):
 # Checkpoints
 
 def checkpoint_state(model, opts, loader, step, run, cfg):
-    return dict(format="train_gpt-checkpoint-1", config=dataclasses.asdict(cfg), step=step,
+    return dict(config=dataclasses.asdict(cfg), step=step,
                 phase=phase_of(step, cfg)[0], run_id=run["run_id"], model=model.state_dict(),
                 optimizers=[o.state_dict() for o in opts], loader_position=loader.position,
                 counters={k: run[k] for k in ("train_time_ms", "raw_tokens", "positions", "flops")},
@@ -832,26 +848,45 @@ def checkpoint_state(model, opts, loader, step, run, cfg):
                          cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
 
 
+CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
+
+
 def save_checkpoint(state, path):
-    """torch.save to ``<path>.tmp`` then rename: a checkpoint is complete or absent, never half-written."""
+    """Write a checkpoint atomically: serialize, checksum, write ``<path>.tmp.<pid>``, rename.
+
+    The file is ``torch.save({"format", "sha256", "payload"})`` where ``payload`` is the
+    uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load.
+    """
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
+    torch.save(dict(format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
+                    payload=torch.frombuffer(bytearray(payload), dtype=torch.uint8)), tmp)
     os.replace(tmp, path)
 
 
 def load_checkpoint(path):
-    """Load a checkpoint written by ``save_checkpoint``. Raises ConfigError for a missing/corrupt file."""
+    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config).
+
+    Raises:
+        ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
+            (checksum mismatch); the message names the file and what to do.
+    """
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several kinds for truncated/corrupt zip archives
-        raise ConfigError(f"--resume {path}: corrupt or truncated checkpoint ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]}); resume from an older one") from None
-    if not isinstance(state, dict) or state.get("format") != "train_gpt-checkpoint-1":
+        outer = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several kinds for a truncated or mangled archive
+        raise ConfigError(f"--resume {path}: truncated or unreadable checkpoint ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}); resume from an older one") from None
+    if not isinstance(outer, dict) or outer.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint")
-    return state
+    payload = outer["payload"].numpy().tobytes()
+    if hashlib.sha256(payload).hexdigest() != outer["sha256"]:
+        raise ConfigError(f"--resume {path}: corrupt checkpoint (sha256 mismatch); resume from an older one")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 def find_latest_checkpoint(checkpoint_dir):
@@ -1015,7 +1050,6 @@ def train(cfg, rt, log, preset=None):
             log.line("resume_force: continuing despite config differences: " + "; ".join(diffs))
 
     if resume_state is None:
-        log.line(SEPARATOR, echo=False)
         for text in environment_lines(rt):
             log.line(text, echo=False)
         log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
@@ -1051,9 +1085,9 @@ def train(cfg, rt, log, preset=None):
     net = torch.compile(model, dynamic=False) if rt.compile else model
 
     n_params = sum(p.numel() for p in model.parameters())
+    tst = "off" if switch == 0 else f"{cfg.tst_mode} s={cfg.tst_bag_size} for steps [0, {switch})"
     log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,} FLOPs per latent position; "
-             f"grad accumulation {loader.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; "
-             f"TST {'off' if switch == 0 else f'{cfg.tst_mode} s={cfg.tst_bag_size} until step {switch}'}")
+             f"grad accumulation {loader.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
     # Warm-up: compile every graph the run will use (both phases, train and val) before the clock starts.
     compile_ms = 0.0
@@ -1070,6 +1104,9 @@ def train(cfg, rt, log, preset=None):
             vi, vt = next(val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
             with torch.no_grad(), rt.autocast():
                 net(vi.to(rt.device), vt.to(rt.device))
+        for opt in opts:
+            if isinstance(opt, Aurora):
+                opt.warmup()
         rt.sync()
         compile_ms = 1000 * (time.perf_counter() - t0)
         log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {compile_ms:.0f}ms (not in train_time)")
@@ -1084,11 +1121,11 @@ def train(cfg, rt, log, preset=None):
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def do_val(step, steps_timed):
-        extra = {"phase": phase_of(min(step, cfg.num_iterations - 1), cfg)[0]}
+        extra = {"phase": phase_of(max(step - 1, 0), cfg)[0]}  # the phase that trained the model so far
         loss = evaluate(net, val, "full", 1, cfg, rt)
         if not math.isfinite(loss):
             raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr (--matrix-lr, --embed-lr)")
-        if step < switch:  # phase 1: also the TST objective on the same val tokens
+        if extra["phase"] == 1:  # also the TST objective on the same val tokens
             extra["val_loss_tst"] = f"{evaluate(net, val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
         log.line(step_line(step, cfg, "val_loss", loss, run["train_time_ms"], steps_timed, extra))
         log.update(final_val_loss=loss, val_step=step)
@@ -1117,9 +1154,7 @@ def train(cfg, rt, log, preset=None):
                 log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {cfg.tst_bag_size} -> 1, mode "
                          f"{cfg.tst_mode} -> next-token); same weights and optimizer state; "
                          f"tokens:{run['raw_tokens']}")
-            seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
-            micro = [make_batch(t, mode, s) for t in loader.next_batch(seq_tokens, advance)]
-            micro = [(i.to(rt.device, non_blocking=True), t.to(rt.device, non_blocking=True)) for i, t in micro]
+            micro, advance = next_micro_batches(loader, step, cfg, rt)
             scale = apply_schedule(opts, step, cfg)
             loss = accumulate_gradients(net, micro, rt)
             for opt in opts:
@@ -1130,6 +1165,11 @@ def train(cfg, rt, log, preset=None):
             run["flops"] += flops_per_step
             steps_timed += 1
             done = step + 1
+            if cfg.save_on_interrupt and rt.distributed:  # every rank stops after the same step
+                flag = torch.tensor(float(stop["signal"] is not None), device=rt.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() and stop["signal"] is None:
+                    stop["signal"] = "SIGTERM (on another rank)"
             last = done == end_step
             if done % cfg.log_every == 0 or last or stop["signal"]:
                 rt.sync()
@@ -1187,14 +1227,14 @@ def main(argv=None):
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 2
     run_id = cfg.run_id or (datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    if cfg.resume and not cfg.run_id and rt.master:
-        # resuming continues the checkpoint's run and its log
+    if cfg.resume and not cfg.run_id:
+        # resuming continues the checkpoint's run (<checkpoint_dir>/<run_id>/step_N.pt) and its log
         try:
             path = find_latest_checkpoint(cfg.checkpoint_dir) if cfg.resume == "auto" else cfg.resume
-            run_id = load_checkpoint(path)["run_id"]
         except ConfigError as e:
             print(f"train_gpt.py: error: {e}", file=sys.stderr)
             return 2
+        run_id = os.path.basename(os.path.dirname(os.path.abspath(path)))
     log = RunLog(cfg, rt, run_id, resume=bool(cfg.resume))
     status, reason, code = "incomplete", None, 1
     try:

@@ -1,0 +1,72 @@
+"""Shared fixtures: paths, a tiny config that trains in about a second, shard writers."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REALTEXT = os.path.join(REPO, "..", "shared", "data", "realtext")
+sys.path.insert(0, REPO)
+
+# glibc returns big freed blocks to the OS; reusing them instead halves CPU step time.
+FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def realtext_args():
+    return ["--train-files", os.path.join(REALTEXT, "*_train_*.bin"),
+            "--val-files", os.path.join(REALTEXT, "*_val_*.bin")]
+
+
+def tiny_args(tmp_path, *extra):
+    """Flags of a 2-layer, 64-wide model on real text: 256 positions a step, val on 512 tokens."""
+    return ["--preset", "cpu_smoke", *realtext_args(), "--n-layer", "2", "--model-dim", "64",
+            "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
+            "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
+            "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
+
+
+def subprocess_env():
+    env = dict(os.environ, **FAST_MALLOC)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def write_shard(path, tokens, magic=20240520, version=1, n_header=None, truncate=0):
+    """Write a shard (optionally broken: wrong magic/version/count, or truncated by some bytes)."""
+    header = np.zeros(256, dtype="<i4")
+    header[0], header[1] = magic, version
+    header[2] = len(tokens) if n_header is None else n_header
+    data = header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) - truncate] if truncate else data)
+    return str(path)
+
+
+def read_log(log_dir, run_id=None):
+    """Text of the (only, or named) run log in a log dir."""
+    names = sorted(n for n in os.listdir(log_dir) if n.endswith(".txt"))
+    name = f"{run_id}.txt" if run_id else names[-1]
+    with open(os.path.join(log_dir, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def loss_lines(text, kind="train_loss"):
+    """{step: value} of the train_loss (or val_loss) lines of a log."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("step:") and f" {kind}:" in line:
+            step = int(line.split()[0].split(":")[1].split("/")[0])
+            out[step] = float(line.split(f"{kind}:")[1].split()[0])
+    return out
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    """A folder with 2 small train shards (tokens 0..2999 in order) and a val shard."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    write_shard(d / "t_train_000001.bin", np.arange(0, 1700))
+    write_shard(d / "t_train_000002.bin", np.arange(1700, 3000))
+    write_shard(d / "t_val_000000.bin", np.arange(0, 600) % 50257)
+    return d

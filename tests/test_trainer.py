@@ -1,0 +1,332 @@
+"""The trainer end to end: config, shard reader, loader, model, schedule, log snapshot, bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+
+# ---------------------------------------------------------------------------------------------
+# config and CLI
+
+
+def test_every_config_field_is_a_flag_with_its_default_in_help():
+    text = T.build_parser().format_help()
+    for f in T.fields(T.Config):
+        assert "--" + f.name.replace("_", "-") in text
+
+
+def test_preset_then_explicit_flags_override():
+    cfg, preset = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "3"])
+    assert preset == "cpu_smoke"
+    assert cfg.n_layer == 3  # explicit flag beats preset
+    assert cfg.model_dim == T.PRESETS["cpu_smoke"]["model_dim"]  # preset beats default
+    assert T.parse_config([])[0].model_dim == 768  # default
+
+
+def test_record_presets_share_global_batch_and_dynamics():
+    h200, _ = T.parse_config(["--preset", "record_h200"])
+    b200, _ = T.parse_config(["--preset", "record_8xb200"])
+    for name in T.RUN_DEFINING:
+        assert getattr(h200, name) == getattr(b200, name), name
+    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 1024)
+    assert h200.batch_tokens == 524_288 and (h200.tst_bag_size, h200.tst_frac) == (4, 0.3)
+    assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 8  # accumulation on 1 GPU
+
+
+def test_config_to_argv_round_trips():
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--no-nesterov", "--tst-mode", "output", "--compile"])
+    again, _ = T.parse_config(T.config_to_argv(cfg))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tst-bag-size", "0"], "--tst-bag-size"),
+    (["--tst-frac", "1.0"], "--tst-frac"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--model-dim", "100", "--n-head", "3"], "--model-dim"),
+    (["--batch-tokens", "1000", "--seq-len", "64"], "--batch-tokens"),
+    (["--momentum", "1.5"], "--momentum"),
+])
+def test_bad_flag_values_raise_config_error_naming_the_flag(flags, needle):
+    with pytest.raises(T.ConfigError, match=needle):
+        T.parse_config(flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# shards, stream, loader
+
+
+def test_shard_reader_accepts_good_shard(tmp_path):
+    path = write_shard(tmp_path / "good.bin", [50256, 1, 2, 3])
+    assert T.read_shard_header(path) == 4
+    assert T.load_shard(path).tolist() == [50256, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kind, kwargs, needle", [
+    ("magic", dict(magic=1234), "bad magic"),
+    ("version", dict(version=7), "version"),
+    ("truncated", dict(truncate=3), "truncated"),
+    ("count", dict(n_header=10), "header says 10 tokens"),
+])
+def test_shard_reader_rejects_each_bad_kind_naming_the_file(tmp_path, kind, kwargs, needle):
+    path = write_shard(tmp_path / f"{kind}.bin", list(range(20)), **kwargs)
+    with pytest.raises(T.DataError, match=needle) as err:
+        T.read_shard_header(path)
+    assert str(path) in str(err.value)
+
+
+def test_shard_reader_rejects_file_shorter_than_header(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"\x00" * 100)
+    with pytest.raises(T.DataError, match="shorter than the 1024-byte shard header"):
+        T.read_shard_header(str(path))
+
+
+def test_empty_glob_names_the_flag(tmp_path):
+    with pytest.raises(T.DataError, match="--train-files"):
+        T.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
+
+
+def test_token_stream_reads_across_shards_and_wraps(shard_dir):
+    files = sorted(str(p) for p in shard_dir.glob("t_train_*.bin"))
+    stream = T.TokenStream(files, wrap=True)
+    assert stream.total == 3000
+    assert stream.read(1690, 20).tolist() == list(range(1690, 1710))
+    assert stream.read(2995, 10).tolist() == [2995, 2996, 2997, 2998, 2999, 0, 1, 2, 3, 4]
+    with pytest.raises(T.DataError, match="hold 3000"):
+        T.TokenStream(files).read(2995, 10)
+
+
+def test_loader_slices_are_the_same_for_any_split_of_processes_and_micro_steps(shard_dir):
+    files = sorted(str(p) for p in shard_dir.glob("t_train_*.bin"))
+    stream = T.TokenStream(files, wrap=True)
+
+    def global_batch(world, micro):
+        chunks = []
+        for rank in range(world):
+            loader = T.TrainLoader(stream, global_seqs=8, micro_seqs=micro, rank=rank, world=world)
+            chunks += loader.next_batch(seq_tokens=17, advance=16)
+        return torch.cat(chunks)
+
+    ref = global_batch(1, 8)
+    assert ref.shape == (8, 17)
+    assert ref[:, 0].tolist() == list(range(0, 128, 16))  # sequence b starts at b * advance
+    assert torch.equal(ref[:, 1:], ref[:, :-1] + 1)
+    for world, micro in ((1, 2), (2, 4), (2, 1), (4, 2)):
+        assert torch.equal(global_batch(world, micro), ref)
+    with pytest.raises(T.ConfigError, match="--micro-batch-seqs"):
+        T.TrainLoader(stream, global_seqs=8, micro_seqs=3, rank=0, world=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def small_cfg(**kw):
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
+                             "--seq-len", "16"])
+    return T.dataclasses.replace(cfg, **kw)
+
+
+def test_model_output_shapes_and_zero_init_head():
+    cfg = small_cfg()
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    tokens = torch.randint(0, 50257, (3, 16, 1))
+    logits = model(tokens)
+    assert logits.shape == (3, 16, cfg.vocab_size) and logits.dtype == torch.float32
+    assert torch.all(logits == 0)  # zero-initialized head: uniform prediction, loss log(V)
+    loss = model(tokens, torch.randint(0, 50257, (3, 16, 4)))
+    assert loss.ndim == 0
+    assert math.isclose(loss.item() / (3 * 16 * 4), math.log(cfg.vocab_size), rel_tol=1e-6)
+    bags = torch.randint(0, 50257, (3, 16, 4))
+    assert model(bags).shape == (3, 16, cfg.vocab_size)
+
+
+def test_model_is_causal():
+    cfg = small_cfg()
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_()
+        for block in model.blocks:
+            block.attn.proj.weight.normal_(0, 0.1)
+            block.mlp.proj.weight.normal_(0, 0.1)
+    a = torch.randint(0, 50257, (1, 16, 1))
+    b = a.clone()
+    b[0, 10:] = torch.randint(0, 50257, (6, 1))
+    la, lb = model(a), model(b)
+    assert torch.allclose(la[0, :10], lb[0, :10], atol=1e-5)
+    assert not torch.allclose(la[0, 10:], lb[0, 10:], atol=1e-3)
+
+
+def test_logit_softcap_bounds_logits():
+    cfg = small_cfg(logit_softcap=5.0)
+    model = T.GPT(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 100)
+    logits = model(torch.randint(0, 50257, (1, 16, 1)))
+    assert logits.abs().max() <= 5.0 and logits.abs().max() > 4.9
+
+
+def test_flops_formula_counts_matmul_weights():
+    cfg = small_cfg()
+    model = T.GPT(cfg)
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("embed"))
+    attention = 12 * cfg.n_layer * cfg.model_dim * cfg.seq_len
+    assert T.model_flops_per_position(cfg) == 6 * n_matmul + attention
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule and optimizer split
+
+
+def test_lr_schedule_warmup_flat_cooldown():
+    cfg = small_cfg(num_iterations=100, warmup_steps=10, cooldown_frac=0.2)
+    assert T.lr_scale(0, cfg) == pytest.approx(0.1)
+    assert T.lr_scale(9, cfg) == pytest.approx(1.0)
+    assert T.lr_scale(50, cfg) == 1.0
+    assert T.lr_scale(80, cfg) == pytest.approx(1.0)
+    assert T.lr_scale(90, cfg) == pytest.approx(0.5)
+    assert T.lr_scale(99, cfg) == pytest.approx(0.05)
+
+
+def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
+    cfg = small_cfg()
+    model = T.GPT(cfg)
+    adam, aurora = T.build_optimizers(model, cfg)
+    assert isinstance(aurora, T.Aurora)
+    aurora_params = {id(p) for g in aurora.param_groups for p in g["params"]}
+    assert aurora_params == {id(p) for p in model.blocks.parameters() if p.ndim == 2}
+    adam_params = {id(p) for g in adam.param_groups for p in g["params"]}
+    assert adam_params == {id(model.embed.weight), id(model.lm_head.weight)}
+    assert aurora.param_groups[0]["pp_iterations"] == cfg.pp_iterations
+    muon = T.build_optimizers(model, T.dataclasses.replace(cfg, optimizer="muon"))[1]
+    assert muon.param_groups[0]["pp_iterations"] == 0
+    assert isinstance(T.build_optimizers(model, T.dataclasses.replace(cfg, optimizer="adamw"))[1],
+                      torch.optim.AdamW)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+
+
+def run_main(tmp_path, *extra):
+    code = T.main(tiny_args(tmp_path, *extra))
+    return code, read_log(tmp_path / "logs")
+
+
+def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
+    code, text = run_main(tmp_path, "--run-id", "e2e", "--tst-frac", "0.5")
+    assert code == 0
+    head, rest = text.split("=" * 100 + "\n", 1)
+    for name in T.SOURCE_FILES:  # the exact source of both files
+        with open(os.path.join(REPO, name), encoding="utf-8") as f:
+            src = f.read()
+        assert f"### file {name} lines={len(src.splitlines())}" in head
+        assert src in head
+    config = json.loads(next(l for l in rest.splitlines() if l.startswith("config: "))[8:])
+    assert config["tst_bag_size"] == 4 and config["num_iterations"] == 8
+    for needle in ("world_size: 1", "command: ", "git: ", "data train: ", "fingerprint:", "data val: "):
+        assert needle in rest
+    lines = rest.splitlines()
+    train = [l for l in lines if " train_loss:" in l]
+    assert [l.split()[0] for l in train] == [f"step:{i}/8" for i in range(1, 9)]
+    assert all("phase:1" in l for l in train[:4]) and all("phase:2" in l for l in train[4:])
+    switch = next(i for i, l in enumerate(lines) if l.startswith("tst_switch: step 4"))
+    assert "step:4/8 train_loss" in lines[switch - 2] or "step:4/8 train_loss" in lines[switch - 1]
+    val = loss_lines(text, "val_loss")
+    assert sorted(val) == [0, 4, 8]
+    assert lines[-1] == "status:complete" and lines[-2].startswith("summary: final_val_loss:")
+    summary = json.loads((tmp_path / "logs" / "e2e.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == 8
+    assert summary["final_val_loss"] == pytest.approx(val[8], abs=1e-4)
+    # accounting: phase 1 reads s = 4 times more text per step than phase 2
+    per_step_p2 = 256
+    assert summary["raw_tokens"] == 4 * 4 * per_step_p2 + 4 * per_step_p2
+    assert summary["positions"] == 8 * 256
+    assert summary["flops"] == 8 * 256 * summary["flops_per_position"]
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_baseline_optimizers_train(tmp_path, optimizer):
+    code, text = run_main(tmp_path, "--optimizer", optimizer, "--tst-frac", "0")
+    assert code == 0
+    losses = loss_lines(text)
+    assert all(math.isfinite(v) for v in losses.values()) and losses[8] < losses[1]
+
+
+def test_cpu_run_repeats_exactly_with_the_same_seed(tmp_path):
+    a = loss_lines(run_main(tmp_path / "a", "--seed", "3")[1])
+    b = loss_lines(run_main(tmp_path / "b", "--seed", "3")[1])
+    c = loss_lines(run_main(tmp_path / "c", "--seed", "4")[1])
+    assert a == b and a != c
+
+
+def test_importing_does_not_train():
+    out = subprocess.run([sys.executable, "-c", "import train_gpt, aurora_opt; print('ok')"],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    assert out.stdout.strip() == "ok" and out.stderr == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line naming the file or flag, non-zero exit, the log kept and marked incomplete
+
+
+def run_cli(tmp_path, *flags):
+    return subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), *tiny_args(tmp_path), *flags],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=300)
+
+
+def error_lines(out):
+    return [l for l in out.stderr.splitlines() if l.strip() and not l.startswith("log: ")]
+
+
+@pytest.mark.parametrize("kind", ["bad_header", "truncated"])
+def test_bad_shard_stops_the_run_naming_the_file(tmp_path, shard_dir, kind):
+    bad = write_shard(shard_dir / "t_train_000003.bin", list(range(100)),
+                      **({"magic": 7} if kind == "bad_header" else {"truncate": 5}))
+    out = run_cli(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"),
+                  "--val-files", str(shard_dir / "t_val_*.bin"))
+    assert out.returncode != 0
+    errors = error_lines(out)
+    assert len(errors) == 1 and bad in errors[0] and "error" in errors[0]
+    text = read_log(tmp_path / "logs")
+    assert text.splitlines()[-1].startswith("status:incomplete") and bad in text.splitlines()[-1]
+
+
+def test_empty_glob_stops_the_run_naming_the_flag(tmp_path):
+    out = run_cli(tmp_path, "--train-files", str(tmp_path / "none_*.bin"))
+    assert out.returncode != 0
+    errors = error_lines(out)
+    assert len(errors) == 1 and "--train-files" in errors[0]
+
+
+def test_bag_size_zero_stops_at_once_naming_the_flag(tmp_path):
+    out = run_cli(tmp_path, "--tst-bag-size", "0")
+    assert out.returncode == 2
+    errors = error_lines(out)
+    assert len(errors) == 1 and "--tst-bag-size" in errors[0]
+
+
+def test_too_few_val_tokens_names_the_flag(tmp_path, shard_dir):
+    out = run_cli(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"),
+                  "--val-files", str(shard_dir / "t_val_*.bin"), "--val-tokens", "5000")
+    assert out.returncode != 0
+    errors = error_lines(out)
+    assert len(errors) == 1 and "--val-tokens 5000" in errors[0] and "600" in errors[0]
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_log(tmp_path):
+    out = run_cli(tmp_path, "--embed-lr", "1e30", "--matrix-lr", "1e30", "--head-lr", "1e30")
+    assert out.returncode != 0
+    assert "non-finite" in out.stderr or "loss is nan" in out.stderr or "loss is inf" in out.stderr
+    text = read_log(tmp_path / "logs")
+    assert text.splitlines()[-1].startswith("status:incomplete")
