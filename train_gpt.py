@@ -371,6 +371,11 @@ def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+def upcast(x):
+    """x in float32, or float64 if it already is (so float64 reference runs stay float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on latent positions 0..L-1."""
 
@@ -385,7 +390,7 @@ class Rotary(nn.Module):
         """x: [B, L, H, head_dim] -> same shape and dtype, rotated."""
         L = x.size(1)
         cos, sin = self.cos[:, :L], self.sin[:, :L]
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = upcast(x).chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
@@ -463,7 +468,7 @@ class GPT(nn.Module):
         x = rms_norm(x)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(rms_norm(x)).float()
+        logits = upcast(self.lm_head(rms_norm(x)))
         c = self.cfg.logit_softcap
         if c > 0:
             logits = c * torch.tanh(logits / c)
@@ -531,7 +536,7 @@ def make_batch(tokens, mode, bag_size):
 
 def bag_mean(x):
     """Bag embedding: ``[B, L, s, d]`` -> ``[B, L, d]``, summed in float32, divided by s, cast back."""
-    return (x.float().sum(dim=2) / x.size(2)).to(x.dtype)
+    return (upcast(x).sum(dim=2) / x.size(2)).to(x.dtype)
 
 
 class _MCELossSum(torch.autograd.Function):
@@ -583,7 +588,7 @@ def mce_loss(logits, targets, reduction="mean"):
         raise ValueError(f"mce_loss: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          f"differ in their leading dims")
     V, s = logits.size(-1), targets.size(-1)
-    total = _MCELossSum.apply(logits.float().reshape(-1, V), targets.reshape(-1, s))
+    total = _MCELossSum.apply(upcast(logits).reshape(-1, V), targets.reshape(-1, s))
     if reduction == "sum":
         return total
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
@@ -700,10 +705,14 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
     def to_device(self, t):
-        """Host tensor to the device (pinned, asynchronous on CUDA)."""
+        """Host tensor to the device, contiguous (pinned and asynchronous on CUDA).
+
+        Contiguous matters: compiled graphs are specialized to strides, and the loader's
+        sequences are overlapping views.
+        """
         if self.device.type == "cuda":
             return t.contiguous().pin_memory().to(self.device, non_blocking=True)
-        return t
+        return t.contiguous()
 
 
 def setup_runtime(cfg):
@@ -1097,13 +1106,13 @@ def train(cfg, rt, log, preset=None):
         for _, s, mode in phases:
             seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
             dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
-            inputs, targets = (t.to(rt.device) for t in make_batch(dummy, mode, s))
+            inputs, targets = make_batch(rt.to_device(dummy), mode, s)
             with rt.autocast():
                 net(inputs, targets).backward()
             model.zero_grad(set_to_none=True)
             vi, vt = next(val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
             with torch.no_grad(), rt.autocast():
-                net(vi.to(rt.device), vt.to(rt.device))
+                net(rt.to_device(vi), rt.to_device(vt))
         for opt in opts:
             if isinstance(opt, Aurora):
                 opt.warmup()
@@ -1127,6 +1136,7 @@ def train(cfg, rt, log, preset=None):
             raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr (--matrix-lr, --embed-lr)")
         if extra["phase"] == 1:  # also the TST objective on the same val tokens
             extra["val_loss_tst"] = f"{evaluate(net, val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
+        extra.update(tokens=run["raw_tokens"], positions=run["positions"], flops=f"{run['flops']:.3e}")
         log.line(step_line(step, cfg, "val_loss", loss, run["train_time_ms"], steps_timed, extra))
         log.update(final_val_loss=loss, val_step=step)
         return loss
