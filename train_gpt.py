@@ -101,6 +101,7 @@ class Config:
     seed: int = _f(0, "seed of the weight init")
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model (default: on with CUDA, off on CPU)")
+    bf16: bool = _f(None, "bfloat16 autocast (default: on with CUDA; CPU runs are float32)")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -685,6 +686,7 @@ class Runtime:
     local_rank: int
     device: torch.device
     compile: bool
+    bf16: bool = False
 
     @property
     def master(self):
@@ -695,10 +697,8 @@ class Runtime:
         return self.world > 1
 
     def autocast(self):
-        """bf16 autocast on CUDA; plain float32 on CPU (exactly repeatable)."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        """bf16 autocast (default on CUDA), else plain float32 (exactly repeatable on CPU)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -736,7 +736,8 @@ def setup_runtime(cfg):
                                 timeout=datetime.timedelta(seconds=cfg.dist_timeout),
                                 **({"device_id": device} if kind == "cuda" else {}))
     use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
-    return Runtime(rank, world, local_rank, device, use_compile)
+    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
+    return Runtime(rank, world, local_rank, device, use_compile, use_bf16)
 
 
 def all_reduce_sum(t, rt):
@@ -950,7 +951,7 @@ def environment_lines(rt):
     lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
              f"cuda: {torch.version.cuda}  numpy: {np.__version__}",
              f"host: {platform.node()}  platform: {platform.platform()}",
-             f"world_size: {rt.world}  device: {rt.device}  compile: {rt.compile}"]
+             f"world_size: {rt.world}  device: {rt.device}  compile: {rt.compile}  bf16: {rt.bf16}"]
     if rt.device.type == "cuda":
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         lines.append(f"gpus: {len(names)} x {names[0]}" if len(set(names)) == 1 else f"gpus: {names}")
