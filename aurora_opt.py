@@ -62,12 +62,9 @@ def polar(U, ns="polar_express", dtype=torch.bfloat16):
         raise ValueError(f"polar: unknown ns={ns!r}; choose one of {sorted(NS_COEFFICIENTS)}")
     tall = U.size(-2) > U.size(-1)
     X = U.mT if tall else U
-    norm = X.float().norm(dim=(-2, -1), keepdim=True)
-    if ns == "polar_express":
-        X = X.float() / (1.02 * norm + 1e-6)
-    else:
-        X = X.float() / (norm + 1e-7)
-    X = X.to(dtype)
+    X = X.to(torch.promote_types(X.dtype, torch.float32))  # normalize in >= float32
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = (X / (1.02 * norm + 1e-6) if ns == "polar_express" else X / (norm + 1e-7)).to(dtype)
     for a, b, c in NS_COEFFICIENTS[ns]:
         A = X @ X.mT
         B = b * A + c * (A @ A)
@@ -75,7 +72,7 @@ def polar(U, ns="polar_express", dtype=torch.bfloat16):
     return (X.mT if tall else X).to(U.dtype)
 
 
-def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7):
+def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, dtype=torch.bfloat16):
     """Aurora's update direction O for a momentum matrix U (METHODS.md §2).
 
     Args:
@@ -84,9 +81,10 @@ def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e
         pp_beta: exponent of the row-scale correction (0.5 by default).
         ns: Newton-Schulz variant used for each polar factor (see ``polar``).
         eps: floor on row norms (and ``eps**2`` on squared row norms).
+        dtype: dtype of the Newton-Schulz iterations (float64 for reference checks).
 
     Returns:
-        float32 ``[..., m, n]``: the (nearly) semi-orthogonal direction, multiplied by
+        float32 (float64 if ``U`` is) ``[..., m, n]``: the (nearly) semi-orthogonal direction, multiplied by
         ``sqrt(max(1, m / n))``. For a tall (or transposed wide) matrix with ``K >= 1`` its
         rows have near-equal norms; a square matrix, or ``K = 0``, gives Muon's ``polar(U)``.
 
@@ -101,16 +99,16 @@ def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e
         raise ValueError(f"aurora_direction: expected [..., m, n], got shape {tuple(U.shape)}")
     _check_aurora_hparams(pp_iterations, pp_beta, eps)
     m, n = U.shape[-2:]
-    U = U.float()
+    U = U if U.dtype == torch.float64 else U.float()
     if pp_iterations == 0 or m == n:
-        O = polar(U, ns)
+        O = polar(U, ns, dtype)
     else:
         tall = m > n
         V = U if tall else U.mT  # [..., M, N] with M > N
         M, N = V.shape[-2:]
         D = 1.0 / V.norm(dim=-1).clamp_min(eps)  # one scale per row, [..., M]
         for k in range(pp_iterations):
-            P = polar(D.unsqueeze(-1) * V, ns).float()
+            P = polar(D.unsqueeze(-1) * V, ns, dtype)
             if k < pp_iterations - 1:
                 row_sq = P.square().sum(dim=-1).clamp_min(eps * eps)
                 D = D * ((N / M) / row_sq) ** pp_beta
@@ -230,7 +228,7 @@ class Aurora(torch.optim.Optimizer):
                     buf = state["momentum_buffer"]
                     buf.lerp_(g, 1 - mu)
                     updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
-                U = torch.stack(updates).float()  # [k, m, n]
+                U = torch.stack(updates)  # [k, m, n]
                 grad_ok = torch.stack([torch.isfinite(g).all() for g in grads])
                 k = U.size(0)
                 chunk = -(-k // world)  # ceil(k / world) matrices per rank
