@@ -37,6 +37,11 @@ NS_COEFFICIENTS = {
 }
 
 
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single (same semantics); older torch
+# (e.g. 2.11 on some GPU images) only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+
 def polar(U, ns="polar_express", dtype=torch.bfloat16):
     """Approximate polar factor (nearest semi-orthogonal matrix) by Newton-Schulz.
 
@@ -239,7 +244,7 @@ class Aurora(torch.optim.Optimizer):
                                          group["ns"], group["eps"])
                 if world > 1:
                     O = U.new_empty(chunk * world, *shape)
-                    dist.all_gather_into_tensor(O, O_mine.contiguous())
+                    _all_gather_single(O, O_mine.contiguous())
                     O = O[:k]
                 else:
                     O = O_mine

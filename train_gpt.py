@@ -1191,6 +1191,7 @@ def train(cfg, rt, log, preset=None):
                 if not math.isfinite(value):
                     raise FloatingPointError(f"train loss is {value} at step {done}; lower the lr "
                                              f"(--matrix-lr, --embed-lr) or check the data")
+                log.summary.setdefault("train_losses", []).append([done, value])
                 log.line(step_line(done, cfg, "train_loss", value, run["train_time_ms"], done, dict(
                     phase=phase, tokens=run["raw_tokens"], positions=run["positions"],
                     flops=f"{run['flops']:.3e}", lr_scale=f"{scale:.4f}")))

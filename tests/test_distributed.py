@@ -1,0 +1,65 @@
+"""torchrun on CPU (gloo): same dynamics as gradient accumulation, and loud, fast failure."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, read_log, subprocess_env, tiny_args
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def dist_args(tmp_path, run_id, *extra):
+    """5 steps of 16 sequences, TST switch after step 2, no val in between."""
+    return tiny_args(tmp_path, "--batch-tokens", "512", "--num-iterations", "5", "--tst-frac", "0.4",
+                     "--val-every", "0", "--run-id", run_id, "--dist-timeout", "60", *extra)
+
+
+def run(cmd, tmp_path, threads="1"):
+    # torchrun gives each worker one thread; the single process must match, since the number of
+    # threads changes the summation order of CPU matmuls (differences of ~1e-6 that training grows)
+    env = dict(subprocess_env(), OMP_NUM_THREADS=threads)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+
+
+def test_two_processes_match_one_process_with_accumulation(tmp_path):
+    script = os.path.join(REPO, "train_gpt.py")
+    one = run([sys.executable, script, *dist_args(tmp_path, "one", "--micro-batch-seqs", "8")], tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run([*TORCHRUN, script, *dist_args(tmp_path, "two", "--micro-batch-seqs", "8")], tmp_path)
+    assert two.returncode == 0, two.stderr[-2000:]
+    logs = tmp_path / "logs"
+    a, b = (json.loads((logs / f"{r}.json").read_text()) for r in ("one", "two"))
+    assert a["world_size"] == 1 and b["world_size"] == 2
+    assert "grad accumulation 2 x 8 seqs x 1 processes" in read_log(logs, "one")
+    text = read_log(logs, "two")
+    assert "world_size: 2" in text and "grad accumulation 1 x 8 seqs x 2 processes" in text
+    assert "tst_switch: step 2" in text
+    assert [s for s, _ in a["train_losses"]] == [1, 2, 3, 4, 5]
+    for (sa, la), (sb, lb) in zip(a["train_losses"], b["train_losses"]):
+        assert sa == sb and abs(la - lb) <= 1e-5 * abs(la), (sa, la, lb)
+    assert abs(a["final_val_loss"] - b["final_val_loss"]) <= 1e-5 * a["final_val_loss"]
+
+
+def test_one_failing_rank_stops_every_rank_quickly_and_marks_the_log(tmp_path):
+    worker = os.path.join(REPO, "tests", "dist_fail_worker.py")
+    start = time.time()
+    out = run([*TORCHRUN, worker, *dist_args(tmp_path, "fail", "--micro-batch-seqs", "8")], tmp_path)
+    elapsed = time.time() - start
+    assert out.returncode != 0
+    assert elapsed < 120  # seconds, not the process-group timeout of a hung collective
+    assert "error: rank 1: fake_train_000002.bin: injected read failure" in out.stderr
+    text = read_log(tmp_path / "logs", "fail")
+    last = text.splitlines()[-1]
+    assert last.startswith("status:incomplete reason:rank 0:")
+    assert json.loads((tmp_path / "logs" / "fail.json").read_text())["status"] == "incomplete"
+
+
+def test_micro_batch_must_divide_the_global_batch(tmp_path):
+    script = os.path.join(REPO, "train_gpt.py")
+    out = run([*TORCHRUN, script, *dist_args(tmp_path, "bad", "--micro-batch-seqs", "3")], tmp_path)
+    assert out.returncode != 0
+    assert "--micro-batch-seqs 3 x world size 2" in out.stderr
