@@ -335,6 +335,17 @@ def sequence_layout(mode, bag_size, seq_len):
     raise ValueError(f"unknown TST mode {mode!r}")
 
 
+def train_tokens_needed(cfg):
+    """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
+    switch = tst_switch_step(cfg)
+    seqs = cfg.batch_tokens // cfg.seq_len
+    total = 0
+    for steps, (_, s, mode) in ((switch, phase_of(0, cfg)), (cfg.num_iterations - switch, (2, 1, "full"))):
+        seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
+        total += steps * seqs * advance
+    return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
+
+
 class TrainLoader:
     """Sequential train batches over a TokenStream; each (rank, micro-step) gets its own slice.
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The one command. With GPUs: the record preset on all of them (torchrun); without: the CPU smoke preset.
+#   bash run.sh                                   # shards from $DATA_DIR (default data/fineweb10B)
+#   DATA_DIR=../shared/data/realtext bash run.sh  # any folder of *_train_*.bin / *_val_*.bin shards
+#   bash run.sh --seed 3                          # extra arguments go to train_gpt.py
+# Exit status 0 only for a completed run; the log path is printed at the end.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON="${PYTHON:-python}"
+DATA_DIR="${DATA_DIR:-data/fineweb10B}"
+
+if ! "$PYTHON" -c "import torch, numpy" 2>/dev/null; then
+    echo "run.sh: torch/numpy not importable by '$PYTHON'; install first: pip install -r requirements.txt" >&2
+    exit 2
+fi
+
+# GPUs torch can use (respects CUDA_VISIBLE_DEVICES).
+n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$n_gpus" -eq 0 ]; then
+    preset=cpu_smoke; nproc=0
+    # glibc would return each freed 100 MB logits buffer to the OS; reusing them halves CPU step time
+    export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000
+else
+    # the global batch (512 sequences) splits evenly over 1, 2, 4 or 8 processes
+    nproc=1
+    while [ $((nproc * 2)) -le "$n_gpus" ] && [ $((nproc * 2)) -le 8 ]; do nproc=$((nproc * 2)); done
+    if [ "$nproc" -ne "$n_gpus" ]; then
+        echo "run.sh: note: $n_gpus GPUs found; using $nproc so the global batch splits evenly" >&2
+    fi
+    if [ "$nproc" -eq 8 ]; then preset=record_8xb200; else preset=record_h200; fi
+fi
+
+shopt -s nullglob
+train_shards=("$DATA_DIR"/*_train_*.bin)
+val_shards=("$DATA_DIR"/*_val_*.bin)
+if [ ${#train_shards[@]} -eq 0 ] || [ ${#val_shards[@]} -eq 0 ]; then
+    need=$("$PYTHON" -c "import sys, train_gpt as T
+cfg, _ = T.parse_config(['--preset', '$preset'] + sys.argv[1:])
+print(-(-T.train_tokens_needed(cfg) // 100_000_000))" "$@")
+    echo "run.sh: no shards in $DATA_DIR; downloading FineWeb val + $need train shard(s)" >&2
+    "$PYTHON" data/cached_fineweb10B.py "$need" --local-dir "$DATA_DIR"
+fi
+
+args=(--preset "$preset" --train-files "$DATA_DIR/*_train_*.bin" --val-files "$DATA_DIR/*_val_*.bin" "$@")
+echo "run.sh: preset $preset, $([ "$nproc" -eq 0 ] && echo "CPU" || echo "$nproc GPU process(es)"), data $DATA_DIR, logs in logs/" >&2
+if [ "$nproc" -le 1 ]; then
+    exec "$PYTHON" train_gpt.py "${args[@]}"
+else
+    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "${args[@]}"
+fi
