@@ -1262,7 +1262,7 @@ def main(argv=None):
     status, reason, code = "incomplete", None, 1
     try:
         status, reason = train(cfg, rt, log, preset)
-        code = {"complete": 0, "stopped_early": 0}.get(status, 1)
+        code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
     except (ConfigError, DataError, FloatingPointError) as e:
         reason = f"rank {rt.rank}: {e}"
         print(f"train_gpt.py: error: {reason}", file=sys.stderr)

@@ -1,0 +1,127 @@
+"""Checkpoints: exact resume in either TST phase, refusal of bad checkpoints, save on interrupt."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args
+
+
+def run(tmp_path, *extra):
+    return T.main(tiny_args(tmp_path, "--num-iterations", "12", *extra))
+
+
+@pytest.mark.parametrize("tst_frac, switch", [(0.34, 4), (0.75, 9)])
+def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
+    frac = str(tst_frac)
+    assert run(tmp_path / "straight", "--tst-frac", frac, "--run-id", "s") == 0
+    assert run(tmp_path / "split", "--tst-frac", frac, "--run-id", "r", "--max-steps", "6", "--save-final") == 0
+    ckpt = tmp_path / "split" / "ckpt" / "r" / "step_000006.pt"
+    assert ckpt.exists()
+    state = T.load_checkpoint(str(ckpt))
+    assert state["step"] == 6 and state["phase"] == (1 if switch > 6 else 2)
+    assert state["loader_position"] == state["counters"]["raw_tokens"]
+    assert run(tmp_path / "split", "--tst-frac", frac, "--resume", "auto") == 0  # same run id, same log
+    straight = read_log(tmp_path / "straight" / "logs", "s")
+    resumed = read_log(tmp_path / "split" / "logs", "r")
+    assert f"tst_switch: step {switch}" in straight and f"tst_switch: step {switch}" in resumed
+    assert loss_lines(resumed) == loss_lines(straight) and len(loss_lines(straight)) == 12
+    assert loss_lines(resumed, "val_loss") == loss_lines(straight, "val_loss")
+    lines = resumed.splitlines()
+    resume_at = next(i for i, l in enumerate(lines) if l.startswith("resume: from "))
+    assert "at step 6" in lines[resume_at] and lines[-1] == "status:complete"
+    assert lines.index("status:stopped_early reason:--max-steps 6") < resume_at  # appended to the same log
+    a = json.loads((tmp_path / "straight" / "logs" / "s.json").read_text())
+    b = json.loads((tmp_path / "split" / "logs" / "r.json").read_text())
+    assert a["train_losses"] == b["train_losses"] and a["raw_tokens"] == b["raw_tokens"]
+    assert b["status"] == "complete" and b["steps"] == 12
+
+
+def test_checkpoint_holds_everything_a_run_needs(tmp_path):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "3", "--save-every", "3") == 0
+    state = T.load_checkpoint(str(tmp_path / "ckpt" / "c" / "step_000003.pt"))
+    for key in ("model", "optimizers", "step", "phase", "loader_position", "rng", "config", "run_id", "counters"):
+        assert key in state
+    assert len(state["optimizers"]) == 2 and state["run_id"] == "c" and state["config"]["num_iterations"] == 12
+    assert not [n for n in os.listdir(tmp_path / "ckpt" / "c") if ".tmp" in n]  # written atomically
+
+
+def corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the weights
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, needle", [("truncated", "truncated or unreadable"), ("flipped", "sha256 mismatch")])
+def test_corrupt_checkpoint_is_refused_with_a_clear_message(tmp_path, capsys, how, needle):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    ckpt = tmp_path / "ckpt" / "c" / "step_000002.pt"
+    corrupt(ckpt, how)
+    with pytest.raises(T.ConfigError, match=needle):
+        T.load_checkpoint(str(ckpt))
+    assert run(tmp_path, "--resume", str(ckpt)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(ckpt) in err
+
+
+def test_missing_checkpoint_and_empty_dir_are_clear(tmp_path, capsys):
+    assert run(tmp_path, "--resume", str(tmp_path / "nope.pt")) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    assert run(tmp_path, "--resume", "auto") == 2
+    assert "no checkpoint under --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_different_run_config_unless_forced(tmp_path, capsys):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    assert run(tmp_path, "--resume", "auto", "--tst-bag-size", "2", "--batch-tokens", "512") == 2
+    err = capsys.readouterr().err
+    assert "--resume-force" in err and "tst_bag_size" in err and "batch_tokens" in err
+    assert run(tmp_path, "--resume", "auto", "--seed", "5", "--resume-force") == 0
+    assert "resume_force: continuing despite config differences: seed" in read_log(tmp_path / "logs", "c")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_saves_a_checkpoint_marks_the_log_and_resumes(tmp_path, sig):
+    args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", "i", "--save-on-interrupt")
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *args], cwd=tmp_path,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "i.txt"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and "step:3/400 train_loss" in log.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err
+    text = log.read_text()
+    assert text.splitlines()[-1].startswith("status:interrupted reason:" + signal.Signals(sig).name)
+    saved = [n for n in os.listdir(tmp_path / "ckpt" / "i") if n.endswith(".pt")]
+    assert len(saved) == 1
+    step = T.load_checkpoint(str(tmp_path / "ckpt" / "i" / saved[0]))["step"]
+    assert 3 <= step < 400 and f"step:{step}/400 train_loss" in text
+    assert T.main(tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--resume", "auto",
+                            "--max-steps", "2")) == 0
+    assert f"step:{step + 2}/400 train_loss" in log.read_text()
+
+
+def test_interrupt_without_save_marks_the_log_incomplete(tmp_path):
+    args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", "n")
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *args], cwd=tmp_path,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "n.txt"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and "step:2/400 train_loss" in log.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert log.read_text().splitlines()[-1].startswith("status:incomplete")
+    assert not (tmp_path / "ckpt").exists()
