@@ -170,7 +170,12 @@ def parse_config(argv=None):
     known, _ = parser.parse_known_args(argv)
     if known.preset:
         parser.set_defaults(**PRESETS[known.preset])
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and all(os.path.exists(a) for a in extra):
+        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, "
+                          f"e.g. --train-files 'data/fineweb10B/fineweb_train_*.bin'")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     preset = args.preset
     cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
     validate_config(cfg)

@@ -40,6 +40,14 @@ def test_record_presets_share_global_batch_and_dynamics():
     assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 8  # accumulation on 1 GPU
 
 
+def test_unquoted_glob_gets_a_hint(tmp_path):
+    files = [str(tmp_path / f"x_train_00000{i}.bin") for i in (1, 2)]
+    for f in files:
+        open(f, "wb").close()
+    with pytest.raises(T.ConfigError, match="quote it"):
+        T.parse_config(["--train-files", *files])
+
+
 def test_config_to_argv_round_trips():
     cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--no-nesterov", "--tst-mode", "output", "--compile"])
     again, _ = T.parse_config(T.config_to_argv(cfg))
