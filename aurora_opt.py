@@ -78,7 +78,7 @@ def polar(U, ns="polar_express", dtype=torch.bfloat16):
 
 
 def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, dtype=torch.bfloat16):
-    """Aurora's update direction O for a momentum matrix U (METHODS.md §2).
+    """Aurora's update direction O for a momentum matrix U (docs/METHODS.md §2).
 
     Args:
         U: ``[..., m, n]`` float tensor (a batch of same-shape matrices is fine).

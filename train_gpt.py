@@ -64,7 +64,7 @@ class Config:
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)")
     num_iterations: int = _f(3000, "optimizer steps N")
     max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify")
-    # TST (METHODS.md §1)
+    # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
     tst_mode: str = _f("full", "full: bag-mean in, MCE over next bag out; input: bag-mean in only; "
@@ -112,24 +112,27 @@ class Config:
     resume_force: bool = _f(False, "resume even if the checkpoint's config differs in what changes the run")
 
 
+# The known-good GPT-2-small recipe (3.28 in ~3,000 steps with a Muon-family optimizer) plus TST.
+RECORD = dict(n_layer=12, model_dim=768, n_head=6, seq_len=1024, batch_tokens=524_288, num_iterations=3000,
+              tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05, matrix_wd=0.025,
+              momentum=0.95, val_tokens=10_485_760)
 PRESETS = {
     # 1 GPU: 8 micro-steps of 64 x 1024 make the 524,288-position step.
-    "record_h200": dict(micro_batch_seqs=64),
+    "record_h200": dict(RECORD, micro_batch_seqs=64),
     # 8 GPUs: one micro-step each, same global batch, same dynamics as record_h200.
-    "record_8xb200": dict(micro_batch_seqs=64),
+    "record_8xb200": dict(RECORD, micro_batch_seqs=64),
     # 2 CPU cores, under 5 minutes: a tiny model on the real-text shards.
     "cpu_smoke": dict(n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
                       micro_batch_seqs=16, num_iterations=120, momentum_warmup_steps=0,
                       embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
 }
 
-# Fields whose change changes the trajectory of a run (checked on --resume).
-RUN_DEFINING = ("val_tokens", "vocab_size", "n_layer", "n_head", "model_dim",
-                "mlp_ratio", "seq_len", "logit_softcap", "rope_base", "batch_tokens", "num_iterations",
-                "tst_bag_size", "tst_frac", "tst_mode", "optimizer", "matrix_lr", "matrix_wd", "momentum",
-                "momentum_start", "momentum_warmup_steps", "nesterov", "ns", "pp_iterations", "pp_beta",
-                "adamw_lr", "adamw_wd", "embed_lr", "head_lr", "scalar_lr", "adam_beta1", "adam_beta2",
-                "adam_eps", "warmup_steps", "cooldown_frac", "seed")
+# Fields that change where files go or how a run executes, not what it computes; every other
+# field defines the run, and --resume refuses a checkpoint that differs in one of those.
+OPERATIONAL = {"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
+               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout", "checkpoint_dir",
+               "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"}
+RUN_DEFINING = tuple(f.name for f in fields(Config) if f.name not in OPERATIONAL)
 
 
 class ConfigError(ValueError):
@@ -508,7 +511,7 @@ def model_flops_per_position(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# Token-Superposition Training (Peng, Gigant, Quesnelle 2026, arXiv 2605.06546; METHODS.md §1)
+# Token-Superposition Training (Peng, Gigant, Quesnelle 2026, arXiv 2605.06546; docs/METHODS.md §1)
 
 IGNORE_INDEX = -100
 
@@ -630,8 +633,10 @@ def phase_of(step, cfg):
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
-def build_optimizers(model, cfg):
+def build_optimizers(model, cfg, compile=False):
     """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on embedding, head, vectors/scalars.
+
+    ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
     """
@@ -650,7 +655,7 @@ def build_optimizers(model, cfg):
                            lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum,
                            nesterov=cfg.nesterov, ns=cfg.ns, pp_beta=cfg.pp_beta,
                            pp_iterations=cfg.pp_iterations if cfg.optimizer == "aurora" else 0,
-                           compile=bool(cfg.compile)))
+                           compile=compile))
     else:
         opts.append(torch.optim.AdamW([p for _, p in matrices], lr=cfg.adamw_lr, betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=cfg.adamw_wd, fused=cuda))
@@ -934,7 +939,7 @@ def check_resume_config(saved, cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# Logging: one text file per run, a reproducible snapshot (SPEC.md), plus a JSON summary
+# Logging: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
 
 SEPARATOR = "=" * 100
 SOURCE_FILES = ("train_gpt.py", "aurora_opt.py")
@@ -1092,7 +1097,7 @@ def train(cfg, rt, log, preset=None):
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
-    opts = build_optimizers(model, cfg)
+    opts = build_optimizers(model, cfg, compile=rt.compile)
     flops_per_step = model_flops_per_position(cfg) * cfg.batch_tokens
     run = dict(run_id=log.summary["run_id"], train_time_ms=0.0, raw_tokens=0, positions=0, flops=0)
     start_step = 0
@@ -1181,7 +1186,11 @@ def train(cfg, rt, log, preset=None):
                 log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {cfg.tst_bag_size} -> 1, mode "
                          f"{cfg.tst_mode} -> next-token); same weights and optimizer state; "
                          f"tokens:{run['raw_tokens']}")
+            epoch = loader.position // train_stream.total
             micro, advance = next_micro_batches(loader, step, cfg, rt)
+            if (loader.position - 1) // train_stream.total > epoch:
+                log.line(f"data: the train stream ({train_stream.total} tokens) wrapped around during step "
+                         f"{step + 1}; from here on tokens are read again (epoch {epoch + 2})")
             scale = apply_schedule(opts, step, cfg)
             loss = accumulate_gradients(net, micro, rt)
             for opt in opts:
@@ -1234,6 +1243,7 @@ def train(cfg, rt, log, preset=None):
         log.update(graphs_compiled_during_training=graphs["unique_graphs"] - graphs_before)
     peak = peak_memory_mib(rt)
     log.update(**run, steps=end_step, flops_per_position=model_flops_per_position(cfg),
+               train_epochs=round(loader.position / train_stream.total, 4),
                peak_memory_mib=round(peak, 1), world_size=rt.world)
     s = log.summary
     log.line(SEPARATOR)

@@ -1,4 +1,4 @@
-"""Aurora and Muon against float64 references (METHODS.md §2), robustness, and the sharded update."""
+"""Aurora and Muon against float64 references (docs/METHODS.md §2), robustness, and the sharded update."""
 import math
 import os
 import subprocess
@@ -82,7 +82,7 @@ def test_polar_is_batched_and_handles_zero():
 
 
 def aurora_reference(U, K, beta, eps=1e-7):
-    """METHODS.md pseudo-code in float64 with the exact (SVD) polar factor."""
+    """docs/METHODS.md pseudo-code in float64 with the exact (SVD) polar factor."""
     U = U.double()
     m, n = U.shape
     if K == 0 or m == n:

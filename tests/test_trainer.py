@@ -271,6 +271,23 @@ def test_baseline_optimizers_train(tmp_path, optimizer):
     assert all(math.isfinite(v) for v in losses.values()) and losses[8] < losses[1]
 
 
+def test_reading_past_the_end_of_the_train_shards_is_logged(tmp_path, shard_dir):
+    code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w",
+                            "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0"))
+    assert code == 0
+    text = read_log(tmp_path / "logs", "w").split("=" * 100)[1]  # 3000 tokens; 8 steps read 2048
+    summary = json.loads((tmp_path / "logs" / "w.json").read_text())
+    assert summary["train_epochs"] == pytest.approx(8 * 256 / 3000, abs=1e-4)
+    assert "wrapped around" not in text
+    code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w2",
+                            "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0.5"))
+    assert code == 0  # 4 steps x 1024 + 4 x 256 = 5120 tokens > 3000: wraps during step 3
+    text = read_log(tmp_path / "logs", "w2").split("=" * 100)[1]
+    assert "wrapped around during step 3; from here on tokens are read again (epoch 2)" in text
+    assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5120 / 3000,
+                                                                                                    abs=1e-4)
+
+
 def test_cpu_run_repeats_exactly_with_the_same_seed(tmp_path):
     a = loss_lines(run_main(tmp_path / "a", "--seed", "3")[1])
     b = loss_lines(run_main(tmp_path / "b", "--seed", "3")[1])

@@ -1,4 +1,4 @@
-"""Token-Superposition Training against slow float64 references (METHODS.md §1)."""
+"""Token-Superposition Training against slow float64 references (docs/METHODS.md §1)."""
 import dataclasses
 import json
 import math
