@@ -920,11 +920,17 @@ def load_checkpoint(path):
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
-def find_latest_checkpoint(checkpoint_dir):
-    """Newest ``*.pt`` under ``checkpoint_dir`` (by modification time). Raises ConfigError if none."""
-    found = sorted(glob.glob(os.path.join(checkpoint_dir, "**", "*.pt"), recursive=True), key=os.path.getmtime)
+def find_latest_checkpoint(checkpoint_dir, run_id=""):
+    """Newest ``*.pt`` under ``checkpoint_dir`` (only ``<dir>/<run_id>/`` when a run id is given).
+
+    Raises:
+        ConfigError: no checkpoint there.
+    """
+    where = os.path.join(checkpoint_dir, run_id) if run_id else checkpoint_dir
+    found = sorted(glob.glob(os.path.join(where, "**", "*.pt"), recursive=True), key=os.path.getmtime)
     if not found:
-        raise ConfigError(f"--resume auto: no checkpoint under --checkpoint-dir {checkpoint_dir!r}")
+        raise ConfigError(f"--resume auto: no checkpoint under {where!r} (--checkpoint-dir"
+                          + (", --run-id)" if run_id else ")"))
     return found[-1]
 
 
@@ -1074,7 +1080,7 @@ def train(cfg, rt, log, preset=None):
 
     resume_state, resume_path = None, None
     if cfg.resume:
-        resume_path = find_latest_checkpoint(cfg.checkpoint_dir) if cfg.resume == "auto" else cfg.resume
+        resume_path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
         resume_state = load_checkpoint(resume_path)
         diffs = check_resume_config(resume_state["config"], cfg)
         if diffs:

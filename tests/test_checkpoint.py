@@ -77,7 +77,14 @@ def test_missing_checkpoint_and_empty_dir_are_clear(tmp_path, capsys):
     assert run(tmp_path, "--resume", str(tmp_path / "nope.pt")) == 2
     assert "no such checkpoint" in capsys.readouterr().err
     assert run(tmp_path, "--resume", "auto") == 2
-    assert "no checkpoint under --checkpoint-dir" in capsys.readouterr().err
+    assert "no checkpoint under" in capsys.readouterr().err
+
+
+def test_resume_auto_with_a_run_id_picks_that_runs_newest_checkpoint(tmp_path):
+    assert run(tmp_path, "--run-id", "a", "--max-steps", "2", "--save-final") == 0
+    assert run(tmp_path, "--run-id", "b", "--max-steps", "3", "--save-final") == 0  # newer, other run
+    assert run(tmp_path, "--run-id", "a", "--resume", "auto", "--max-steps", "1") == 0
+    assert "resume: from " + str(tmp_path / "ckpt" / "a" / "step_000002.pt") in read_log(tmp_path / "logs", "a")
 
 
 def test_resume_refuses_a_different_run_config_unless_forced(tmp_path, capsys):
