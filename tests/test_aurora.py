@@ -186,28 +186,24 @@ def test_optimizer_step_matches_reference_update(exact_polar, nesterov, K):
             torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-9)
 
 
+def train_one_matrix(shape, steps=3, **kw):
+    """Weights of one matrix after a few Aurora steps on seeded random gradients."""
+    torch.manual_seed(0)
+    p = torch.randn(*shape, requires_grad=True)
+    opt = A.Aurora([p], **kw)
+    for _ in range(steps):
+        p.grad = torch.randn(*shape)
+        opt.step()
+    return p.detach()
+
+
 def test_nesterov_changes_the_update():
-    def run(nesterov):
-        torch.manual_seed(0)
-        p = torch.randn(32, 16, requires_grad=True)
-        opt = A.Aurora([p], nesterov=nesterov)
-        for _ in range(3):
-            p.grad = torch.randn(32, 16)
-            opt.step()
-        return p.detach()
-    assert (run(True) - run(False)).abs().max() > 1e-3
+    a, b = train_one_matrix((32, 16), nesterov=True), train_one_matrix((32, 16), nesterov=False)
+    assert (a - b).abs().max() > 1e-3
 
 
 def test_square_matrices_train_exactly_like_muon():
-    def run(K):
-        torch.manual_seed(0)
-        p = torch.randn(40, 40, requires_grad=True)
-        opt = A.Aurora([p], pp_iterations=K)
-        for _ in range(3):
-            p.grad = torch.randn(40, 40)
-            opt.step()
-        return p.detach()
-    assert torch.equal(run(2), run(0))
+    assert torch.equal(train_one_matrix((40, 40), pp_iterations=2), train_one_matrix((40, 40), pp_iterations=0))
 
 
 def test_zero_gradient_gives_zero_update_only_decay():

@@ -96,18 +96,24 @@ def test_resume_refuses_a_different_run_config_unless_forced(tmp_path, capsys):
     assert "resume_force: continuing despite config differences: seed" in read_log(tmp_path / "logs", "c")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_saves_a_checkpoint_marks_the_log_and_resumes(tmp_path, sig):
-    args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", "i", "--save-on-interrupt")
+def interrupt_run(tmp_path, run_id, sig, after_step, *extra):
+    """Start a 400-step run, send ``sig`` once its log shows ``after_step``; (exit code, log path)."""
+    args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", run_id, *extra)
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *args], cwd=tmp_path,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "logs" / "i.txt"
+    log = tmp_path / "logs" / f"{run_id}.txt"
     deadline = time.time() + 240
-    while time.time() < deadline and not (log.exists() and "step:3/400 train_loss" in log.read_text()):
+    while time.time() < deadline and not (log.exists() and f"step:{after_step}/400 train_loss" in log.read_text()):
         time.sleep(0.2)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=240)
-    assert proc.returncode == 130, err
+    return proc.returncode, log, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_saves_a_checkpoint_marks_the_log_and_resumes(tmp_path, sig):
+    code, log, err = interrupt_run(tmp_path, "i", sig, 3, "--save-on-interrupt")
+    assert code == 130, err
     text = log.read_text()
     assert text.splitlines()[-1].startswith("status:interrupted reason:" + signal.Signals(sig).name)
     saved = [n for n in os.listdir(tmp_path / "ckpt" / "i") if n.endswith(".pt")]
@@ -120,15 +126,7 @@ def test_interrupt_saves_a_checkpoint_marks_the_log_and_resumes(tmp_path, sig):
 
 
 def test_interrupt_without_save_marks_the_log_incomplete(tmp_path):
-    args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", "n")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"), *args], cwd=tmp_path,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "logs" / "n.txt"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (log.exists() and "step:2/400 train_loss" in log.read_text()):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=240)
-    assert proc.returncode != 0
+    code, log, _ = interrupt_run(tmp_path, "n", signal.SIGINT, 2)
+    assert code != 0
     assert log.read_text().splitlines()[-1].startswith("status:incomplete")
     assert not (tmp_path / "ckpt").exists()
