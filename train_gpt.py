@@ -987,6 +987,9 @@ def environment_lines(rt):
             lines.append(smi)
     else:
         cpu = platform.processor() or platform.machine()
+        if os.path.exists("/proc/cpuinfo"):
+            with open("/proc/cpuinfo") as f:
+                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
         lines.append(f"cpu: {cpu}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
     return lines
 
