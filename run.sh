@@ -33,15 +33,28 @@ fi
 shopt -s nullglob
 train_shards=("$DATA_DIR"/*_train_*.bin)
 val_shards=("$DATA_DIR"/*_val_*.bin)
-if [ ${#train_shards[@]} -eq 0 ] || [ ${#val_shards[@]} -eq 0 ]; then
-    need=$("$PYTHON" -c "import sys, train_gpt as T
-cfg, _ = T.parse_config(['--preset', '$preset'] + sys.argv[1:])
-print(-(-T.train_tokens_needed(cfg) // 100_000_000))" "$@")
+if [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ]; then
+    need=$("$PYTHON" - "$preset" "$@" <<'PY'
+import sys
+import train_gpt as T
+try:
+    cfg, _ = T.parse_config(["--preset", sys.argv[1]] + sys.argv[2:])
+except T.ConfigError as e:
+    sys.exit(f"train_gpt.py: error: {e}")
+print(-(-T.train_tokens_needed(cfg) // 100_000_000))  # FineWeb shards hold 100M tokens
+PY
+)
     echo "run.sh: no shards in $DATA_DIR; downloading FineWeb val + $need train shard(s)" >&2
     "$PYTHON" data/cached_fineweb10B.py "$need" --local-dir "$DATA_DIR"
+elif [ ${#train_shards[@]} -eq 0 ] || [ ${#val_shards[@]} -eq 0 ]; then
+    missing=$([ ${#train_shards[@]} -eq 0 ] && echo "*_train_*.bin" || echo "*_val_*.bin")
+    echo "run.sh: $DATA_DIR has no $missing shard; add it (data/cached_fineweb10B.py, data/tokenize.py) or point DATA_DIR elsewhere" >&2
+    exit 2
 fi
 
-args=(--preset "$preset" --train-files "$DATA_DIR/*_train_*.bin" --val-files "$DATA_DIR/*_val_*.bin" "$@")
+# the trainer takes globs: escape glob characters in the folder name itself
+data_glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')
+args=(--preset "$preset" --train-files "$data_glob/*_train_*.bin" --val-files "$data_glob/*_val_*.bin" "$@")
 echo "run.sh: preset $preset, $([ "$nproc" -eq 0 ] && echo "CPU" || echo "$nproc GPU process(es)"), data $DATA_DIR, logs in logs/" >&2
 if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"

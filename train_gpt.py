@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -146,6 +147,7 @@ class DataError(ValueError):
 def build_parser():
     """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
     p = argparse.ArgumentParser(
+        prog="train_gpt.py",
         description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
                     "--preset sets several at once and explicit flags override it.",
         epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
@@ -229,6 +231,19 @@ def validate_config(cfg):
     need(cfg.pp_iterations >= 0, f"--pp-iterations must be >= 0 (got {cfg.pp_iterations})")
     need(cfg.pp_beta > 0, f"--pp-beta must be > 0 (got {cfg.pp_beta})")
     need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
+    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):
+            need(math.isfinite(value), f"--{f.name.replace('_', '-')} must be finite (got {value})")
+    need(cfg.warmup_steps <= cfg.num_iterations,
+         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
+    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
+        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
+             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
+             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+    need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
+         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,13 +261,13 @@ def read_shard_header(path):
         DataError: missing file, short header, wrong magic or version, or a file size other
             than exactly ``1024 + 2 * n_tokens`` bytes. The message names the file and the fix.
     """
+    redo = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize.py)"
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    redo = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize.py)"
+    except OSError as e:  # missing, a directory, a symlink loop, unreadable
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {redo}") from None
     if header.size < HEADER_INTS:
         raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {redo}")
     if header[0] != SHARD_MAGIC:
@@ -294,18 +309,27 @@ def fingerprint(path, n_bytes=1 << 20):
 class TokenStream:
     """The shards of a glob as one long token stream; ``read`` is random access.
 
-    All headers are validated at construction (a bad shard fails before training starts).
-    With ``wrap=True`` reads past the end continue from the start (another epoch).
+    All headers are validated at construction (a bad shard fails before training starts);
+    every read checks its token ids are below ``vocab_size`` (a shard from another tokenizer
+    fails naming the file, not deep inside the embedding). With ``wrap=True`` reads past the
+    end continue from the start (another epoch).
     """
 
-    def __init__(self, files, wrap=False):
+    def __init__(self, files, wrap=False, vocab_size=None):
         self.files = list(files)
         self.shards = [load_shard(f) for f in self.files]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.total = int(self.offsets[-1])
-        self.wrap = wrap
+        self.wrap, self.vocab_size = wrap, vocab_size
         if self.total == 0:
-            raise DataError(f"{self.files[0]}: shards hold no tokens")
+            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
+                            f"(data/tokenize.py) or point the glob at other shards")
+
+    def locate(self, pos):
+        """(file, token offset in it) of stream position ``pos``."""
+        pos %= self.total
+        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+        return self.files[i], pos - int(self.offsets[i])
 
     def read(self, start, n):
         """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
@@ -321,6 +345,11 @@ class TokenStream:
             lo = pos - int(self.offsets[i])
             out[done:done + take] = self.shards[i][lo:lo + take]
             done += take
+        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
+            bad = int(np.argmax(out >= self.vocab_size))
+            path, offset = self.locate(start + bad)
+            raise DataError(f"{path}: token id {out[bad]} at token {offset} is >= --vocab-size {self.vocab_size}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize.py")
         return out
 
 
@@ -808,8 +837,8 @@ class ValData:
         DataError: the val shards hold fewer than ``n_tokens + 1`` tokens.
     """
 
-    def __init__(self, files, n_tokens):
-        stream = TokenStream(files)
+    def __init__(self, files, n_tokens, vocab_size=None):
+        stream = TokenStream(files, vocab_size=vocab_size)
         if stream.total < n_tokens + 1:
             raise DataError(f"--val-tokens {n_tokens}: the val shards ({', '.join(files)}) hold only "
                             f"{stream.total} tokens (need {n_tokens} + 1 for the last label); "
@@ -864,7 +893,9 @@ def evaluate(model, val, mode, bag_size, cfg, rt):
         count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
-    return (total / count.clamp_min(1)).item()
+    if count.item() == 0:
+        raise DataError(f"--val-tokens {val.n_tokens}: no label to score for the {mode} s={bag_size} objective")
+    return (total / count).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -907,11 +938,16 @@ def load_checkpoint(path):
     """
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path}: no such checkpoint file")
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
+    if not is_zip:
+        raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint (give a checkpoints/<run_id>/step_N.pt)")
     try:
         outer = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several kinds for a truncated or mangled archive
+        first = (str(e).splitlines() or [""])[0][:120]
         raise ConfigError(f"--resume {path}: truncated or unreadable checkpoint ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]}); resume from an older one") from None
+                          f"{first}); resume from an older one") from None
     if not isinstance(outer, dict) or outer.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint")
     payload = outer["payload"].numpy().tobytes()
@@ -934,14 +970,49 @@ def find_latest_checkpoint(checkpoint_dir, run_id=""):
     return found[-1]
 
 
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio")
+
+
 def check_resume_config(saved, cfg):
-    """Raise ConfigError listing run-defining fields that differ from the checkpoint's config."""
+    """Differences in run-defining fields between a checkpoint's config and this run's.
+
+    Returns the list of differences (continued past with ``--resume-force``).
+
+    Raises:
+        ConfigError: any difference without --resume-force, or a different model shape at all.
+    """
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {getattr(cfg, k)!r}"
              for k in RUN_DEFINING if saved.get(k) != getattr(cfg, k)]
+    shape = [d for d in diffs if d.split(":")[0] in SHAPE_FIELDS]
+    if shape:
+        raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
+                          + "); use the checkpoint's model flags")
     if diffs and not cfg.resume_force:
         raise ConfigError("--resume: the checkpoint was made with a different run config ("
                           + "; ".join(diffs) + "); use the same flags, or --resume-force to continue anyway")
     return diffs
+
+
+def prepare_resume(cfg):
+    """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written."""
+    path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
+    state = load_checkpoint(path)
+    return state, path, check_resume_config(state["config"], cfg)
+
+
+def check_checkpoint_dir(cfg, run_id):
+    """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
+    if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
+        return
+    where = os.path.join(cfg.checkpoint_dir, run_id)
+    try:
+        os.makedirs(where, exist_ok=True)
+        probe = os.path.join(where, f".write_test.{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir!r}: cannot write checkpoints there "
+                          f"({e.strerror}); choose another --checkpoint-dir") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1006,24 +1077,41 @@ class RunLog:
     """The run's log file and JSON summary. Only rank 0 writes; every rank may call it.
 
     The text file holds, in order: source snapshot, separator, environment, command line,
-    config, git commit, data files, step lines, summary, ``status:`` line.
+    config, git commit, data files, step lines, summary, ``status:`` line. A new log never
+    replaces an existing one; ``resume=True`` appends to the run's log when it exists.
+
+    Raises:
+        ConfigError: the log exists (and this is no resume), or --log-dir cannot be written.
     """
 
     def __init__(self, cfg, rt, run_id, resume=False):
-        self.rt, self.path, self.json_path = rt, None, None
+        self.rt, self.path, self.json_path, self.is_new = rt, None, None, False
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
-        os.makedirs(cfg.log_dir, exist_ok=True)
-        self.path = os.path.join(cfg.log_dir, f"{run_id}.txt")
-        self.json_path = os.path.join(cfg.log_dir, f"{run_id}.json")
-        if resume and os.path.exists(self.path):
-            self.file = open(self.path, "a", encoding="utf-8")
-            if os.path.exists(self.json_path):
-                with open(self.json_path, encoding="utf-8") as f:
-                    self.summary = json.load(f)
-        else:
-            self.file = open(self.path, "w", encoding="utf-8")
+        path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+        json_path = os.path.join(cfg.log_dir, f"{run_id}.json")
+        try:
+            if not os.path.isdir(cfg.log_dir):
+                os.makedirs(cfg.log_dir)
+            if resume and os.path.exists(path):
+                self.file = open(path, "a", encoding="utf-8")
+                if os.path.exists(json_path):
+                    with open(json_path, encoding="utf-8") as f:
+                        self.summary = json.load(f)
+            else:
+                self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
+                self.is_new = True
+        except FileExistsError:
+            if not os.path.isdir(cfg.log_dir):
+                raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
+            raise ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
+                              f"(or continue that run with --resume)") from None
+        except OSError as e:
+            raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e.strerror}); "
+                              f"choose another --log-dir") from None
+        self.path, self.json_path = path, json_path
+        if self.is_new:
             self.file.write(source_snapshot() + SEPARATOR + "\n")
             self.file.flush()
 
@@ -1040,8 +1128,9 @@ class RunLog:
 
     def finish(self, status, reason=None):
         """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...)."""
-        if not self.rt.master or self.path is None:
+        if not self.rt.master or self.path is None or self.file.closed:
             return
+        reason = " | ".join(str(reason).split("\n")) if reason else None  # the status stays one line
         self.summary["status"] = status
         if reason:
             self.summary["reason"] = reason
@@ -1074,22 +1163,23 @@ class StopRequested(Exception):
     """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
 
 
-def train(cfg, rt, log, preset=None):
-    """The whole run after setup: data, model, warm-up, the training loop, val, summary."""
+def train(cfg, rt, log, preset=None, resume=None, stop=None):
+    """The whole run after setup: data, model, warm-up, the training loop, val, summary.
+
+    ``resume`` is ``prepare_resume``'s ``(state, path, diffs)``; ``stop`` the dict the signal
+    handler fills (``{"signal": name}``) when a checkpoint-on-interrupt is wanted.
+    Returns ``(status, reason)``.
+    """
+    stop = stop if stop is not None else {"signal": None}
     global_seqs = cfg.batch_tokens // cfg.seq_len
     switch = tst_switch_step(cfg)
     train_files = resolve_files(cfg.train_files, "--train-files")
     val_files = resolve_files(cfg.val_files, "--val-files")
 
-    resume_state, resume_path = None, None
-    if cfg.resume:
-        resume_path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
-        resume_state = load_checkpoint(resume_path)
-        diffs = check_resume_config(resume_state["config"], cfg)
-        if diffs:
-            log.line("resume_force: continuing despite config differences: " + "; ".join(diffs))
-
-    if resume_state is None:
+    resume_state, resume_path, diffs = resume or (None, None, [])
+    if diffs:
+        log.line("resume_force: continuing despite config differences: " + "; ".join(diffs))
+    if log.is_new:
         for text in environment_lines(rt):
             log.line(text, echo=False)
         log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
@@ -1100,8 +1190,8 @@ def train(cfg, rt, log, preset=None):
         for f in files:
             log.line(f"data {kind}: {f} tokens:{read_shard_header(f)} bytes:{os.path.getsize(f)} "
                      f"fingerprint:{fingerprint(f)}", echo=False)
-    train_stream = TokenStream(train_files, wrap=True)
-    val = ValData(val_files, cfg.val_tokens)
+    train_stream = TokenStream(train_files, wrap=True, vocab_size=cfg.vocab_size)
+    val = ValData(val_files, cfg.val_tokens, cfg.vocab_size)
     loader = TrainLoader(train_stream, global_seqs, cfg.micro_batch_seqs, rt.rank, rt.world)
 
     torch.manual_seed(cfg.seed)
@@ -1152,19 +1242,13 @@ def train(cfg, rt, log, preset=None):
         log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {compile_ms:.0f}ms (not in train_time)")
     log.update(compile_time_ms=round(compile_ms))
 
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-        if not cfg.save_on_interrupt:
-            raise StopRequested(f"interrupted by {stop['signal']}")
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
 
     def do_val(step, steps_timed):
         extra = {"phase": phase_of(max(step - 1, 0), cfg)[0]}  # the phase that trained the model so far
         loss = evaluate(net, val, "full", 1, cfg, rt)
         if not math.isfinite(loss):
-            raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr (--matrix-lr, --embed-lr)")
+            raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({lr_flags})")
         if extra["phase"] == 1:  # also the TST objective on the same val tokens
             extra["val_loss_tst"] = f"{evaluate(net, val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
         extra.update(tokens=run["raw_tokens"], positions=run["positions"], flops=f"{run['flops']:.3e}")
@@ -1186,68 +1270,67 @@ def train(cfg, rt, log, preset=None):
     graphs_before = graphs["unique_graphs"] if rt.compile else 0
     if start_step == 0:
         do_val(0, 0)
-    try:
-        rt.sync()
-        t0 = time.perf_counter()
-        for step in range(start_step, end_step):
-            phase, s, mode = phase_of(step, cfg)
-            if step == switch and switch > 0:
-                log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {cfg.tst_bag_size} -> 1, mode "
-                         f"{cfg.tst_mode} -> next-token); same weights and optimizer state; "
-                         f"tokens:{run['raw_tokens']}")
-            epoch = loader.position // train_stream.total
-            micro, advance = next_micro_batches(loader, step, cfg, rt)
-            if (loader.position - 1) // train_stream.total > epoch:
-                log.line(f"data: the train stream ({train_stream.total} tokens) wrapped around during step "
-                         f"{step + 1}; from here on tokens are read again (epoch {epoch + 2})")
-            scale = apply_schedule(opts, step, cfg)
-            loss = accumulate_gradients(net, micro, rt)
-            for opt in opts:
-                opt.step()
-            model.zero_grad(set_to_none=True)
-            run["raw_tokens"] += global_seqs * advance
-            run["positions"] += cfg.batch_tokens
-            run["flops"] += flops_per_step
-            steps_timed += 1
-            done = step + 1
-            if cfg.save_on_interrupt and rt.distributed:  # every rank stops after the same step
-                flag = torch.tensor(float(stop["signal"] is not None), device=rt.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() and stop["signal"] is None:
-                    stop["signal"] = "SIGTERM (on another rank)"
-            last = done == end_step
-            if done % cfg.log_every == 0 or last or stop["signal"]:
-                rt.sync()
-                now = time.perf_counter()
-                run["train_time_ms"] += 1000 * (now - t0)
-                t0 = now
-                value = loss.item()
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"train loss is {value} at step {done}; lower the lr "
-                                             f"(--matrix-lr, --embed-lr) or check the data")
-                log.summary.setdefault("train_losses", []).append([done, value])
-                log.line(step_line(done, cfg, "train_loss", value, run["train_time_ms"], done, dict(
-                    phase=phase, tokens=run["raw_tokens"], positions=run["positions"],
-                    flops=f"{run['flops']:.3e}", lr_scale=f"{scale:.4f}")))
-            timed_pause = (cfg.val_every and done % cfg.val_every == 0) or last or \
-                (cfg.save_every and done % cfg.save_every == 0) or stop["signal"]
-            if timed_pause:
-                rt.sync()
-                now = time.perf_counter()
-                run["train_time_ms"] += 1000 * (now - t0)
-                if (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations):
-                    do_val(done, done)
-                if (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final):
-                    save(done, f"step_{done:06d}")
-                if stop["signal"] and not last:
-                    save(done, f"step_{done:06d}")
-                    log.update(**run, steps=done)
-                    return "interrupted", f"{stop['signal']}; resume with --resume auto --run-id {run['run_id']}"
-                rt.sync()
-                t0 = time.perf_counter()
-    finally:
-        for s_, h in old_handlers.items():
-            signal.signal(s_, h)
+    # first step whose loss was not finite, tracked on the device: no extra host sync per step
+    first_bad = torch.zeros((), dtype=torch.int64, device=rt.device)
+    rt.sync()
+    t0 = time.perf_counter()
+    for step in range(start_step, end_step):
+        phase, s, mode = phase_of(step, cfg)
+        if step == switch and switch > 0:
+            log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {cfg.tst_bag_size} -> 1, mode "
+                     f"{cfg.tst_mode} -> next-token); same weights and optimizer state; "
+                     f"tokens:{run['raw_tokens']}")
+        epoch = loader.position // train_stream.total
+        micro, advance = next_micro_batches(loader, step, cfg, rt)
+        if (loader.position - 1) // train_stream.total > epoch:
+            log.line(f"data: the train stream ({train_stream.total} tokens) wrapped around during step "
+                     f"{step + 1}; from here on tokens are read again (epoch {epoch + 2})")
+        scale = apply_schedule(opts, step, cfg)
+        loss = accumulate_gradients(net, micro, rt)
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        run["raw_tokens"] += global_seqs * advance
+        run["positions"] += cfg.batch_tokens
+        run["flops"] += flops_per_step
+        steps_timed += 1
+        done = step + 1
+        first_bad.masked_fill_((first_bad == 0) & ~torch.isfinite(loss), done)
+        if cfg.save_on_interrupt and rt.distributed:  # every rank stops after the same step
+            flag = torch.tensor(float(stop["signal"] is not None), device=rt.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and stop["signal"] is None:
+                stop["signal"] = "SIGTERM (on another rank)"
+        last = done == end_step
+        if done % cfg.log_every == 0 or last or stop["signal"]:
+            rt.sync()
+            now = time.perf_counter()
+            run["train_time_ms"] += 1000 * (now - t0)
+            t0 = now
+            value, bad_step = loss.item(), int(first_bad)
+            if bad_step:
+                raise FloatingPointError(f"train loss is not finite since step {bad_step}; lower the lr "
+                                         f"({lr_flags}) or check the data")
+            log.summary.setdefault("train_losses", []).append([done, value])
+            log.line(step_line(done, cfg, "train_loss", value, run["train_time_ms"], done, dict(
+                phase=phase, tokens=run["raw_tokens"], positions=run["positions"],
+                flops=f"{run['flops']:.3e}", lr_scale=f"{scale:.4f}")))
+        timed_pause = (cfg.val_every and done % cfg.val_every == 0) or last or \
+            (cfg.save_every and done % cfg.save_every == 0) or stop["signal"]
+        if timed_pause:
+            rt.sync()
+            now = time.perf_counter()
+            run["train_time_ms"] += 1000 * (now - t0)
+            if (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations):
+                do_val(done, done)
+            if (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final):
+                save(done, f"step_{done:06d}")
+            if stop["signal"] and not last:
+                save(done, f"step_{done:06d}")
+                log.update(**run, steps=done)
+                return "interrupted", f"{stop['signal']}; resume with --resume auto --run-id {run['run_id']}"
+            rt.sync()
+            t0 = time.perf_counter()
     if rt.compile:
         log.update(graphs_compiled_during_training=graphs["unique_graphs"] - graphs_before)
     peak = peak_memory_mib(rt)
@@ -1265,45 +1348,59 @@ def train(cfg, rt, log, preset=None):
     return "complete", None
 
 
+def install_stop_handlers(stop, save_on_interrupt):
+    """SIGINT/SIGTERM: stop now (log marked incomplete), or with --save-on-interrupt after the
+    current step (checkpoint, log marked interrupted). Returns the previous handlers."""
+    def on_signal(signum, frame):
+        stop["signal"] = signal.Signals(signum).name
+        if not save_on_interrupt:
+            raise StopRequested(f"interrupted by {stop['signal']}")
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
 def main(argv=None):
-    """Run from command-line words; returns the exit status (0 only for a completed run)."""
-    try:
-        cfg, preset = parse_config(argv)
-        rt = setup_runtime(cfg)
-    except ConfigError as e:
-        print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        return 2
-    run_id = cfg.run_id or (datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    if cfg.resume and not cfg.run_id:
-        # resuming continues the checkpoint's run (<checkpoint_dir>/<run_id>/step_N.pt) and its log
-        try:
-            path = find_latest_checkpoint(cfg.checkpoint_dir) if cfg.resume == "auto" else cfg.resume
-        except ConfigError as e:
-            print(f"train_gpt.py: error: {e}", file=sys.stderr)
-            return 2
-        run_id = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    log = RunLog(cfg, rt, run_id, resume=bool(cfg.resume))
+    """Run from command-line words; returns the exit status (0 only for a completed run).
+
+    Everything that can be refused (flags, the checkpoint to resume, the log and checkpoint
+    folders) is checked before the log is created; from then on any failure closes the log
+    with ``status:incomplete`` and the reason.
+    """
+    log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
     status, reason, code = "incomplete", None, 1
     try:
-        status, reason = train(cfg, rt, log, preset)
+        cfg, preset = parse_config(argv)
+        handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
+        rt = setup_runtime(cfg)
+        rank = rt.rank
+        resume = prepare_resume(cfg) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        if rt.master:
+            check_checkpoint_dir(cfg, run_id)
+        log = RunLog(cfg, rt, run_id, resume=resume is not None)
+        status, reason = train(cfg, rt, log, preset, resume, stop)
         code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
     except (ConfigError, DataError, FloatingPointError) as e:
-        reason = f"rank {rt.rank}: {e}"
+        reason = f"rank {rank}: {e}"
         print(f"train_gpt.py: error: {reason}", file=sys.stderr)
-        code = 2 if not isinstance(e, FloatingPointError) else 1
+        code = 1 if isinstance(e, FloatingPointError) else 2
     except (KeyboardInterrupt, StopRequested) as e:
-        reason = f"rank {rt.rank}: interrupted ({e or 'KeyboardInterrupt'})"
+        reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
         print(f"train_gpt.py: {reason}", file=sys.stderr)
         code = 130
     except BaseException as e:  # unexpected: keep the traceback, still close the log as incomplete
-        log.finish("incomplete", f"rank {rt.rank}: {type(e).__name__}: {e}")
+        if log is not None:
+            log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
         raise
-    log.finish(status, reason)
-    if log.path:
-        print(f"log: {log.path} ({status})", file=sys.stderr)
-    if rt.distributed and dist.is_initialized():
-        if code == 0:
-            dist.destroy_process_group()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if log is not None:
+        log.finish(status, reason)
+        if log.path:
+            print(f"log: {log.path} ({status})", file=sys.stderr)
+    if code == 0 and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return code
 
 

@@ -73,6 +73,44 @@ def test_corrupt_checkpoint_is_refused_with_a_clear_message(tmp_path, capsys, ho
     assert needle in err and str(ckpt) in err
 
 
+def test_a_refused_resume_writes_nothing(tmp_path):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    (tmp_path / "logs" / "c.txt").write_text((tmp_path / "logs" / "c.txt").read_text())  # stable mtime/content
+    before = {p.name: p.read_bytes() for p in (tmp_path / "logs").iterdir()}
+    ckpt = tmp_path / "ckpt" / "c" / "step_000002.pt"
+    assert run(tmp_path, "--resume", str(ckpt).replace("000002", "00002")) == 2  # a typo
+    assert run(tmp_path, "--resume", str(ckpt), "--seed", "5") == 2  # another config
+    assert {p.name: p.read_bytes() for p in (tmp_path / "logs").iterdir()} == before
+
+
+@pytest.mark.parametrize("content", [b"", b"hello\n", b"\x00" * 2000])
+def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, capsys, content):
+    bogus = tmp_path / "bogus.pt"
+    bogus.write_bytes(content)
+    assert run(tmp_path, "--resume", str(bogus)) == 2
+    assert "not a train_gpt.py checkpoint" in capsys.readouterr().err
+
+
+def test_resume_force_cannot_change_the_model_shape(tmp_path, capsys):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    assert run(tmp_path, "--resume", "auto", "--n-layer", "3", "--resume-force") == 2
+    assert "another shape" in capsys.readouterr().err
+
+
+def test_resume_into_a_new_run_id_writes_a_full_snapshot_header(tmp_path):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "3", "--save-final") == 0
+    assert run(tmp_path, "--run-id", "branch", "--resume", str(tmp_path / "ckpt" / "c" / "step_000003.pt")) == 0
+    text = read_log(tmp_path / "logs", "branch")
+    assert text.startswith("### file train_gpt.py") and "\nconfig: {" in text and "\nresume: from " in text
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert run(tmp_path, "--save-final", "--checkpoint-dir", str(tmp_path / "afile")) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # refused before any log was written
+
+
 def test_missing_checkpoint_and_empty_dir_are_clear(tmp_path, capsys):
     assert run(tmp_path, "--resume", str(tmp_path / "nope.pt")) == 2
     assert "no such checkpoint" in capsys.readouterr().err

@@ -355,3 +355,61 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_log(tmp_path):
     assert "non-finite" in out.stderr or "loss is nan" in out.stderr or "loss is inf" in out.stderr
     text = read_log(tmp_path / "logs")
     assert text.splitlines()[-1].startswith("status:incomplete")
+
+
+# ---------------------------------------------------------------------------------------------
+# found by adversarial review: each of these once failed silently or with a traceback
+
+
+def test_an_existing_run_id_is_refused_and_its_log_kept(tmp_path):
+    assert run_main(tmp_path, "--run-id", "x")[0] == 0
+    before = (tmp_path / "logs" / "x.txt").read_text()
+    assert T.main(tiny_args(tmp_path, "--run-id", "x", "--train-files", str(tmp_path / "none_*.bin"))) == 2
+    assert (tmp_path / "logs" / "x.txt").read_text() == before
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "../escaped", ".hidden", "sp ace"])
+def test_run_ids_that_are_not_plain_file_names_are_refused(run_id):
+    with pytest.raises(T.ConfigError, match="--run-id"):
+        T.parse_config(["--run-id", run_id])
+
+
+def test_log_dir_that_is_a_file_names_the_flag(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert T.main(tiny_args(tmp_path, "--log-dir", str(tmp_path / "afile"))) == 2
+    assert "--log-dir" in capsys.readouterr().err
+
+
+def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path, shard_dir):
+    tokens = np.arange(0, 3000) % 50000
+    tokens[1800] = 50304  # read during step 8 (tokens 1792..2048)
+    bad = write_shard(shard_dir / "t_train_000002.bin", tokens[1700:])
+    out = run_cli(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"),
+                  "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0")
+    assert out.returncode == 2
+    errors = error_lines(out)
+    assert len(errors) == 1 and bad in errors[0] and "token id 50304 at token 100" in errors[0]
+    assert read_log(tmp_path / "logs").splitlines()[-1].startswith("status:incomplete")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--matrix-lr", "inf"], "--matrix-lr must be finite"),
+    (["--adam-eps", "inf"], "--adam-eps must be finite"),
+    (["--rope-base", "-1"], "--rope-base"),
+    (["--warmup-steps", "500", "--num-iterations", "100"], "--warmup-steps"),
+    (["--tst-bag-size", "600", "--val-tokens", "1000"], "--tst-bag-size 600 needs --val-tokens >= 1200"),
+])
+def test_more_values_that_cannot_work(flags, needle):
+    with pytest.raises(T.ConfigError, match=needle):
+        T.parse_config(flags)
+
+
+def test_the_first_non_finite_step_is_reported_not_the_next_log_step(tmp_path):
+    out = run_cli(tmp_path, "--logit-softcap", "0", "--optimizer", "adamw", "--adamw-lr", "1e20",
+                  "--embed-lr", "1e20", "--head-lr", "1e20", "--val-every", "0", "--log-every", "5",
+                  "--tst-frac", "0")
+    assert out.returncode == 1
+    line = error_lines(out)[0]
+    assert "not finite since step" in line and "--adamw-lr" in line
+    step = int(line.split("since step ")[1].split(";")[0])
+    assert step < 5
