@@ -9,10 +9,13 @@ Files come from the dataset repo ``kjj0/fineweb10B-gpt2``: ``fineweb_val_000000.
 ``data/fineweb10B/`` (next to this script, whatever the cwd) unless ``--local-dir`` is given.
 
 A file already there and valid (header and size, checked by ``train_gpt.read_shard_header``) is
-skipped; an invalid one is removed and downloaded again. Each download lands in a hidden staging
+skipped; an invalid one is reported and downloaded again. Each download lands in a hidden staging
 folder (``<dir>/.download/``, where the Hub also keeps its ``.incomplete`` partial files), is
-validated there, and only then moved under its final name, so an interrupted or corrupt download
-never appears as a ``.bin`` that the trainer's globs would pick up.
+validated there, and only then moved under its final name (``os.replace``), so an interrupted or
+corrupt download never appears as a ``.bin`` that the trainer's globs would pick up. An invalid
+file already there is left as it is until its validated replacement takes its name: when the Hub
+cannot be reached (checked first, only if something needs downloading) or the download fails,
+nothing in the folder changes.
 
 Exit status: 0 when every requested shard is present and valid, 1 otherwise (Hub unreachable,
 Hub error, invalid download), 2 on bad arguments. Errors are one message, no traceback.
@@ -128,7 +131,9 @@ def check_hub_reachable(filename, deadline_s=PROBE_DEADLINE_S):
 def download_one(filename, local_dir):
     """Download ``filename`` via the staging folder, validate it, move it to ``local_dir``.
 
-    Returns the final path. Raises ``DataError`` (invalid download, already deleted), or whatever
+    The move (``os.replace``) is the only change under the final name: it replaces an invalid
+    file of that name only with a validated download. Returns the final path. Raises
+    ``DataError`` (invalid download, already deleted; the final name is untouched), or whatever
     ``hf_hub_download`` raises.
     """
     staging = os.path.join(local_dir, STAGING)
@@ -147,18 +152,18 @@ def download(n_train=NUM_TRAIN_SHARDS, local_dir=DEFAULT_DIR, log=print):
     """Make ``local_dir`` hold the val shard and the first ``n_train`` train shards, all valid.
 
     Returns the number of problems (0 on success); each is reported through ``log``.
-    Raises ``HubUnreachable`` when a download is needed and the Hub cannot be reached.
+    Raises ``HubUnreachable`` when a download is needed and the Hub cannot be reached; the Hub is
+    checked before anything is written, and an invalid file already there is only ever replaced
+    by a validated download (never deleted first).
     """
     names = shard_names(n_train)
     todo = []
     for name in names:
-        path = os.path.join(local_dir, name)
-        why = shard_status(path)
+        why = shard_status(os.path.join(local_dir, name))
         if why is None:
             continue
         if why != "missing":
-            log(f"invalid, downloading again: {why}")
-            os.remove(path)
+            log(f"invalid, to be replaced by a fresh download: {why}")
         todo.append(name)
     log(f"{len(names) - len(todo)} of {len(names)} shards already present and valid in {local_dir}")
     if not todo:
@@ -173,7 +178,7 @@ def download(n_train=NUM_TRAIN_SHARDS, local_dir=DEFAULT_DIR, log=print):
                 download_one(name, local_dir)
             except DataError as e:
                 problems += 1
-                tqdm.write(f"invalid download, deleted: {e}")
+                tqdm.write(f"invalid download, deleted: {e}")  # an invalid file already there stays
             except Exception as e:
                 if _is_network_error(e):
                     raise HubUnreachable(f"while downloading {name}: {_one_line(e)}") from None

@@ -6,7 +6,8 @@ Tokenize (inputs are files or globs, read in the order given; globs expand sorte
     python data/tokenize.py 'books/*.txt' --output-dir out --prefix books
     python data/tokenize.py data.parquet --filter lang=en --output-dir out --prefix web
 
-* ``.jsonl``: one JSON object a line, its ``text`` field is a document. ``--filter key=value``
+* ``.jsonl``: one JSON object a line, its ``text`` field is a document (a line that is not a
+  JSON object, e.g. ``[1, 2]`` or ``"text"``, is an error naming ``file:line``). ``--filter key=value``
   (repeatable, all must hold) keeps only rows whose ``key`` equals ``value`` (strings compare as
   is, other JSON values by their JSON text: ``--filter year=2020``, ``--filter ok=true``).
 * ``.txt``: each file is one document (UTF-8).
@@ -22,11 +23,16 @@ Each shard holds ``--shard-size`` tokens (default 100,000,000, as FineWeb) excep
 split; like llm.c's fineweb.py a document may continue in the next shard. Extra shards of a split,
 if any, are numbered on (``_val_000001`` ...).
 
-Shards are written under a temporary name and renamed (``os.replace``) when complete. Existing
+All or nothing: every shard is first written under a temporary name
+(``<final name>.tmp<pid>``, which no ``*.bin`` glob matches); only when every shard of the run is
+written are they renamed (``os.replace``) to their final names. A run that fails (bad input line,
+tokenizer error, Ctrl-C) removes its temporary files and changes nothing else. Existing
 ``<prefix>_val_*.bin`` / ``<prefix>_train_*.bin`` in the output folder stop the run unless
-``--overwrite``, which replaces them (stale ones are removed after the new set is written).
+``--overwrite``: then the old set stays untouched until the new set is complete, is replaced by
+it, and old shards the new set does not have are removed.
 
-Check shards (header, size, tokens, documents = count of token 50256):
+Check shards (header, size, tokens, documents = count of token 50256, largest token id; a shard
+holding an id above 50256, the largest GPT-2 id, is not ok):
 
     python data/tokenize.py --check 'data/fineweb10B/*.bin' '../shared/data/realtext/*.bin'
 
@@ -60,6 +66,7 @@ from train_gpt import (  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as the FineWeb-10B shards
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # shards store uint16 tokens
+GPT2_MAX_ID = EOT_TOKEN  # 50256: <|endoftext|> is the last of the 50257 GPT-2 tokens
 TEXT_FIELD = "text"
 ALL = "all"  # --val-docs all
 
@@ -122,7 +129,11 @@ def _read_jsonl(path, filters):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TokenizeError(f"{where}: not valid JSON ({e.msg}); .jsonl wants one object a line") from None
-            if isinstance(row, dict) and _matches(row, filters):
+            if not isinstance(row, dict):
+                kind = "null" if row is None else type(row).__name__
+                raise TokenizeError(f"{where}: a JSON {kind} row, not a JSON object; .jsonl wants one object "
+                                    f'a line, like {{"{TEXT_FIELD}": "..."}}')
+            if _matches(row, filters):
                 yield where, _text_of(row, where)
 
 
@@ -229,26 +240,27 @@ def shard_path(output_dir, prefix, split, index):
     return os.path.join(output_dir, f"{prefix}_{split}_{index:06d}.bin")
 
 
+def temp_path(path):
+    """The temporary name a shard is written under until the whole run has succeeded."""
+    return f"{path}.tmp{os.getpid()}"
+
+
 def write_shard(path, tokens):
-    """Write header + uint16 ``tokens`` (shape (n,)) to ``path`` atomically (temp file, os.replace)."""
+    """Write header + uint16 ``tokens`` (shape (n,)) to ``path``."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(np.asarray(tokens, dtype="<u2").tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
 
 
 class ShardWriter:
     """Cuts a token stream into shards of ``shard_size`` tokens named ``<prefix>_<split>_NNNNNN.bin``.
 
     ``add`` takes uint16 arrays; a document may straddle two shards. ``close`` writes the last,
-    partial shard. ``written`` lists ``(path, n_tokens, n_documents)``.
+    partial shard. Shards are written under their ``temp_path`` name only: the caller renames them
+    (``commit``) once every writer of the run is closed, or removes them (``discard``).
+    ``written`` lists ``(final path, n_tokens, n_documents)``.
     """
 
     def __init__(self, output_dir, prefix, split, first_index, shard_size):
@@ -257,6 +269,7 @@ class ShardWriter:
         self.buffer = None  # allocated on first use: a split may get no document
         self.fill = 0
         self.written = []
+        self.pending = []  # (temporary path, final path) not renamed yet, a partly written one too
 
     def add(self, tokens):
         if self.buffer is None:
@@ -276,10 +289,24 @@ class ShardWriter:
     def _flush(self):
         path = shard_path(self.output_dir, self.prefix, self.split, self.index)
         tokens = self.buffer[:self.fill]
-        write_shard(path, tokens)
+        self.pending.append((temp_path(path), path))
+        write_shard(self.pending[-1][0], tokens)
         self.written.append((path, self.fill, int(np.count_nonzero(tokens == EOT_TOKEN))))
         self.index += 1
         self.fill = 0
+
+    def commit(self):
+        """Rename every temporary shard to its final name (replacing an old shard of that name)."""
+        while self.pending:
+            os.replace(*self.pending[0])
+            self.pending.pop(0)
+
+    def discard(self):
+        """Remove the temporary shards not renamed yet (after a failure); final names are never touched."""
+        for tmp, _ in self.pending:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self.pending = []
 
 
 def existing_shards(output_dir, prefix):
@@ -288,19 +315,38 @@ def existing_shards(output_dir, prefix):
                   glob.glob(os.path.join(glob.escape(output_dir), f"{glob.escape(prefix)}_train_*.bin")))
 
 
+def make_output_dir(output_dir):
+    """Create ``output_dir`` (and its parents) if missing; TokenizeError naming --output-dir if it cannot be."""
+    fix = "pick a folder path (it is created if missing)"
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise TokenizeError(f"--output-dir {output_dir}: exists and is not a folder; {fix}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a parent is a file
+        raise TokenizeError(f"--output-dir {output_dir}: cannot create it, a part of the path is not a folder; "
+                            f"{fix}") from None
+    except OSError as e:
+        raise TokenizeError(f"--output-dir {output_dir}: cannot create it ({e.strerror}); {fix} "
+                            "where you can write") from None
+
+
 def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE, val_docs=None,
                        filters=None, workers=None, overwrite=False, progress=True):
     """Tokenize ``inputs`` (paths/globs) into shards; return ``[(path, n_tokens, n_documents)]``.
 
     ``val_docs``: None (all train), an int K (first K documents to val) or "all".
     ``workers``: encoder processes (default: CPU count); 1 encodes in this process.
-    Raises TokenizeError (inputs, tokenizer, uint16 overflow, existing shards) or OSError.
+    All or nothing: shards are written under temporary names and renamed only when all are
+    written; on any failure the temporary files are removed and the output folder is as before
+    (with ``overwrite``, the old shards stay untouched until the new set replaces them).
+    Raises TokenizeError (inputs, tokenizer, uint16 overflow, existing shards, --output-dir not
+    a folder) or OSError.
     """
     if shard_size < 1 or shard_size > np.iinfo(np.int32).max:
         raise TokenizeError(f"--shard-size {shard_size}: must be 1..{np.iinfo(np.int32).max} tokens")
     files = expand_inputs(inputs)
     filters = filters or {}
-    os.makedirs(output_dir, exist_ok=True)
+    make_output_dir(output_dir)
     old = existing_shards(output_dir, prefix)
     if old and not overwrite:
         raise TokenizeError(f"{output_dir} already holds {len(old)} shard(s) of prefix {prefix!r} "
@@ -314,7 +360,7 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
     train = ShardWriter(output_dir, prefix, "train", 1, shard_size)
     docs = iter_documents(files, filters)
     pool = multiprocessing.Pool(workers) if workers > 1 else None
-    n_docs = 0
+    n_docs, done = 0, False
     try:
         encoded = pool.imap(encode_document, docs, chunksize=16) if pool else map(encode_document, docs)
         with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress) as bar:
@@ -327,10 +373,21 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
                                 + (f" with --filter {filters}" if filters else ""))
         val.close()
         train.close()
+        done = True
     finally:
         if pool:
             pool.terminate()
             pool.join()
+        if not done:  # failed or interrupted: drop the partial new set, leave the folder as it was
+            val.discard()
+            train.discard()
+    # Every new shard is written: swap the new set in, then remove old shards it does not replace.
+    try:
+        val.commit()
+        train.commit()
+    finally:  # a rename that failed (rare: same folder) leaves no temporary file behind
+        val.discard()
+        train.discard()
     written = val.written + train.written
     for path in set(old) - {p for p, _, _ in written}:
         os.remove(path)
@@ -341,29 +398,40 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
 # Checking shards
 
 def check_shards(patterns, out=sys.stdout):
-    """Print a table (file, tokens, documents, ok or the DataError message) for each shard.
+    """Print a table (file, tokens, documents, max_id, ok or why not) for each shard.
 
-    Returns the number of problems: bad shards plus globs that match nothing.
+    ``documents`` counts token 50256; ``max_id`` is the largest token id ("-" for an empty
+    shard). A shard is not ok when its header/size is bad (the trainer's DataError message) or it
+    holds an id above 50256 (not GPT-2 BPE ids, e.g. another tokenizer's). Returns the number of
+    problems: bad shards plus globs that match nothing.
     """
     rows, problems = [], 0
     for pattern in patterns:
         files = sorted(glob.glob(os.path.expanduser(pattern)))
         if not files:
-            rows.append((pattern, "-", "-", "no file matches"))
+            rows.append((pattern, "-", "-", "-", "no file matches"))
             problems += 1
         for path in files:
             try:
                 n = read_shard_header(path)
             except DataError as e:
-                rows.append((path, "-", "-", str(e)))
+                rows.append((path, "-", "-", "-", str(e)))
                 problems += 1
                 continue
-            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.empty(0)
-            rows.append((path, f"{n:,}", f"{int(np.count_nonzero(tokens == EOT_TOKEN)):,}", "ok"))
-    header = ("file", "tokens", "documents", "status")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else None
+            docs = int(np.count_nonzero(tokens == EOT_TOKEN)) if n else 0
+            max_id = int(tokens.max()) if n else None
+            status = "ok"
+            if max_id is not None and max_id > GPT2_MAX_ID:
+                status = (f"token id {max_id} > {GPT2_MAX_ID}: not GPT-2 BPE ids; "
+                          "re-tokenize with data/tokenize.py")
+                problems += 1
+            rows.append((path, f"{n:,}", f"{docs:,}", "-" if max_id is None else str(max_id), status))
+    header = ("file", "tokens", "documents", "max_id", "status")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     for r in [header, *rows]:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}", file=out)
+        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}",
+              file=out)
     return problems
 
 
@@ -388,7 +456,8 @@ def build_parser():
         description="Tokenize .jsonl/.txt/.parquet text into GPT-2 uint16 token shards "
                     "(256 x int32 header + tokens, <|endoftext|> before every document), "
                     "or check shards with --check.",
-        epilog="--check GLOB... prints file, tokens, documents and ok/why-not for each shard.",
+        epilog="--check GLOB... prints file, tokens, documents, max_id and ok/why-not for each shard "
+               f"(an id above {GPT2_MAX_ID} is not ok).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="input files or globs (.jsonl, .txt, .parquet); with --check, shard globs")
@@ -402,7 +471,8 @@ def build_parser():
     p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                    help="keep only .jsonl/.parquet rows whose KEY equals VALUE (repeatable)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder processes")
-    p.add_argument("--overwrite", action="store_true", help="replace existing shards of this prefix")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing shards of this prefix (only once the whole new set is written)")
     return p
 
 

@@ -20,10 +20,19 @@ Grouping (``--group-by``):
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
 line at step N); for modded-nanogpt logs, which have no status line, the last ``val_loss`` line
-must be at step N of N. A last line without its newline (cut while being written) is ignored. Incomplete runs are listed, never counted. Per group: mean and sample
-std (ddof=1) of the final val loss, and the one-sided one-sample t-test p-value that the mean
-is below ``--target`` (``scipy.stats.ttest_1samp(..., alternative="less")``; nan/null for
-fewer than two runs).
+must be at step N of N; in both, the final val loss must be finite (not nan/inf). A last line
+without its newline (cut while being written) is ignored. Incomplete runs are listed, never
+counted. Per group: mean and sample std (ddof=1) of the final val loss, and the one-sided
+one-sample t-test p-value that the mean is below ``--target`` (a finite number;
+``scipy.stats.ttest_1samp(..., alternative="less")``; nan/null for fewer than two runs).
+
+A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read permission, ...) is
+listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
+stderr; the other logs are compared as usual. A PATH argument that does not exist is an error.
+
+Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
+incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--plot`` into a missing
+folder or an unknown image type), or when no log at all could be read.
 """
 import argparse
 import dataclasses
@@ -65,12 +74,18 @@ class SnapshotFile:
     header_line: int  # 1-based line number of the ``### file`` header in the log
 
 
+def has_line_end(line):
+    """True when ``line`` (an element of ``splitlines(keepends=True)``) ends with its line break."""
+    return bool(line) and line.splitlines()[0] != line
+
+
 def split_snapshot(lines):
     """Split our log's leading source snapshot from the rest.
 
     Returns ``(files, rest_index, truncated)``: the ``SnapshotFile`` list (empty when the log
     does not start with a ``### file`` header), the index of the first line after the snapshot,
-    and whether the log ended inside the snapshot (fewer lines than a header promised).
+    and whether the log ended inside the snapshot (fewer lines than a header promised, or its
+    last stored line cut before its line break). When truncated, the last file is the cut one.
     """
     files, i = [], 0
     while i < len(lines):
@@ -80,7 +95,7 @@ def split_snapshot(lines):
         n = int(m["lines"])
         body = lines[i + 1:i + 1 + n]
         files.append(SnapshotFile(m["name"], n, m["sha"], body, i + 1))
-        if len(body) < n:
+        if len(body) < n or (body and not has_line_end(body[-1])):
             return files, len(lines), True
         i += 1 + n
     return files, i, False
@@ -233,6 +248,8 @@ def parse_lines(lines, path="", group=""):
         run.reason = "no val_loss line"
     elif run.val[-1]["step"] != run.total_steps:
         run.reason = f"last val_loss line is at step {run.val[-1]['step']} of {run.total_steps}"
+    elif not math.isfinite(run.final["val_loss"]):  # a diverged run: its nan/inf would poison the mean
+        run.reason = f"non-finite final val loss ({run.final['val_loss']})"
     return run
 
 
@@ -250,18 +267,38 @@ def group_of(path, given_as_folder, mode):
     return stem
 
 
-def collect(paths, group_by="auto"):
-    """Parse every log named by ``paths`` (files, or folders of ``*.txt``); runs in a stable order."""
+def unreadable_run(path, group, err):
+    """A ``Run`` standing for a log that could not be read (listed as incomplete, never counted)."""
+    why = getattr(err, "strerror", None) or str(err)
+    return Run(path=path, name=os.path.splitext(os.path.basename(path))[0], group=group,
+               reason=f"unreadable: {why}")
+
+
+def collect(paths, group_by="auto", warn=None):
+    """Parse every log named by ``paths`` (files, or folders of ``*.txt``); runs in a stable order.
+
+    A log that cannot be read (``OSError``: a folder named ``*.txt``, a symlink loop, no
+    permission) becomes an incomplete run with reason ``unreadable: ...`` and is reported through
+    ``warn(message)`` if given. Raises FileNotFoundError for a path that does not exist.
+    """
     runs = []
     for p in paths:
         if os.path.isdir(p):
             files = sorted(f for f in glob.glob(os.path.join(p, "*.txt")) if os.path.basename(f) != "README.txt")
             as_folder = True
-        elif os.path.isfile(p):
+        elif os.path.lexists(p):  # a file, or an entry that will fail to read (listed as unreadable)
             files, as_folder = [p], False
         else:
             raise FileNotFoundError(f"{p}: no such file or folder")
-        runs += [parse_log(f, group_of(f, as_folder, group_by)) for f in files]
+        for f in files:
+            group = group_of(f, as_folder, group_by)
+            try:
+                runs.append(parse_log(f, group))
+            except OSError as e:
+                runs.append(unreadable_run(f, group, e))
+                if warn:
+                    warn(f"cannot read {f} ({runs[-1].reason[len('unreadable: '):]}); "
+                         "listed as unreadable, not counted")
     return runs
 
 
@@ -365,11 +402,22 @@ def plot(runs, out, x="time", target=3.28):
     key, label = X_AXES[x]
     notes, curves = [], []
     for r in runs:
+        if not r.val:
+            notes.append(f"plot: skipped {r.name} ({r.group}): {r.reason or 'no val_loss line'}")
+            continue
         pts = [p for p in r.val if isinstance(p.get(key), (int, float))]
-        if len(pts) < len(r.val) or not pts:
+        if len(pts) < len(r.val):
             notes.append(f"plot: skipped {r.name} ({r.group}): its val lines have no {x} values")
             continue
-        curves.append((r, [p[key] for p in pts], [p["val_loss"] for p in pts]))
+        # nan/inf points (a diverged run, "nanms" times) cannot be drawn and would break the axis limits
+        finite = [p for p in pts if math.isfinite(p[key]) and math.isfinite(p["val_loss"])]
+        if not finite:
+            notes.append(f"plot: skipped {r.name} ({r.group}): no finite val point")
+            continue
+        if len(finite) < len(pts):
+            k = len(pts) - len(finite)
+            notes.append(f"plot: {r.name} ({r.group}): left out {k} non-finite point{'s' * (k != 1)}")
+        curves.append((r, [p[key] for p in finite], [p["val_loss"] for p in finite]))
     scale, unit = 1.0, ""
     if x == "time":
         longest = max((max(xs) for _, xs, _ in curves), default=0)
@@ -411,41 +459,80 @@ def plot(runs, out, x="time", target=3.28):
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
     return notes
 
 
 # ----------------------------------------------------------------------------------------------
 
+def finite_float(text):
+    """argparse type: a finite float (``inf``/``nan`` would make every p-value meaningless)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def plot_problem(out):
+    """Why ``--plot out`` cannot be written (missing folder, unknown image type), or None."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        return f"no folder {folder} to write it in; create it or pick another path"
+    ext = os.path.splitext(out)[1].lower().lstrip(".")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    types = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in types:
+        return f"unknown image type {ext or '(none)'!r}; end the name with one of {', '.join(sorted(types))}"
+    return None
+
+
 def main(argv=None):
-    """Command line: print the table (or JSON) and optionally draw the plot; exit 0 unless bad input."""
+    """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Table columns are described in records/README.md.")
     ap.add_argument("paths", nargs="+", help="log files, or folders of .txt logs")
     ap.add_argument("--group-by", choices=("auto", "prefix", "folder"), default="auto",
                     help="auto: a folder is one group, a file its own group; prefix: by the file-name part "
                          "before the last '__' (peer_logs naming); folder: by the folder a file lies in")
-    ap.add_argument("--target", type=float, default=3.28, help="val loss to beat (one-sided t-test)")
+    ap.add_argument("--target", type=finite_float, default=3.28, help="val loss to beat (one-sided t-test)")
     ap.add_argument("--json", action="store_true", help="print the groups as JSON instead of the table")
     ap.add_argument("--plot", metavar="OUT.png", help="draw val loss curves of every run to this file")
     ap.add_argument("--x", choices=sorted(X_AXES), default="time", help="x axis of --plot")
     args = ap.parse_args(argv)
+
+    def error(message):
+        print(f"compare.py: error: {message}", file=sys.stderr)
+        return 2
+
+    problem = plot_problem(args.plot) if args.plot else None  # before the work, not after the table
+    if problem:
+        return error(f"--plot {args.plot}: {problem}")
     try:
-        runs = collect(args.paths, args.group_by)
-    except (FileNotFoundError, OSError) as e:
-        print(f"compare.py: error: {e}", file=sys.stderr)
-        return 2
+        runs = collect(args.paths, args.group_by,
+                       warn=lambda message: print(f"compare.py: warning: {message}", file=sys.stderr))
+    except OSError as e:
+        return error(e)
     if not runs:
-        print("compare.py: error: no .txt logs found in " + ", ".join(args.paths), file=sys.stderr)
-        return 2
+        return error("no .txt logs found in " + ", ".join(args.paths))
+    if all(r.reason.startswith("unreadable:") for r in runs):
+        return error("no log could be read (see the warnings above)")
     rows = group_stats(runs, args.target)
     if args.json:
         print(json.dumps(_jsonable(rows), indent=1))
     else:
         print(format_table(rows))
     if args.plot:
-        for note in plot(runs, args.plot, args.x, args.target):
+        try:
+            notes = plot(runs, args.plot, args.x, args.target)
+        except OSError as e:  # e.g. no write permission (folder and image type were checked up front)
+            return error(f"--plot {args.plot}: cannot write it: {e}")
+        for note in notes:
             print(note, file=sys.stderr)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0

@@ -9,7 +9,9 @@
 Checks, in order:
 1. the log starts with a ``### file <name> lines=<n> sha256=<hex>`` header for each source file,
    each followed by its n lines, then the separator line; every stored file's sha256 equals
-   its header (a file edited inside the log no longer matches: reported, and the run fails);
+   its header (a file edited inside the log no longer matches: reported, and the run fails). A
+   log that ends before a header's n lines (a cut copy, an interrupted write) is reported as
+   truncated; the cut file is then neither hashed, compared nor extracted;
 2. (unless ``--extract``) each stored file equals the working tree's file (``--repo``, default
    the repository that holds this records/ folder), else the first differing line is reported;
 3. with ``--rerun K``: the extracted code is written to a temp dir and run (from ``--run-dir``,
@@ -19,7 +21,15 @@ Checks, in order:
    within ``--tol`` (1e-4: float32 CPU runs, losses printed to 4 decimals), and the rerun must
    have read data with the same fingerprints as the logged run.
 
-Exit status: 0 only if every check passed; 1 if one failed; 2 for a log that cannot be read.
+What it does NOT check: only the source snapshot carries checksums. Everything after the
+separator (environment, config, data lines, step lines, val losses, train times, the summary and
+the status line) is not checksummed: an edit there is caught only where ``--rerun K`` recomputes
+it, i.e. the first K train losses and the data fingerprints. The val losses, the later train
+losses, ``train_time`` and the summary/status lines (the numbers a record is judged on) are taken
+on trust; only a full rerun checks them.
+
+Exit status: 0 only if every check passed; 1 if one failed; 2 for a log that cannot be read (or
+has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file).
 """
 import argparse
 import hashlib
@@ -33,7 +43,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare import SEPARATOR, parse_lines, parse_log, read_log_lines, split_snapshot  # noqa: E402
+from compare import SEPARATOR, has_line_end, parse_lines, parse_log, read_log_lines, split_snapshot  # noqa: E402
 
 SOURCE_FILES = ("train_gpt.py", "aurora_opt.py")  # what train_gpt.py snapshots, in this order
 # Allocator settings of the CPU runs (also used by run.sh / the tests): keep the rerun identical.
@@ -44,18 +54,31 @@ def sha256(text):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def truncation_problem(f):
+    """The message for a snapshot file ``f`` that the log's end cuts short."""
+    complete = sum(1 for ln in f.body if has_line_end(ln))
+    part = " and part of the next" if complete < len(f.body) else ""
+    return (f"the log is truncated: the header of {f.name} (log line {f.header_line}) promises {f.lines} "
+            f"lines, but the log ends after {complete} of them{part} (cut copy or interrupted write; "
+            "not checked further)")
+
+
 def extract(lines):
     """The source files stored in a log's snapshot.
 
-    Returns ``(sources, problems, rest_index)``: ``{name: text}`` with each file's exact text,
-    a list of consistency problems (sha256 mismatch, missing file, truncation, no separator),
-    and the index of the first line after the snapshot.
+    Returns ``(sources, problems, rest_index)``: ``{name: text}`` with each complete file's
+    exact text (a file the log's end cuts short is left out), a list of consistency problems
+    (sha256 mismatch, missing file, truncation, no separator), and the index of the first line
+    after the snapshot.
     """
     files, rest, truncated = split_snapshot(lines)
     problems, sources = [], {}
     if not files:
         return {}, ["the log does not start with a '### file <name> lines=<n> sha256=<hex>' header "
                     "(not a log of this repository, or its snapshot was removed)"], 0
+    if truncated:  # the last file is cut: its hash cannot match, which says nothing about edits
+        problems.append(truncation_problem(files[-1]))
+        files = files[:-1]
     for f in files:
         text = "".join(f.body)
         # train_gpt.py appends one "\n" to a file without a final newline: undo it if the hash says so
@@ -66,12 +89,14 @@ def extract(lines):
             problems.append(f"{f.name}: sha256 of the stored text ({sha256(text)[:16]}...) does not match its "
                             f"header at log line {f.header_line} ({f.sha256[:16]}...): the snapshot was edited "
                             f"after the run")
-    if truncated:
-        problems.append(f"the log ends inside the snapshot of {files[-1].name}")
+    if truncated:  # the files after the cut are missing because of it: said once above
+        return sources, problems, rest
     for name in SOURCE_FILES:
         if name not in sources:
             problems.append(f"{name}: missing from the snapshot")
-    if not truncated and (rest >= len(lines) or lines[rest].rstrip("\r\n") != SEPARATOR):
+    if rest >= len(lines):
+        problems.append("the log is truncated: it ends right after the snapshot (no separator line, no run)")
+    elif lines[rest].rstrip("\r\n") != SEPARATOR:
         problems.append(f"line {rest + 1}: expected the separator line of 100 '=' after the snapshot")
     return sources, problems, rest
 
@@ -221,15 +246,20 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rerun < 0:
         ap.error("--rerun K needs K >= 1")
+
+    def error(message):
+        print(f"verify.py: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.extract and os.path.exists(args.extract) and not os.path.isdir(args.extract):
+        return error(f"--extract {args.extract}: exists and is not a folder; pass a folder (created if missing)")
     try:
         lines = read_log_lines(args.log)
     except OSError as e:
-        print(f"verify.py: error: {e}", file=sys.stderr)
-        return 2
+        return error(e)
     sources, problems, rest = extract(lines)
-    if not sources:
-        print(f"verify.py: error: {args.log}: " + "; ".join(problems), file=sys.stderr)
-        return 2
+    if not split_snapshot(lines)[0]:
+        return error(f"{args.log}: " + "; ".join(problems))
 
     print(f"log: {args.log}")
     headers = {f.name: f.sha256 for f in split_snapshot(lines)[0]}
@@ -240,16 +270,24 @@ def main(argv=None):
         print(f"FAIL snapshot: {p}")
     failed = bool(problems)
     if args.extract:
-        write_sources(sources, args.extract)
-        print(f"extracted {', '.join(sources)} to {args.extract}")
+        try:
+            write_sources(sources, args.extract)
+        except OSError as e:
+            return error(f"--extract {args.extract}: cannot write there ({e.strerror or e}); pass a folder "
+                         "you can write (created if missing)")
+        print(f"extracted {', '.join(sources) or 'nothing'} to {args.extract}")
     else:
         diffs = compare_with_tree(sources, os.path.abspath(args.repo))
         for d in diffs:
             print(f"FAIL working tree: {d}")
-        if not diffs:
+        if sources and not diffs:
             print(f"working tree: {', '.join(sources)} equal to the log's snapshot ({os.path.abspath(args.repo)})")
         failed |= bool(diffs)
-    if args.rerun:
+    missing = [name for name in SOURCE_FILES if name not in sources]
+    if args.rerun and missing:
+        print(f"rerun: skipped: the log holds no complete {' / '.join(missing)} to run")
+        failed = True
+    elif args.rerun:
         try:
             ok, report = rerun(lines, rest, sources, args.rerun, args.train_files, args.val_files,
                                os.path.abspath(args.run_dir), args.tol)

@@ -222,6 +222,62 @@ def test_bad_inputs_get_one_clear_error(tmp_path):
             tok.tokenize_to_shards(args, str(tmp_path / "o"), "x", workers=1, progress=False)
 
 
+@pytest.mark.parametrize("row", ["[1, 2, 3]", '"a string row"', "42", "null"])
+def test_jsonl_rows_that_are_not_objects_are_an_error(tmp_path, row):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(f'{{"text": "fine"}}\n{row}\n{{"text": "also fine"}}\n', encoding="utf-8")
+    with pytest.raises(tok.TokenizeError, match=r"rows\.jsonl:2: .*not a JSON object"):
+        tok.tokenize_to_shards([str(bad)], str(tmp_path / "o"), "x", workers=1, progress=False)
+    with pytest.raises(tok.TokenizeError, match=r"rows\.jsonl:2: "):  # also when a filter is given
+        tok.tokenize_to_shards([str(bad)], str(tmp_path / "o"), "x", filters={"k": "v"}, workers=1,
+                               progress=False)
+    assert bin_files(tmp_path) == []
+
+
+def _snapshot(folder):
+    """{name: bytes} of every file in ``folder``."""
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
+
+
+def test_overwrite_that_fails_partway_leaves_the_old_set_untouched(tmp_path):
+    out = tmp_path / "out"
+    old_src = write_jsonl(tmp_path / "old.jsonl", [{"text": t} for t in DOCS])
+    tok.tokenize_to_shards([old_src], str(out), "p", shard_size=5, val_docs=1, workers=1, progress=False)
+    before = _snapshot(out)
+    assert len(before) > 4 and "p_val_000000.bin" in before
+    # other documents (new shards get written and flushed), then a malformed line near the end
+    new_src = tmp_path / "new.jsonl"
+    new_src.write_text("".join(json.dumps({"text": t.upper() + " new"}) + "\n" for t in DOCS) + "{oops\n",
+                       encoding="utf-8")
+    for workers in (1, 2):
+        with pytest.raises(tok.TokenizeError, match=r"new\.jsonl:6: not valid JSON"):
+            tok.tokenize_to_shards([str(new_src)], str(out), "p", shard_size=5, workers=workers, overwrite=True,
+                                   progress=False)
+        assert _snapshot(out) == before  # same names, same bytes, no temporary file left
+    res = run_cli("tokenize.py", new_src, "--output-dir", out, "--prefix", "p", "--shard-size", "5",
+                  "--overwrite", "--workers", "2")
+    assert res.returncode == 1 and "new.jsonl:6: not valid JSON" in res.stderr
+    assert _snapshot(out) == before
+    # the same input without the bad line: the new set replaces the old one entirely
+    good_src = write_jsonl(tmp_path / "good.jsonl", [{"text": t.upper() + " new"} for t in DOCS])
+    written = tok.tokenize_to_shards([good_src], str(out), "p", shard_size=7, workers=1, overwrite=True,
+                                     progress=False)
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p, _, _ in written)
+    assert "p_val_000000.bin" not in os.listdir(out)
+
+
+def test_output_dir_that_is_a_file_gets_one_clear_error(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}])
+    (tmp_path / "out_is_file").write_text("not a folder")
+    for out in (tmp_path / "out_is_file", tmp_path / "out_is_file" / "sub"):
+        res = run_cli("tokenize.py", src, "--output-dir", out, "--prefix", "x", "--workers", "1")
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        [line] = res.stderr.strip().splitlines()
+        assert line.startswith("error: --output-dir ") and str(tmp_path / "out_is_file") in line
+        assert "not a folder" in line and "pick" in line, line
+    assert (tmp_path / "out_is_file").read_text() == "not a folder"
+
+
 class _WideEncoder:
     """Stands in for a tokenizer with more than 65536 tokens."""
 
@@ -298,8 +354,8 @@ def test_check_reports_each_bad_shard_kind(tmp_path, script, first):
     res = run_cli(script, *first, d / "*.bin")
     assert res.returncode == 1
     lines = {os.path.basename(line.split()[0]): line for line in res.stdout.splitlines()[1:]}
-    assert res.stdout.splitlines()[0].split() == ["file", "tokens", "documents", "status"]
-    assert lines["good.bin"].split()[1:] == ["5", "2", "ok"]
+    assert res.stdout.splitlines()[0].split() == ["file", "tokens", "documents", "max_id", "status"]
+    assert lines["good.bin"].split()[1:] == ["5", "2", "50256", "ok"]
     for name, why in [("magic.bin", "bad magic 12345"), ("version.bin", "version 7"),
                       ("truncated.bin", "header says 3 tokens"), ("short.bin", "shorter than the 1024-byte")]:
         assert why in lines[name] and str(d / name) in lines[name].split(None, 1)[1], lines[name]
@@ -310,6 +366,21 @@ def test_check_reports_each_bad_shard_kind(tmp_path, script, first):
 
     none = run_cli(script, *first, d / "nothing*.bin")
     assert none.returncode == 1 and "no file matches" in none.stdout
+
+
+@pytest.mark.parametrize("script,first", [("tokenize.py", ["--check"]), ("check_shards.py", [])])
+def test_check_reports_token_ids_above_gpt2(tmp_path, script, first):
+    _raw_shard(tmp_path / "gpt2_max.bin", [EOT, 5, 50256, 17])
+    _raw_shard(tmp_path / "wide.bin", [EOT, 5, 50257, 60000, 3])
+    _raw_shard(tmp_path / "empty.bin", [])
+    res = run_cli(script, *first, tmp_path / "*.bin")
+    assert res.returncode == 1
+    lines = {os.path.basename(line.split()[0]): line for line in res.stdout.splitlines()[1:]}
+    assert lines["gpt2_max.bin"].split()[1:] == ["4", "2", "50256", "ok"]
+    assert lines["empty.bin"].split()[1:] == ["0", "0", "-", "ok"]
+    assert lines["wide.bin"].split()[1:4] == ["5", "1", "60000"]
+    assert "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize.py" in lines["wide.bin"]
+    assert run_cli(script, *first, tmp_path / "gpt2_max.bin").returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,3 +491,44 @@ def test_download_invalid_file_is_deleted_and_reported(tmp_path, monkeypatch, ca
     out = capsys.readouterr()
     assert "invalid download, deleted" in out.out + out.err and "fineweb_val_000000.bin" in out.out + out.err
     assert bin_files(tmp_path) == []
+
+
+def test_download_offline_keeps_an_invalid_file(tmp_path):
+    """The invalid file is replaced only by a validated download, never deleted before the Hub answers."""
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    bad = _valid_shard_bytes(4)
+    bad = b"\x00\x01\x02\x03" + bad[4:]  # bad magic
+    (fw / "fineweb_val_000000.bin").write_bytes(bad)
+    res = run_cli("cached_fineweb10B.py", "0", "--local-dir", fw, env={"HF_HUB_OFFLINE": "1"}, timeout=60)
+    assert res.returncode == 1 and "cannot reach the Hugging Face Hub" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert "fineweb_val_000000.bin" in res.stdout and "bad magic" in res.stdout
+    assert os.listdir(fw) == ["fineweb_val_000000.bin"] and (fw / "fineweb_val_000000.bin").read_bytes() == bad
+
+
+def test_download_replaces_an_invalid_file_only_with_a_valid_download(tmp_path, monkeypatch, capsys):
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    bad = _valid_shard_bytes(4)[:-1]
+    (fw / "fineweb_val_000000.bin").write_bytes(bad)
+    payload = {"data": _valid_shard_bytes(4)[:-3]}  # first try: an invalid download
+
+    def fake_download(repo_id, filename, *, repo_type, local_dir):
+        assert (fw / filename).read_bytes() == bad  # still there while the replacement downloads
+        os.makedirs(local_dir, exist_ok=True)
+        path = os.path.join(local_dir, filename)
+        with open(path, "wb") as f:
+            f.write(payload["data"])
+        return path
+
+    monkeypatch.setattr(dl, "check_hub_reachable", lambda filename: None)
+    monkeypatch.setattr(dl, "hf_hub_download", fake_download)
+    assert dl.main(["0", "--local-dir", str(fw)]) == 1
+    assert "invalid download, deleted" in capsys.readouterr().out
+    assert bin_files(tmp_path) == [str(fw / "fineweb_val_000000.bin")]
+    assert (fw / "fineweb_val_000000.bin").read_bytes() == bad  # left as it was
+    payload["data"] = _valid_shard_bytes(9)
+    assert dl.main(["0", "--local-dir", str(fw)]) == 0
+    assert dl.read_shard_header(str(fw / "fineweb_val_000000.bin")) == 9
+    assert bin_files(tmp_path) == [str(fw / "fineweb_val_000000.bin")]

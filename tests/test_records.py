@@ -264,6 +264,95 @@ def test_statistics_match_hand_computed_values(tmp_path):
     assert other[0]["p_value"] > three["p_value"]
 
 
+@pytest.mark.parametrize("bad", ["nan", "-inf", "inf"])
+def test_non_finite_final_val_loss_is_incomplete(tmp_path, bad):
+    for i, x in enumerate([3.277, 3.279]):
+        modded_log(tmp_path / f"g__{i}.txt", x)
+    write_text(tmp_path / "g__bad.txt", "step:0/100 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
+                                        f"step:100/100 val_loss:{bad} train_time:5000ms step_avg:50.00ms\n")
+    runs = compare.collect([str(tmp_path)], "prefix")
+    bad_run = [r for r in runs if r.name == "g__bad"][0]
+    assert not bad_run.complete and bad_run.reason == f"non-finite final val loss ({bad})"
+    [row] = compare.group_stats(runs)
+    assert row["runs"] == 2 and row["mean_val_loss"] == pytest.approx(3.278, abs=1e-12)
+    assert row["incomplete"] == [f"g__bad (non-finite final val loss ({bad}))"]
+    # our format: status:complete does not make a nan final val loss count either
+    write_text(tmp_path / "ours.txt", "config: {}\nstep:0/2 val_loss:10.8 train_time:0ms\n"
+                                      f"step:2/2 val_loss:{bad} train_time:9ms\nstatus:complete\n")
+    assert compare.parse_log(str(tmp_path / "ours.txt")).reason == f"non-finite final val loss ({bad})"
+
+
+def test_plot_skips_non_finite_points(tmp_path):
+    write_text(tmp_path / "a.txt", "step:0/100 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
+                                   "step:50/100 val_loss:nan train_time:2500ms step_avg:50.00ms\n"
+                                   "step:100/100 val_loss:3.2790 train_time:5000ms step_avg:50.00ms\n")
+    write_text(tmp_path / "b.txt", "step:0/100 val_loss:10.8258 train_time:0ms step_avg:nanms\n"
+                                   "step:50/100 val_loss:4.0000 train_time:2500ms step_avg:50.00ms\n"
+                                   "step:60/100 val_loss:inf train_time:3000ms step_avg:50.00ms\n")
+    write_text(tmp_path / "c.txt", "step:100/100 val_loss:-inf train_time:5000ms step_avg:50.00ms\n")
+    out = tmp_path / "p.png"
+    proc = run_tool("compare.py", tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt", "--plot", out)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot: a (a): left out 1 non-finite point" in proc.stderr
+    assert "plot: b (b): left out 1 non-finite point" in proc.stderr
+    assert "plot: skipped c (c): no finite val point" in proc.stderr
+
+
+@pytest.mark.parametrize("target", ["inf", "nan", "-inf"])
+def test_target_must_be_finite(tmp_path, target):
+    modded_log(tmp_path / "a.txt", 3.27)
+    proc = run_tool("compare.py", tmp_path / "a.txt", f"--target={target}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"argument --target: expected a finite number, got {target!r}" in proc.stderr
+
+
+def test_plot_into_a_missing_folder_is_one_error_line(tmp_path):
+    modded_log(tmp_path / "a.txt", 3.27)
+    for out in ("/nonexistent/dir/p.png", str(tmp_path / "a.txt" / "p.png")):
+        proc = run_tool("compare.py", tmp_path / "a.txt", "--plot", out)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"compare.py: error: --plot {out}: ") and "no folder" in line, line
+
+
+def test_unreadable_entries_are_listed_and_the_rest_compared(tmp_path, monkeypatch):
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    for i, x in enumerate([3.277, 3.279]):
+        modded_log(grp / f"r{i}.txt", x)
+    (grp / "sub.txt").mkdir()
+    os.symlink("self.txt", grp / "self.txt")
+    proc = run_tool("compare.py", grp)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    warnings = proc.stderr.strip().splitlines()
+    assert len(warnings) == 2 and all(w.startswith("compare.py: warning: cannot read ") for w in warnings)
+    assert any("sub.txt" in w for w in warnings) and any("self.txt" in w for w in warnings)
+    row = proc.stdout.splitlines()[2].split()
+    assert row[:4] == ["grp", "2", "2", "3.2780"]
+    assert "grp: self (unreadable:" in proc.stdout and "grp: sub (unreadable:" in proc.stdout
+    js = json.loads(run_tool("compare.py", "--json", grp).stdout)
+    assert js[0]["runs"] == 2 and len(js[0]["incomplete"]) == 2
+    assert run_tool("compare.py", "--plot", tmp_path / "p.png", grp).returncode == 0
+    # nothing readable at all: an error
+    only_bad = tmp_path / "only_bad"
+    only_bad.mkdir()
+    (only_bad / "sub.txt").mkdir()
+    proc = run_tool("compare.py", only_bad)
+    assert proc.returncode == 2 and "no log could be read" in proc.stderr
+    # a file without read permission (simulated: the tests may run as root)
+    real = compare.read_log_lines
+
+    def deny(path):
+        if path.endswith("r1.txt"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+    monkeypatch.setattr(compare, "read_log_lines", deny)
+    runs = {r.name: r for r in compare.collect([str(grp)])}
+    assert runs["r1"].reason == "unreadable: Permission denied" and runs["r0"].complete
+
+
 def test_json_output_keys_and_values():
     proc = run_tool("compare.py", "--json", "--group-by", "prefix", PEER)
     assert proc.returncode == 0, proc.stderr
@@ -395,3 +484,42 @@ def test_verify_rerun_catches_other_data_and_other_losses(fresh, tmp_path):
     kept = re.search(r"^rerun: code and log in (\S+)$", proc.stdout, re.M)[1]  # kept for inspection
     assert os.path.exists(os.path.join(kept, "verify.txt"))
     shutil.rmtree(kept)
+
+
+def test_verify_says_truncated_not_edited(fresh, tmp_path):
+    lines = read_text(fresh["log"]).splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("### file aurora_opt.py"))
+    n = int(compare.HEADER_RE.match(lines[start].rstrip("\n"))["lines"])
+    for name, text, promised in [
+            ("cut_lines.txt", "".join(lines[:start + 11]), f"promises {n} lines, but the log ends after 10"),
+            ("cut_mid_line.txt", "".join(lines[:start + n]) + lines[start + n][:5],
+             f"promises {n} lines, but the log ends after {n - 1}")]:
+        write_text(tmp_path / name, text)
+        proc = run_tool("verify.py", tmp_path / name, "--repo", fresh["tree"])
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "edited after the run" not in proc.stdout
+        assert f"FAIL snapshot: the log is truncated: the header of aurora_opt.py (log line {start + 1}) " \
+               f"{promised}" in proc.stdout, proc.stdout
+        assert "train_gpt.py equal to the log's snapshot" in proc.stdout  # the complete file is still checked
+        assert "aurora_opt.py line" not in proc.stdout  # the cut copy is not diffed against the tree
+    # cut right after the snapshot: no separator and no run
+    write_text(tmp_path / "no_run.txt", "".join(lines[:start + 1 + n]))
+    proc = run_tool("verify.py", tmp_path / "no_run.txt", "--repo", fresh["tree"])
+    assert proc.returncode == 1 and "the log is truncated: it ends right after the snapshot" in proc.stdout
+
+
+def test_verify_extract_onto_a_file_is_one_error_line(fresh, tmp_path):
+    target = tmp_path / "existing_file"
+    target.write_text("keep me")
+    proc = run_tool("verify.py", fresh["log"], "--extract", target)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"verify.py: error: --extract {target}: ") and "not a folder" in line, line
+    assert target.read_text() == "keep me"
+
+
+def test_verify_documents_what_it_does_not_check():
+    readme = read_text(os.path.join(RECORDS, "README.md"))
+    for text in (verify.__doc__, readme):
+        flat = " ".join(text.split())
+        assert "not checksummed" in flat and "first K" in flat
