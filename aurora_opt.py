@@ -260,8 +260,8 @@ class Aurora(torch.optim.Optimizer):
                             what = "gradient" if not bool(ok[i]) else "update"
                             name = names[i] or f"parameter of shape {tuple(p.shape)}"
                             raise FloatingPointError(
-                                f"Aurora: non-finite {what} in {name}; weights left unchanged "
-                                f"(lower the lr or check the data/loss for NaN)")
+                                f"Aurora: non-finite {what} in {name}; weights left unchanged, momentum "
+                                f"buffers not (lower the lr or check the data/loss for NaN)")
 
         for group, params, _, O, _ in pending:
             lr, wd = group["lr"], group["weight_decay"]

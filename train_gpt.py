@@ -98,11 +98,11 @@ class Config:
     val_batch_seqs: int = _f(0, "val sequences per process per forward (0 = micro_batch_seqs)")
     log_every: int = _f(1, "train-loss line every this many steps")
     log_dir: str = _f("logs", "where <run_id>.txt and <run_id>.json go")
-    run_id: str = _f("", "name of the run (default: date, time and a random suffix)")
+    run_id: str = _f("", "name of the run; unset: date, time and a random suffix")
     seed: int = _f(0, "seed of the weight init")
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
-    compile: bool = _f(None, "torch.compile the model (default: on with CUDA, off on CPU)")
-    bf16: bool = _f(None, "bfloat16 autocast (default: on with CUDA; CPU runs are float32)")
+    compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
+    bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -124,7 +124,7 @@ PRESETS = {
     "record_8xb200": dict(RECORD, micro_batch_seqs=64),
     # 2 CPU cores, under 5 minutes: a tiny model on the real-text shards.
     "cpu_smoke": dict(n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
-                      micro_batch_seqs=16, num_iterations=120, momentum_warmup_steps=0,
+                      micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0,
                       embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
 }
 
@@ -144,6 +144,15 @@ class DataError(ValueError):
     """A shard or glob that cannot be used; the message names the file and the fix."""
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser():
     """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
     p = argparse.ArgumentParser(
@@ -152,7 +161,7 @@ def build_parser():
                     "--preset sets several at once and explicit flags override it.",
         epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
                                         for k, v in PRESETS.items()),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="bundle of defaults")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
@@ -1000,6 +1009,15 @@ def prepare_resume(cfg):
     return state, path, check_resume_config(state["config"], cfg)
 
 
+def check_batch_split(cfg, world):
+    """The global batch must split into equal micro-batches over the processes; suggest values."""
+    seqs = cfg.batch_tokens // cfg.seq_len
+    if seqs % (cfg.micro_batch_seqs * world):
+        fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
+        raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
+                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
+
+
 def check_checkpoint_dir(cfg, run_id):
     """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
     if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
@@ -1132,6 +1150,7 @@ class RunLog:
             return
         reason = " | ".join(str(reason).split("\n")) if reason else None  # the status stays one line
         self.summary["status"] = status
+        self.summary.pop("reason", None)  # a resumed run's earlier stop reason no longer applies
         if reason:
             self.summary["reason"] = reason
         self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
@@ -1179,13 +1198,17 @@ def train(cfg, rt, log, preset=None, resume=None, stop=None):
     resume_state, resume_path, diffs = resume or (None, None, [])
     if diffs:
         log.line("resume_force: continuing despite config differences: " + "; ".join(diffs))
+    # every start (a resume too, maybe on another machine) records where and how it ran
+    for text in environment_lines(rt):
+        log.line(text, echo=False)
+    log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        log.line(f"launcher: torchrun, {os.environ.get('LOCAL_WORLD_SIZE', '?')} process(es) per node, "
+                 f"world size {rt.world}", echo=False)
+    log.line(f"git: {git_description()}", echo=False)
     if log.is_new:
-        for text in environment_lines(rt):
-            log.line(text, echo=False)
-        log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
         log.line(f"preset: {preset}", echo=False)
         log.line("config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), echo=False)
-        log.line(f"git: {git_description()}", echo=False)
     for kind, files in (("train", train_files), ("val", val_files)):
         for f in files:
             log.line(f"data {kind}: {f} tokens:{read_shard_header(f)} bytes:{os.path.getsize(f)} "
@@ -1304,9 +1327,7 @@ def train(cfg, rt, log, preset=None, resume=None, stop=None):
         last = done == end_step
         if done % cfg.log_every == 0 or last or stop["signal"]:
             rt.sync()
-            now = time.perf_counter()
-            run["train_time_ms"] += 1000 * (now - t0)
-            t0 = now
+            run["train_time_ms"] += 1000 * (time.perf_counter() - t0)
             value, bad_step = loss.item(), int(first_bad)
             if bad_step:
                 raise FloatingPointError(f"train loss is not finite since step {bad_step}; lower the lr "
@@ -1315,6 +1336,7 @@ def train(cfg, rt, log, preset=None, resume=None, stop=None):
             log.line(step_line(done, cfg, "train_loss", value, run["train_time_ms"], done, dict(
                 phase=phase, tokens=run["raw_tokens"], positions=run["positions"],
                 flops=f"{run['flops']:.3e}", lr_scale=f"{scale:.4f}")))
+            t0 = time.perf_counter()  # the log line itself is not training time
         timed_pause = (cfg.val_every and done % cfg.val_every == 0) or last or \
             (cfg.save_every and done % cfg.save_every == 0) or stop["signal"]
         if timed_pause:
@@ -1375,6 +1397,7 @@ def main(argv=None):
         resume = prepare_resume(cfg) if cfg.resume else None
         run_id = cfg.run_id or (resume[0]["run_id"] if resume else
                                 datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        check_batch_split(cfg, rt.world)
         if rt.master:
             check_checkpoint_dir(cfg, run_id)
         log = RunLog(cfg, rt, run_id, resume=resume is not None)
