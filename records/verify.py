@@ -174,9 +174,10 @@ def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir
         config["val_files"] = os.path.abspath(val_files)
     tmp = tempfile.mkdtemp(prefix="verify_")
     write_sources(sources, tmp)
-    # Never touch the logged run's checkpoints or resume from them.
+    # Never touch the logged run's checkpoints or resume from them; a short CPU run into tmp.
     for key, value in dict(resume="", checkpoint_dir=os.path.join(tmp, "checkpoints"), save_every=0,
-                           save_final=False, save_on_interrupt=False).items():
+                           save_final=False, save_on_interrupt=False, max_steps=steps, device="cpu",
+                           compile=False, log_dir=tmp, run_id="verify").items():
         if key in config:
             config[key] = value
     # config_to_argv of the logged code: its flags are the ones that code understands.
@@ -187,8 +188,7 @@ def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir
     if got.returncode != 0:
         return False, ["rerun: config_to_argv of the logged code failed:", got.stderr.strip()[-2000:]]
     argv = json.loads(got.stdout.strip().splitlines()[-1])
-    cmd = [sys.executable, os.path.join(tmp, "train_gpt.py")] + argv + [
-        "--max-steps", str(steps), "--device", "cpu", "--no-compile", "--log-dir", tmp, "--run-id", "verify"]
+    cmd = [sys.executable, os.path.join(tmp, "train_gpt.py")] + argv
     env = dict(os.environ, **RERUN_ENV)
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True)
     new_log = os.path.join(tmp, "verify.txt")
