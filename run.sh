@@ -3,7 +3,7 @@
 #   bash run.sh                                   # shards from $DATA_DIR (default data/fineweb10B)
 #   DATA_DIR=../shared/data/realtext bash run.sh  # any folder of *_train_*.bin / *_val_*.bin shards
 #   bash run.sh --seed 3                          # extra arguments go to train_gpt.py
-# Exit status 0 only for a completed run; the log path is printed at the end.
+# Exit status 0 only for a completed run (or one stopped by --max-steps); the log path is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"

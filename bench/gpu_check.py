@@ -765,7 +765,9 @@ def summary_rows(res):
     rows += [("timing", "peak memory", tm.get("peak_memory_mib"), "MiB"),
              ("project", f"full {pj.get('preset') or res['args']['preset']}: N / phase 1 / phase 2 steps",
               slash(pj.get("num_iterations"), pj.get("phase1_steps"), pj.get("phase2_steps")), "steps"),
-             ("project", "projected train time", f"{fmt(pj.get('projected_train_time_ms'))} "
+             ("project", "projected train time" + (" (dry run: the tiny model's step times)"
+                                                   if res["args"].get("dry_run") else ""),
+              f"{fmt(pj.get('projected_train_time_ms'))} "
               f"({fmt(pj.get('projected_train_time_min'))} min)", "ms"),
              ("result", "status / exit code", slash(res.get("status"), res.get("exit_code")), ""),
              ("result", "wall time of this check", res.get("wall_s"), "s")]

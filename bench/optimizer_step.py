@@ -1,6 +1,6 @@
 """Optimizer step time of Aurora and Muon on the GPT-2-small block matrices.
 
-    python bench/optimizer_step.py                  # CPU; every NS variant x Muon, Aurora K=1, K=2
+    python bench/optimizer_step.py                  # CPU (3-7 min on 2 cores); every NS variant x Muon, Aurora K=1, K=2
     python bench/optimizer_step.py --device cuda    # on a GPU (add --compile to compile the direction)
     python bench/optimizer_step.py --markdown       # the table as markdown (for the README)
 
