@@ -75,7 +75,7 @@ def main(argv=None):
     p.add_argument("--bag-sizes", default="1,4,8,16")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--naive-up-to", type=int, default=4,
+    p.add_argument("--naive-up-to", type=int, default=2,
                    help="largest s for the naive row (it needs s + 2 copies of the logits)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: "kind,s" measured in this process
