@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 import train_gpt as T
 from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args

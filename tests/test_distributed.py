@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from conftest import REPO, read_log, subprocess_env, tiny_args
 
