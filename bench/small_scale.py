@@ -159,9 +159,12 @@ def read_log(path):
 
 
 def expected_config(argv):
-    """The resolved trainer config of a command line (train_gpt.parse_config), for the resume check."""
-    sys.path.insert(0, os.path.dirname(argv[1]))  # the snapshot's train_gpt.py
-    import train_gpt
+    """The resolved trainer config of a command line, for the resume check.
+
+    Parsed by the working tree's ``train_gpt.parse_config`` (a snapshot with other defaults
+    then looks changed, and its runs are retrained: the safe side).
+    """
+    train_gpt = trainer_module()
     cfg, _ = train_gpt.parse_config(argv[2:])
     keys = list(train_gpt.RUN_DEFINING) + ["train_files", "val_files", "val_every"]
     return {k: getattr(cfg, k) for k in keys}
@@ -401,13 +404,67 @@ def arm_stats(runs):
     return out
 
 
-def corpus_tokens(pattern):
-    """Tokens in the train shards (header field 2 of each), to tell whether an arm repeats data."""
+def corpus_tokens(pattern, flag):
+    """Tokens in the shards of a glob (validated by the trainer's own header check); SystemExit naming ``flag``."""
     import glob
-    total = 0
-    for f in sorted(glob.glob(os.path.join(REPO, pattern) if not os.path.isabs(pattern) else pattern)):
-        total += int(np.fromfile(f, dtype="<i4", count=3)[2])
-    return total
+    tg = trainer_module()
+    files = sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(REPO, pattern)))
+    if not files:
+        raise SystemExit(f"{flag} {pattern!r}: no shard found (relative to {REPO}); check the glob")
+    try:
+        return sum(tg.read_shard_header(f) for f in files)
+    except tg.DataError as e:
+        raise SystemExit(f"{flag}: {e}") from None
+
+
+def trainer_module():
+    """The working tree's train_gpt, imported once (its config parser and shard check)."""
+    if "train_gpt" not in sys.modules:
+        sys.path.insert(0, REPO)
+    import train_gpt
+    return train_gpt
+
+
+def parse_list(text, flag, kind):
+    """A non-empty comma list without repeats; floats must be finite and > 0. SystemExit naming ``flag``."""
+    words = [w.strip() for w in text.split(",")]
+    if not text.strip() or any(not w for w in words):
+        raise SystemExit(f"{flag} {text!r}: give a comma list without empty items, e.g. "
+                         + ("adamw,aurora" if kind is str else "0.002,0.004"))
+    if len(set(words)) != len(words):
+        raise SystemExit(f"{flag} {text!r}: an item is repeated")
+    if kind is str:
+        return words
+    try:
+        vals = [float(w) for w in words]
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: not a list of numbers; e.g. 0.002,0.004") from None
+    if not all(math.isfinite(v) and v > 0 for v in vals):
+        raise SystemExit(f"{flag} {text!r}: learning rates must be finite and > 0")
+    return vals
+
+
+def check_commands(spec):
+    """Parse every planned trainer command with the trainer's own parser before anything runs.
+
+    A bad value (e.g. from ``--trainer-args``) stops here with the trainer's one-line message
+    instead of failing every run of a sweep one by one.
+    """
+    import io
+    tg = trainer_module()
+    spec = dict(spec, trainer=os.path.join(REPO, "train_gpt.py"))
+    for arm in spec["arms"]:
+        fam, flags = ARMS[arm]
+        for lr in spec["sweep"][fam]:
+            argv = trainer_argv(spec, "/nonexistent", "check", 0, flags + [FAMILIES[fam][0], fmt_lr(lr)])
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    tg.parse_config(argv[2:])
+            except (tg.ConfigError, SystemExit) as e:
+                msg = str(e) if isinstance(e, tg.ConfigError) else err.getvalue().strip().splitlines()[-1]
+                raise SystemExit(f"arm {arm} (lr {fmt_lr(lr)}): the trainer rejects its command: {msg} "
+                                 "(set by this script's flags or --trainer-args)") from None
 
 
 def analyse(stats, corpus):
@@ -659,43 +716,59 @@ def main(argv=None):
     for k in ("seeds", "steps", "batch_tokens", "val_tokens", "val_every", "sweep_extend"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
-    if args.arms:
-        spec["arms"] = [a.strip() for a in args.arms.split(",") if a.strip()]
-        bad = [a for a in spec["arms"] if a not in ARMS]
-        if bad:
-            raise SystemExit(f"--arms: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
+    bad = [a for a in spec["arms"] if a not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
     spec["sweep"] = dict(spec["sweep"])
     for fam in FAMILIES:
         given = getattr(args, f"{fam}_lrs")
-        if given:
-            spec["sweep"][fam] = [float(x) for x in given.split(",")]
+        if given is not None:
+            spec["sweep"][fam] = parse_list(given, f"--{fam}-lrs", float)
         elif fam not in spec["sweep"] and any(ARMS[a][0] == fam for a in spec["arms"]):
             spec["sweep"][fam] = MODES["full"]["sweep"][fam]
+    for flag, key, low in (("--seeds", "seeds", 1), ("--steps", "steps", 1), ("--batch-tokens", "batch_tokens", 1),
+                           ("--val-tokens", "val_tokens", 1), ("--val-every", "val_every", 1),
+                           ("--sweep-extend", "sweep_extend", 0)):
+        if spec[key] < low:
+            raise SystemExit(f"{flag} must be >= {low} (got {spec[key]})")
+    if args.jobs < 1 or args.threads < 0:
+        raise SystemExit(f"--jobs must be >= 1 and --threads >= 0 (got --jobs {args.jobs}, --threads {args.threads})")
     seqs = spec["batch_tokens"] // MODEL["seq_len"]
     if spec["batch_tokens"] % MODEL["seq_len"] or (seqs > 16 and seqs % 16):
         raise SystemExit(f"--batch-tokens must be a multiple of seq_len {MODEL['seq_len']} "
                          f"(and of 16 x {MODEL['seq_len']} above 16 sequences)")
+    try:
+        trainer_args = shlex.split(args.trainer_args)
+    except ValueError as e:
+        raise SystemExit(f"--trainer-args {args.trainer_args!r}: {e}; quote it as one shell word") from None
     spec.update(train_files=args.train_files, val_files=args.val_files, date=date,
                 machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
                 + (f", {args.jobs} runs at a time" if args.jobs > 1 else ""),
-                trainer_args=shlex.split(args.trainer_args),
+                trainer_args=trainer_args,
                 command="python bench/small_scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     out = args.out or spec["out"].format(date=date)
     out = out if os.path.isabs(out) else os.path.join(REPO, out)
-    corpus = corpus_tokens(spec["train_files"])
-    if corpus == 0:
-        raise SystemExit(f"--train-files {spec['train_files']!r}: no shard found (relative to {REPO})")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out {out}: exists and is not a folder; name a folder")
+    corpus = corpus_tokens(spec["train_files"], "--train-files")
+    corpus_tokens(spec["val_files"], "--val-files")
+    check_commands(spec)
     n_sweep = sum(len(v) for f, v in spec["sweep"].items() if any(ARMS[a][0] == f for a in spec["arms"]))
     n_arm = len(spec["arms"]) * spec["seeds"] - sum(1 for f in spec["sweep"] if FAMILIES[f][1] in spec["arms"])
     print(f"small_scale ({mode}): {len(spec['arms'])} arms x {spec['seeds']} seeds, {spec['steps']} steps x "
           f"{spec['batch_tokens']} positions; {n_sweep} sweep runs + {n_arm} arm runs (+ sweep extensions); "
           f"output {out}", flush=True)
-    os.makedirs(out, exist_ok=True)
-    spec["trainer"], spec["trainer_sha256"] = snapshot_trainer(out)
-    if args.dry_run:
+    if args.dry_run:  # creates nothing: a later real run must snapshot the code of its own time
+        spec["trainer"] = os.path.join(REPO, "train_gpt.py")
         for a in spec["arms"]:
             print(shlex.join(trainer_argv(spec, os.path.join(out, a), f"{a}_seed0", 0, ARMS[a][1] + ["<lr>"])))
         return 0
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot create it ({e.strerror}); name a writable folder") from None
+    spec["trainer"], spec["trainer_sha256"] = snapshot_trainer(out)
     ledger = dict(verbose=args.verbose, threads=args.threads, out=out, jobs=args.jobs, lock=threading.Lock())
 
     sweep = lr_sweep(spec, out, ledger)

@@ -281,7 +281,7 @@ def collect(paths, group_by="auto", warn=None):
     permission) becomes an incomplete run with reason ``unreadable: ...`` and is reported through
     ``warn(message)`` if given. Raises FileNotFoundError for a path that does not exist.
     """
-    runs = []
+    runs, seen = [], set()
     for p in paths:
         if os.path.isdir(p):
             files = sorted(f for f in glob.glob(os.path.join(p, "*.txt")) if os.path.basename(f) != "README.txt")
@@ -291,6 +291,11 @@ def collect(paths, group_by="auto", warn=None):
         else:
             raise FileNotFoundError(f"{p}: no such file or folder")
         for f in files:
+            if os.path.realpath(f) in seen:  # the same log named twice would count as two runs
+                if warn:
+                    warn(f"{f}: already read (named twice); counted once")
+                continue
+            seen.add(os.path.realpath(f))
             group = group_of(f, as_folder, group_by)
             try:
                 runs.append(parse_log(f, group))

@@ -34,6 +34,7 @@ has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file)
 import argparse
 import hashlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -245,7 +246,9 @@ def main(argv=None):
                          "resolve (runs are launched from the repo root); default: the repo holding records/")
     args = ap.parse_args(argv)
     if args.rerun < 0:
-        ap.error("--rerun K needs K >= 1")
+        ap.error("--rerun K needs K >= 1 (0, the default, skips the rerun)")
+    if not (math.isfinite(args.tol) and args.tol >= 0):
+        ap.error(f"--tol must be a finite number >= 0 (got {args.tol})")
 
     def error(message):
         print(f"verify.py: error: {message}", file=sys.stderr)
@@ -262,6 +265,10 @@ def main(argv=None):
         return error(f"{args.log}: " + "; ".join(problems))
 
     print(f"log: {args.log}")
+    status = [ln for ln in lines[rest:] if ln.startswith("status:")]
+    if not status or not status[-1].startswith("status:complete"):
+        print(f"note: the run did not finish ({status[-1].strip() if status else 'no status line'}); "
+              "the checks below cover its code and first steps only")
     headers = {f.name: f.sha256 for f in split_snapshot(lines)[0]}
     for name, text in sources.items():
         match = "matches its header" if sha256(text) == headers[name] else "DOES NOT match its header"

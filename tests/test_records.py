@@ -523,3 +523,28 @@ def test_verify_documents_what_it_does_not_check():
     for text in (verify.__doc__, readme):
         flat = " ".join(text.split())
         assert "not checksummed" in flat and "first K" in flat
+
+
+def test_the_same_log_named_twice_counts_once(tmp_path):
+    for i, x in enumerate([3.277, 3.279]):
+        modded_log(tmp_path / f"g__{i}.txt", x)
+    warnings = []
+    runs = compare.collect([str(tmp_path), str(tmp_path / "g__0.txt"), str(tmp_path)], "prefix",
+                           warn=warnings.append)
+    assert len(runs) == 2 and len(warnings) == 3 and all("counted once" in w for w in warnings)
+    assert compare.group_stats(runs)[0]["std_val_loss"] == pytest.approx(math.sqrt(2e-6), rel=1e-6)
+
+
+@pytest.mark.parametrize("tol", ["inf", "nan", "-1e-4"])
+def test_verify_rejects_a_tolerance_that_cannot_judge(fresh, tol):
+    proc = run_tool("verify.py", fresh["log"], "--rerun", "1", "--tol", tol)
+    assert proc.returncode == 2 and "--tol" in proc.stderr and "rerun:" not in proc.stdout
+
+
+def test_verify_notes_an_unfinished_run(fresh, tmp_path):
+    cut = tmp_path / "cut.txt"
+    lines = read_text(fresh["log"]).splitlines(keepends=True)
+    write_text(cut, "".join(ln for ln in lines if not ln.startswith(("status:", "summary:"))))
+    proc = run_tool("verify.py", str(cut), "--repo", fresh["tree"])
+    assert proc.returncode == 0 and "note: the run did not finish (no status line)" in proc.stdout
+    assert "did not finish" not in run_tool("verify.py", fresh["log"], "--repo", fresh["tree"]).stdout

@@ -122,3 +122,19 @@ def test_unknown_arm_is_named(tmp_path):
     res = subprocess.run([sys.executable, "bench/small_scale.py", "--arms", "adamw,lion", "--dry-run",
                           "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "lion" in res.stderr and "--arms" in res.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--adamw-lrs", "0.004,"], "--adamw-lrs"),
+    (["--aurora-lrs", "nan"], "finite and > 0"),
+    (["--arms", "adamw,adamw"], "repeated"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--train-files", "README.md"], "not a token shard"),
+    (["--trainer-args", "--tst-frac 2"], "--tst-frac must be in [0, 1)"),
+])
+def test_bad_arguments_stop_before_anything_runs(tmp_path, args, says):
+    res = subprocess.run([sys.executable, "bench/small_scale.py", "--out", str(tmp_path / "o"), *args],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and says in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()
