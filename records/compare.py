@@ -274,6 +274,9 @@ def unreadable_run(path, group, err):
                reason=f"unreadable: {why}")
 
 
+NOT_LOGS = {".png", ".pdf", ".svg", ".jpg", ".json", ".md", ".py"}
+
+
 def collect(paths, group_by="auto", warn=None):
     """Parse every log named by ``paths`` (files, or folders of ``*.txt``); runs in a stable order.
 
@@ -286,6 +289,13 @@ def collect(paths, group_by="auto", warn=None):
         if os.path.isdir(p):
             files = sorted(f for f in glob.glob(os.path.join(p, "*.txt")) if os.path.basename(f) != "README.txt")
             as_folder = True
+            if not files and warn and glob.glob(os.path.join(p, "*", "*.txt")):
+                warn(f"{p}: no .txt logs in it, but in its subfolders: pass {os.path.join(p, '*')} "
+                     "to compare them (one group per subfolder)")
+        elif os.path.splitext(p)[1].lower() in NOT_LOGS:  # e.g. a plot or summary caught by a shell glob
+            if warn:
+                warn(f"{p}: not a log ({os.path.splitext(p)[1]}), skipped")
+            continue
         elif os.path.lexists(p):  # a file, or an entry that will fail to read (listed as unreadable)
             files, as_folder = [p], False
         else:

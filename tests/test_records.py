@@ -548,3 +548,17 @@ def test_verify_notes_an_unfinished_run(fresh, tmp_path):
     proc = run_tool("verify.py", str(cut), "--repo", fresh["tree"])
     assert proc.returncode == 0 and "note: the run did not finish (no status line)" in proc.stdout
     assert "did not finish" not in run_tool("verify.py", fresh["log"], "--repo", fresh["tree"]).stdout
+
+
+def test_shell_glob_over_records_skips_plots_and_points_into_nested_folders(tmp_path):
+    (tmp_path / "a").mkdir()
+    modded_log(tmp_path / "a" / "r__0.txt", 3.2771)
+    (tmp_path / "nested" / "arm").mkdir(parents=True)
+    modded_log(tmp_path / "nested" / "arm" / "x.txt", 3.29)
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    proc = run_tool("compare.py", *sorted(str(p) for p in tmp_path.iterdir()))
+    assert proc.returncode == 0, proc.stderr
+    assert "plot.png: not a log (.png), skipped" in proc.stderr
+    assert "nested: no .txt logs in it, but in its subfolders" in proc.stderr
+    rows = [ln.split()[0] for ln in proc.stdout.splitlines()[2:] if ln.strip()]
+    assert rows == ["a"]
