@@ -35,20 +35,21 @@ with one folder of logs per arm (``<out>/<arm>/<arm>_seed<k>.txt`` + ``.json``, 
 trainer's own log and summary), the sweep's logs (``<out>/lr_sweep/``) and plots of val loss vs
 FLOPs and vs train time drawn by ``records/compare.py`` (or by this script if that fails).
 
-How to run (from the repo root; one training process at a time)
-----------------------------------------------------------------
+How to run (from the repo root)
+-------------------------------
     python bench/small_scale.py --quick   # adamw, aurora, aurora_tst; 2 seeds; short sweep
                                           # -> bench/out/small_scale_quick/   (<= 20 min)
     python bench/small_scale.py           # every arm, full sweep, 2 seeds
                                           # -> records/cpu/<today>_small_scale/  (<= 2 h)
 
-Budget (2-core CPU shared with other jobs; torch CPU, float32, no compile, trainer on 1 thread,
-see --threads): the full mode trains 4 layers x 128 wide, seq 128, 1024 positions/step, 300
-steps (~1.1 s/step) for 26 runs (9 sweep + 20 arm runs - 3 reused; up to 3 more if a sweep
-optimum is at a grid edge), ~6 min each: ~2-2.5 h, more when other jobs load the cores. The
-quick mode trains 150 steps x 512 positions for 8 runs (2-value sweeps for adamw and aurora;
-adamw, aurora, aurora_tst x 2 seeds): ~15 min. The 1-minute load average at the start and end of
-each run goes into results.md.
+Budget (2-core CPU; torch CPU, float32, no compile; ``--jobs 2`` trainer processes at a time,
+each on ``--threads 1``): the full mode trains 4 layers x 128 wide, seq 128, 1024 positions/step,
+300 steps for 26 runs (9 sweep + 20 arm runs - 3 reused; up to 3 more if a sweep optimum is at
+a grid edge). Two runs side by side take ~7 min each (~1.4 s/step; one run alone on an idle
+machine ~1.1 s/step), so the full mode takes ~1.5-1.7 h, more when other jobs load the cores.
+The quick mode trains 150 steps x 512 positions for 8 runs (2-value sweeps for adamw and aurora;
+adamw, aurora, aurora_tst x 2 seeds): ~10 min. The 1-minute load average at the start and end
+of each run goes into results.md.
 The glibc malloc settings that keep the CPU step time from doubling
 (``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000``) are set for the trainer
 subprocesses by this script. Resumable: a run whose JSON says ``complete`` (with the same
@@ -698,7 +699,7 @@ def parse_args(argv=None):
                     help="OMP_NUM_THREADS of the trainer; 0 = torch's default (one per core). 1 because the "
                          "2-core machine is shared: with other jobs running, 2 threads ran 3x slower than 1 "
                          "(each step waits at thread barriers for a descheduled thread); 2 wins only when idle")
-    ap.add_argument("--jobs", type=int, default=1,
+    ap.add_argument("--jobs", type=int, default=2,
                     help="trainer processes at a time (each on --threads threads); 2 x 1 thread keeps both cores "
                          "of an otherwise idle 2-core machine busy. Timings of concurrent runs include their "
                          "contention for memory bandwidth, the same for every arm")
