@@ -524,7 +524,8 @@ def report(spec, sweep, stats, noise, corpus, timing, plots, compare_text):
               "to be evidence for or against any method. The full mode is the benchmark.**", ""]
     L += [
          f"Made by `{spec['command']}` on {spec['date']}: {spec['machine']}. Trainer: `code/train_gpt.py` "
-         f"(snapshot of the repo's at the start, sha256 {spec['trainer_sha256']}...; every log holds its source).", "",
+         f"(snapshot of the repo's at the start, sha256 {spec['trainer_sha256']}..., not kept in git: every "
+         "log holds its source, `python records/verify.py LOG --extract DIR` writes it out).", "",
          f"* Model: {shape}; every arm the same steps and FLOPs per step "
          f"({base.get('flops', math.nan) / max(spec['steps'], 1):.3g} FLOPs/step, "
          f"{base.get('flops', math.nan):.3g} in all); `--preset cpu_smoke` otherwise: lr flat, then linear decay "
