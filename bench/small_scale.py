@@ -1,4 +1,4 @@
-"""Does it work? Equal-FLOP evidence for TST and Aurora at small scale, on real text (issue 8).
+"""Does it work? Equal-FLOP evidence for TST and Aurora at small scale, on real text.
 
 What it measures
 ----------------
@@ -334,9 +334,10 @@ def lr_sweep(spec, out, ledger):
         return trainer_argv(spec, sweep_dir, rid, 0, ARMS[arm][1] + [flag, fmt_lr(lr)]), sweep_dir, rid
 
     def run(pairs):
-        for (fam, lr), s in zip(pairs, run_all([job(f, lr) for f, lr in pairs], ledger)):
+        jobs = [job(f, lr) for f, lr in pairs]
+        for (fam, lr), (_, _, rid), s in zip(pairs, jobs, run_all(jobs, ledger)):
             ok = s.get("status") == "complete" and math.isfinite(s.get("final_val_loss", math.nan))
-            rows[fam][lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), job(fam, lr)[2])
+            rows[fam][lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), rid)
 
     def best_of(fam):
         lrs = sorted(rows[fam])
