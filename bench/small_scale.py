@@ -48,7 +48,7 @@ each on ``--threads 1``): the full mode trains 4 layers x 128 wide, seq 128, 102
 a grid edge). Two runs side by side take ~7 min each (~1.4 s/step; one run alone on an idle
 machine ~1.1 s/step), so the full mode takes ~1.5-1.7 h, more when other jobs load the cores.
 The quick mode trains 150 steps x 512 positions for 8 runs (2-value sweeps for adamw and aurora;
-adamw, aurora, aurora_tst x 2 seeds): ~10 min. The 1-minute load average at the start and end
+adamw, aurora, aurora_tst x 2 seeds): ~7 min. The 1-minute load average at the start and end
 of each run goes into results.md.
 The glibc malloc settings that keep the CPU step time from doubling
 (``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000``) are set for the trainer
