@@ -1,4 +1,8 @@
-"""Shared fixtures: paths, a tiny config that trains in about a second, shard writers."""
+"""Shared fixtures: paths, a tiny config that trains in about a second, shard writers.
+
+Everything the tests read is inside the repository: the real text is data/sample/ (English
+Wikipedia in GPT-2 token shards, see data/sample/README.md).
+"""
 import os
 import sys
 
@@ -6,21 +10,22 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REALTEXT = os.path.join(REPO, "..", "shared", "data", "realtext")
+SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 sys.path.insert(0, REPO)
 
 # glibc returns big freed blocks to the OS; reusing them instead halves CPU step time.
 FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
-def realtext_args():
-    return ["--train-files", os.path.join(REALTEXT, "*_train_*.bin"),
-            "--val-files", os.path.join(REALTEXT, "*_val_*.bin")]
+def sample_args():
+    """--train-files / --val-files of the repository's real-text sample."""
+    return ["--train-files", os.path.join(SAMPLE_DIR, "*_train_*.bin"),
+            "--val-files", os.path.join(SAMPLE_DIR, "*_val_*.bin")]
 
 
 def tiny_args(tmp_path, *extra):
     """Flags of a 2-layer, 64-wide model on real text: 256 positions a step, val on 512 tokens."""
-    return ["--preset", "cpu_smoke", *realtext_args(), "--n-layer", "2", "--model-dim", "64",
+    return ["--preset", "cpu_smoke", *sample_args(), "--n-layer", "2", "--model-dim", "64",
             "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
             "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
