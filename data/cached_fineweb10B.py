@@ -8,7 +8,7 @@ Files come from the dataset repo ``kjj0/fineweb10B-gpt2``: ``fineweb_val_000000.
 ``fineweb_train_000001.bin`` ... ``fineweb_train_000103.bin`` (100M tokens, ~200 MB each), into
 ``data/fineweb10B/`` (next to this script, whatever the cwd) unless ``--local-dir`` is given.
 
-A file already there and valid (header and size, checked by ``train_gpt.read_shard_header``) is
+A file already there and valid (header and size, checked by ``shard_format.read_header``) is
 skipped; an invalid one is reported and downloaded again. Each download lands in a hidden staging
 folder (``<dir>/.download/``, where the Hub also keeps its ``.incomplete`` partial files), is
 validated there, and only then moved under its final name (``os.replace``), so an interrupted or
@@ -20,32 +20,23 @@ nothing in the folder changes.
 Exit status: 0 when every requested shard is present and valid, 1 otherwise (Hub unreachable,
 Hub error, invalid download), 2 on bad arguments. Errors are one message, no traceback.
 """
+import argparse
 import os
+import shutil
 import sys
+import threading
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-# Run as a script, sys.path[0] is data/, where data/tokenize.py would shadow the stdlib `tokenize`
-# (imported by inspect/linecache/traceback, e.g. inside torch); the repo root gives train_gpt.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import threading  # noqa: E402
-
-from huggingface_hub import constants as hub_constants  # noqa: E402
-from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url  # noqa: E402
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from train_gpt import DataError, read_shard_header  # noqa: E402
+from shard_format import ShardError, read_header
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 REPO_TYPE = "dataset"
 NUM_TRAIN_SHARDS = 103
-DEFAULT_DIR = os.path.join(_HERE, "fineweb10B")
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B")
 STAGING = ".download"
 # Upper bound on the reachability check. The Hub's own HEAD retries with backoff (~23 s when DNS
 # fails at once, longer when DNS or connect hangs), so one un-retried HEAD runs in a daemon thread
@@ -59,7 +50,7 @@ OFFLINE_HELP = (
     "  python train_gpt.py --train-files '/path/to/shards/*_train_*.bin' "
     "--val-files '/path/to/shards/*_val_*.bin'\n"
     "(copy fineweb_*.bin shards from a machine with network, or make shards from your own text "
-    "with data/tokenize.py; see data/README.md)")
+    "with data/tokenize_text.py; see data/README.md)")
 
 
 class HubUnreachable(Exception):
@@ -72,12 +63,12 @@ def shard_names(n_train):
 
 
 def shard_status(path):
-    """None when ``path`` is a valid shard, else why not (the DataError message, or 'missing')."""
+    """None when ``path`` is a valid shard, else why not (the ShardError message, or 'missing')."""
     if not os.path.exists(path):
         return "missing"
     try:
-        read_shard_header(path)
-    except DataError as e:
+        read_header(path)
+    except ShardError as e:
         return str(e)
     return None
 
@@ -133,14 +124,14 @@ def download_one(filename, local_dir):
 
     The move (``os.replace``) is the only change under the final name: it replaces an invalid
     file of that name only with a validated download. Returns the final path. Raises
-    ``DataError`` (invalid download, already deleted; the final name is untouched), or whatever
+    ``ShardError`` (invalid download, already deleted; the final name is untouched), or whatever
     ``hf_hub_download`` raises.
     """
     staging = os.path.join(local_dir, STAGING)
     staged = hf_hub_download(REPO_ID, filename, repo_type=REPO_TYPE, local_dir=staging)
     try:
-        read_shard_header(staged)
-    except DataError:
+        read_header(staged)
+    except ShardError:
         os.remove(staged)
         raise
     final = os.path.join(local_dir, filename)
@@ -176,7 +167,7 @@ def download(n_train=NUM_TRAIN_SHARDS, local_dir=DEFAULT_DIR, log=print):
         for name in todo:
             try:
                 download_one(name, local_dir)
-            except DataError as e:
+            except ShardError as e:
                 problems += 1
                 tqdm.write(f"invalid download, deleted: {e}")  # an invalid file already there stays
             except Exception as e:

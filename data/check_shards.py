@@ -1,30 +1,68 @@
 """Validate token shards: ``python data/check_shards.py GLOB...``.
 
-Same as ``python data/tokenize.py --check GLOB...`` (the primary form): prints file, tokens,
-documents (count of token 50256), max_id (the largest token id) and ok or why not. A shard is bad
-when its header or size is wrong or it holds a token id above 50256 (not GPT-2 BPE ids). Exit
-status 1 if any shard is bad or a glob matches nothing.
+Prints file, tokens, documents (count of token 50256), max_id (the largest token id) and ok or
+why not for each shard. A shard is bad when its header or size is wrong (see shard_format.py) or
+it holds a token id above 50256 (not GPT-2 BPE ids). ``python data/tokenize_text.py --check``
+does the same. Exit status 1 if any shard is bad or a glob matches nothing, 2 on bad arguments.
 """
 import argparse
-import importlib.util
+import glob
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# data/tokenize.py would shadow the stdlib `tokenize` while data/ is on sys.path; load it by path.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-_spec = importlib.util.spec_from_file_location("data_tokenize", os.path.join(_HERE, "tokenize.py"))
-_tokenize = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tokenize)
+import numpy as np
+
+from shard_format import EOT_TOKEN, ShardError, read_tokens
+
+GPT2_MAX_ID = EOT_TOKEN  # 50256: <|endoftext|> is the last of the 50257 GPT-2 tokens
+
+
+def shard_row(path):
+    """``(path, tokens, documents, max_id, status)`` strings for one shard, and whether it is bad."""
+    try:
+        tokens = read_tokens(path)
+    except ShardError as e:
+        return (path, "-", "-", "-", str(e)), True
+    if len(tokens) == 0:
+        return (path, "0", "0", "-", "ok"), False
+    docs, max_id = int(np.count_nonzero(tokens == EOT_TOKEN)), int(tokens.max())
+    status, bad = "ok", max_id > GPT2_MAX_ID
+    if bad:
+        status = f"token id {max_id} > {GPT2_MAX_ID}: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py"
+    return (path, f"{len(tokens):,}", f"{docs:,}", str(max_id), status), bad
+
+
+def check_shards(patterns, out=sys.stdout):
+    """Print a table (file, tokens, documents, max_id, ok or why not) for each shard of the globs.
+
+    ``documents`` counts token 50256; ``max_id`` is the largest token id ("-" for an empty
+    shard). Returns the number of problems: bad shards plus globs that match nothing.
+    """
+    rows, problems = [], 0
+    for pattern in patterns:
+        files = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not files:
+            rows.append((pattern, "-", "-", "-", "no file matches"))
+            problems += 1
+        for path in files:
+            row, bad = shard_row(path)
+            rows.append(row)
+            problems += bad
+    header = ("file", "tokens", "documents", "max_id", "status")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for r in [header, *rows]:
+        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}",
+              file=out)
+    return problems
 
 
 def main(argv=None):
     """Check the shards matching the globs in ``argv``; returns the exit status."""
     p = argparse.ArgumentParser(description="Validate token shards (header, size, token ids <= 50256) and "
-                                            "count tokens and documents; same as `python data/tokenize.py "
+                                            "count tokens and documents; same as `python data/tokenize_text.py "
                                             "--check`.")
     p.add_argument("globs", nargs="+", metavar="GLOB", help="shard files or globs (quote them)")
-    return 1 if _tokenize.check_shards(p.parse_args(argv).globs) else 0
+    return 1 if check_shards(p.parse_args(argv).globs) else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""The data tools: data/tokenize.py (text -> shards, --check), data/check_shards.py and
-data/cached_fineweb10B.py (Hub download), on CPU and without network.
+"""The data tools: data/tokenize_text.py (text -> shards, --check), data/check_shards.py,
+data/cached_fineweb10B.py (Hub download) and data/shard_format.py, on CPU and without network.
 
-Real text and the offline tokenizer files come from ../shared (next to the repo root).
-The CLIs run as subprocesses exactly as users run them (``python data/tokenize.py``), because
-that file name shadows the stdlib ``tokenize`` unless the script guards against it.
+Everything comes from the repository: the real text is data/sample/, the GPT-2 BPE files are
+data/gpt2_bpe/. The reference tokenizer is tiktoken's own ``gpt2`` definition, fed those files
+through a tiktoken cache made in a temporary folder (tiktoken checks their published sha256).
+The CLIs run as subprocesses exactly as users run them (``python data/tokenize_text.py``), with
+``torch`` and ``train_gpt`` made unimportable: the data tools must not need them.
 """
-import importlib.util
+import hashlib
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,49 +20,73 @@ import time
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(REPO, "..", "shared")
-REALTEXT = os.path.join(SHARED, "data", "realtext")
-TIKTOKEN_CACHE = os.path.join(SHARED, "tokenizer", "tiktoken_cache")
+import train_gpt
+from conftest import REPO, SAMPLE_DIR
+
+DATA = os.path.join(REPO, "data")
+sys.path.append(DATA)  # the tools import each other as `python data/X.py` runs them: data/ first on the path
+import cached_fineweb10B as dl  # noqa: E402
+import check_shards as chk  # noqa: E402
+import tokenize_text as tok  # noqa: E402
+from shard_format import ShardError, read_header  # noqa: E402
+
 EOT = 50256
+GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # tiktoken's gpt2 source
+TOOLS = ["tokenize_text.py", "check_shards.py", "cached_fineweb10B.py"]
 
 
-def _load(name, filename):
-    """Import a data/ script by path (``import tokenize`` would give the stdlib module)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "data", filename))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="session")
+def no_torch(tmp_path_factory):
+    """A folder that, first on PYTHONPATH, makes `import torch` and `import train_gpt` fail."""
+    d = tmp_path_factory.mktemp("no_torch")
+    (d / "torch").mkdir()
+    (d / "torch" / "__init__.py").write_text("raise ImportError('torch is blocked in this test')\n")
+    (d / "train_gpt.py").write_text("raise ImportError('train_gpt is blocked in this test')\n")
+    return str(d)
 
 
-tok = _load("data_tokenize", "tokenize.py")
-dl = _load("data_cached_fineweb10B", "cached_fineweb10B.py")
+@pytest.fixture(scope="session")
+def enc(tmp_path_factory):
+    """tiktoken's own ``gpt2`` encoding (its definition, its sha256 checks), from the repository's files.
 
-
-@pytest.fixture(autouse=True)
-def _offline_tokenizer(monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", TIKTOKEN_CACHE)
-
-
-@pytest.fixture(scope="module")
-def enc():
+    The files go into a fresh tiktoken cache under the names tiktoken gives its downloads, so
+    nothing is fetched and no cache outside the test is read.
+    """
+    import tiktoken
+    from tiktoken_ext import openai_public
+    cache = tmp_path_factory.mktemp("tiktoken_cache")
+    for name in ("vocab.bpe", "encoder.json"):
+        key = hashlib.sha1((GPT2_URL + name).encode()).hexdigest()
+        shutil.copy(os.path.join(DATA, "gpt2_bpe", name), cache / key)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", TIKTOKEN_CACHE)
-        import tiktoken
-        return tiktoken.get_encoding("gpt2")
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        return tiktoken.Encoding(**openai_public.gpt2())
 
 
-def run_cli(script, *args, env=None, timeout=120):
-    """Run ``python data/<script> args`` from the repo root; returns CompletedProcess (text)."""
-    full_env = dict(os.environ, TIKTOKEN_CACHE_DIR=os.path.relpath(TIKTOKEN_CACHE, REPO), **(env or {}))
+@pytest.fixture(scope="session")
+def sample_docs():
+    """{"val": [...], "train": [...]} texts of the sample's documents, decoded from its shards."""
+    encoder = tok.load_encoder()
+    out = {}
+    for split in ("val", "train"):
+        files = sorted(os.path.join(SAMPLE_DIR, n) for n in os.listdir(SAMPLE_DIR) if f"_{split}_" in n)
+        stream = np.concatenate([shard_tokens(f)[1] for f in files]).tolist()
+        assert stream[0] == EOT
+        starts = [i for i, t in enumerate(stream) if t == EOT] + [len(stream)]
+        out[split] = [encoder.decode(stream[a + 1:b]) for a, b in zip(starts, starts[1:])]
+    return out
+
+
+def run_cli(script, *args, env=None, timeout=120, no_torch=None):
+    """Run ``python data/<script> args`` from the repo root; returns CompletedProcess (text).
+
+    ``no_torch``: a folder put first on PYTHONPATH (the ``no_torch`` fixture) so the tool runs
+    without torch; ``env`` entries are added (a PYTHONPATH there comes after it).
+    """
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in [no_torch, (env or {}).get("PYTHONPATH")] if p)
     return subprocess.run([sys.executable, os.path.join("data", script), *map(str, args)], cwd=REPO,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
-
-
-def realtext_rows():
-    with open(os.path.join(REALTEXT, "realtext.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def shard_tokens(path):
@@ -90,46 +119,167 @@ DOCS = ["First document.\nIt has two lines.", "Second one, with <|endoftext|> as
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer: real text
+# the repository's GPT-2 BPE files and its sample
 
 
-def test_roundtrip_and_token_count_on_real_text(enc):
-    rows = realtext_rows()
-    assert len(rows) == 301
-    for r in rows:
-        assert enc.decode(enc.encode_ordinary(r["text"])) == r["text"]
-    # one EOT per document + the BPE tokens == every token of the four shipped shards
-    shipped = sum(len(shard_tokens(os.path.join(REALTEXT, n))[1]) for n in os.listdir(REALTEXT) if n.endswith(".bin"))
-    assert sum(1 + len(enc.encode_ordinary(r["text"])) for r in rows) == shipped == 1_119_536
+def test_repository_bpe_files_encode_like_tiktoken_gpt2(enc, sample_docs):
+    ours = tok.load_encoder()
+    assert (ours.n_vocab, ours.eot_token, ours.special_tokens_set) == (enc.n_vocab, enc.eot_token,
+                                                                       enc.special_tokens_set) == (50257, EOT,
+                                                                                                   {"<|endoftext|>"})
+    texts = DOCS + sample_docs["val"] + sample_docs["train"][:20] + [" ".join(DOCS) * 3, "  \n\t x's 've 1234567 !?"]
+    for text in texts:
+        assert ours.encode_ordinary(text) == enc.encode_ordinary(text)
+    assert ours.encode("a<|endoftext|>b", allowed_special="all") == enc.encode("a<|endoftext|>b",
+                                                                                allowed_special="all")
 
 
-def test_cli_reproduces_realtext_val_shard_byte_for_byte(tmp_path):
-    out = tmp_path / "out"
-    res = run_cli("tokenize.py", os.path.join(REALTEXT, "realtext.jsonl"), "--filter", "split=val",
-                  "--val-docs", "1000000", "--output-dir", out, "--prefix", "realtext", "--workers", "2")
+def test_altered_or_missing_bpe_file_is_one_clear_error(tmp_path):
+    bpe = tmp_path / "bpe"
+    shutil.copytree(os.path.join(DATA, "gpt2_bpe"), bpe)
+    with open(bpe / "vocab.bpe", "ab") as f:
+        f.write(b"x y\n")
+    with pytest.raises(tok.TokenizeError, match=r"vocab\.bpe: not the GPT-2 BPE file \(sha256 .*restore it"):
+        tok.load_encoder(str(bpe))
+    os.remove(bpe / "encoder.json")
+    shutil.copy(os.path.join(DATA, "gpt2_bpe", "vocab.bpe"), bpe / "vocab.bpe")
+    with pytest.raises(tok.TokenizeError, match=r"encoder\.json: cannot read the GPT-2 BPE file .*git checkout"):
+        tok.load_encoder(str(bpe))
+
+
+def test_tokenizer_runs_offline_without_tiktoken_cache(tmp_path, enc, no_torch):
+    """No TIKTOKEN_CACHE_DIR, the Hub offline and every socket refused: the tool still tokenizes,
+    and writes nothing into tiktoken's cache."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import socket\n"
+        "def _refuse(*args, **kwargs):\n"
+        "    raise OSError('network disabled in this test')\n"
+        "socket.socket.connect = socket.create_connection = socket.getaddrinfo = _refuse\n")
+    cache = tmp_path / "data_gym_cache"  # where tiktoken would cache downloads without TIKTOKEN_CACHE_DIR
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    env.update(HF_HUB_OFFLINE="1", DATA_GYM_CACHE_DIR=str(cache), PYTHONPATH=os.pathsep.join([no_torch, str(site)]))
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS])
+    res = subprocess.run([sys.executable, "data/tokenize_text.py", src, "--output-dir", str(tmp_path / "o"),
+                          "--prefix", "x", "--workers", "2"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "Traceback" not in res.stderr
-    assert "tok" in res.stderr  # the tqdm bar ran (and with it the stdlib `tokenize`-free path)
-    assert sorted(os.listdir(out)) == ["realtext_val_000000.bin"]
-    with open(out / "realtext_val_000000.bin", "rb") as a, \
-            open(os.path.join(REALTEXT, "realtext_val_000000.bin"), "rb") as b:
-        assert a.read() == b.read()
+    assert list(shard_tokens(tmp_path / "o" / "x_train_000001.bin")[1]) == stream(enc, DOCS)
+    assert os.listdir(cache) == []
 
 
-def test_cli_train_rows_split_by_shard_size_match_shipped_stream(tmp_path):
-    out = tmp_path / "out"
-    res = run_cli("tokenize.py", os.path.join(REALTEXT, "realtext.jsonl"), "--filter", "split=train",
-                  "--shard-size", "400000", "--output-dir", out, "--prefix", "rt", "--workers", "2")
+def test_sample_is_what_its_readme_says():
+    with open(os.path.join(SAMPLE_DIR, "README.md"), encoding="utf-8") as f:
+        table = dict(re.findall(r"^\| `(\w+\.bin)` \| ([\d,]+) \|", f.read(), flags=re.M))
+    names = sorted(n for n in os.listdir(SAMPLE_DIR) if n.endswith(".bin"))
+    assert sorted(table) == names and len(names) == 4
+    for name in names:
+        assert read_header(os.path.join(SAMPLE_DIR, name)) == int(table[name].replace(",", ""))
+    assert chk.check_shards([os.path.join(SAMPLE_DIR, "*.bin")], out=open(os.devnull, "w")) == 0
+
+
+def test_cli_rebuilds_the_sample_byte_for_byte_from_its_text(tmp_path, sample_docs, no_torch):
+    """The sample's documents as .jsonl rows (interleaved, with rows of another source that the
+    filter drops), through the command in data/sample/README.md, give the same bytes."""
+    rows, val = [], list(sample_docs["val"])
+    for i, text in enumerate(sample_docs["train"]):
+        if i % 6 == 0 and val:
+            rows.append({"source": "wikipedia", "split": "val", "text": val.pop(0)})
+        rows.append({"source": "other", "split": "train", "text": f"not in the sample {i}"})
+        rows.append({"source": "wikipedia", "split": "train", "text": text})
+    rows += [{"source": "wikipedia", "split": "val", "text": t} for t in val]
+    src = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    out = tmp_path / "sample"
+    res = run_cli("tokenize_text.py", src, "--filter", "source=wikipedia", "--split-key", "split",
+                  "--shard-size", "200000", "--output-dir", out, "--prefix", "wikipedia", "--workers", "2",
+                  no_torch=no_torch)
     assert res.returncode == 0, res.stderr
-    names = sorted(os.listdir(out))
-    assert names == ["rt_train_000001.bin", "rt_train_000002.bin", "rt_train_000003.bin"]
-    shipped = np.concatenate([shard_tokens(os.path.join(REALTEXT, f"realtext_train_00000{i}.bin"))[1]
-                              for i in (1, 2, 3)])
-    parts = [shard_tokens(out / n) for n in names]
-    assert [int(h[2]) for h, _ in parts] == [400_000, 400_000, len(shipped) - 800_000]
-    for h, t in parts:
-        assert list(h[:3]) == [20240520, 1, len(t)] and not h[3:].any()
-    assert np.array_equal(np.concatenate([t for _, t in parts]), shipped)
+    names = sorted(n for n in os.listdir(SAMPLE_DIR) if n.endswith(".bin"))
+    assert sorted(os.listdir(out)) == names
+    for name in names:
+        assert (out / name).read_bytes() == open(os.path.join(SAMPLE_DIR, name), "rb").read(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# the tools stand alone: no torch, no train_gpt
+
+
+@pytest.mark.parametrize("script", TOOLS)
+def test_tool_help_works_without_torch(script, no_torch):
+    res = run_cli(script, "--help", no_torch=no_torch)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
+
+
+def test_no_torch_folder_does_block_torch(no_torch):
+    res = subprocess.run([sys.executable, "-c", "import torch"], env=dict(os.environ, PYTHONPATH=no_torch),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "torch is blocked" in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# one shard format on both sides: what the tools write the trainer reads, what it refuses they refuse
+
+
+def test_tool_written_shards_are_read_by_the_trainer(tmp_path, enc):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS * 3])
+    written = tok.tokenize_to_shards([src], str(tmp_path / "o"), "t", shard_size=11, val_docs=4, workers=1,
+                                     progress=False)
+    val = [p for p, _, _ in written if "_val_" in p]
+    train = [p for p, _, _ in written if "_train_" in p]
+    assert len(val) > 1 and len(train) > 1
+    for path, n, _ in written:
+        assert train_gpt.read_shard_header(path) == n == read_header(path)
+    for files, texts in [(val, (DOCS * 3)[:4]), (train, (DOCS * 3)[4:])]:
+        expected = stream(enc, texts)
+        ts = train_gpt.TokenStream(files, vocab_size=50304)
+        assert ts.total == len(expected)
+        assert ts.read(0, ts.total).tolist() == expected
+
+
+def _shard_bytes(tokens=(EOT, 1, 2), magic=20240520, version=1, n=None):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if n is None else n
+    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+BROKEN_SHARDS = {  # name: (file bytes, what the message says)
+    "bad_magic": (_shard_bytes(magic=12345), "bad magic 12345"),
+    "bad_version": (_shard_bytes(version=7), "unsupported shard version 7"),
+    "truncated": (_shard_bytes()[:-2], "header says 3 tokens"),
+    "extra_bytes": (_shard_bytes() + b"\0\0", "header says 3 tokens"),
+    "short_header": (_shard_bytes()[:100], "shorter than the 1024-byte"),
+    "empty_file": (b"", "0 bytes is shorter than the 1024-byte"),
+    "negative_count": (_shard_bytes(tokens=(), n=-1), "header says -1 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_SHARDS))
+def test_every_shard_the_trainer_refuses_the_tools_refuse(tmp_path, name):
+    data, why = BROKEN_SHARDS[name]
+    path = tmp_path / f"{name}.bin"
+    path.write_bytes(data)
+    with pytest.raises(train_gpt.DataError, match=re.escape(why)) as trainer:
+        train_gpt.read_shard_header(str(path))
+    with pytest.raises(train_gpt.DataError, match=re.escape(str(path))):
+        train_gpt.TokenStream([str(path)])
+    with pytest.raises(ShardError, match=re.escape(why)) as tools:
+        read_header(str(path))
+    assert str(path) in str(trainer.value) and str(path) in str(tools.value)
+    row, bad = chk.shard_row(str(path))
+    assert bad and row[4] == str(tools.value)
+    assert dl.shard_status(str(path)) == str(tools.value)
+
+
+def test_good_shards_pass_on_both_sides(tmp_path):
+    for name, tokens in [("empty", ()), ("one", (EOT,)), ("max_id", (EOT, 50256, 0, 65535))]:
+        path = str(tmp_path / f"{name}.bin")
+        with open(path, "wb") as f:
+            f.write(_shard_bytes(tokens))
+        assert train_gpt.read_shard_header(path) == read_header(path) == len(tokens)
+        assert dl.shard_status(path) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +301,7 @@ def test_txt_inputs_keep_given_order_and_split_by_shard_size(tmp_path, enc):
     got = []
     for i, (path, n, _) in enumerate(written, start=1):
         assert os.path.basename(path) == f"t_train_{i:06d}.bin"
-        assert tok.read_shard_header(path) == n
+        assert read_header(path) == n
         got += list(shard_tokens(path)[1])
     assert got == expected
     starts = [i for i, t in enumerate(got) if t == EOT] + [len(got)]
@@ -182,6 +332,38 @@ def test_jsonl_filter_and_val_docs(tmp_path, enc):
     assert list(shard_tokens(w[0][0])[1]) == stream(enc, [DOCS[4]])
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_split_key_routes_rows_by_their_field(tmp_path, enc, workers):
+    splits = ["train", "val", "train", "val", "train"]
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t, "part": s} for t, s in zip(DOCS, splits)])
+    w = tok.tokenize_to_shards([src], str(tmp_path / "o"), "p", split_key="part", workers=workers, progress=False)
+    assert [os.path.basename(p) for p, _, _ in w] == ["p_val_000000.bin", "p_train_000001.bin"]
+    assert list(shard_tokens(w[0][0])[1]) == stream(enc, [DOCS[1], DOCS[3]])
+    assert list(shard_tokens(w[1][0])[1]) == stream(enc, [DOCS[0], DOCS[2], DOCS[4]])
+
+
+@pytest.mark.parametrize("row,why", [({"text": "x", "part": "test"}, 'field \'part\' is "test"'),
+                                     ({"text": "x"}, "field 'part' is missing"),
+                                     ({"text": "x", "part": 1}, "field 'part' is 1")], ids=["other", "missing", "number"])
+def test_split_key_values_other_than_val_or_train_are_an_error(tmp_path, row, why):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine", "part": "val"}, row])
+    with pytest.raises(tok.TokenizeError, match=re.escape(f"d.jsonl:2: {why}; --split-key part needs")):
+        tok.tokenize_to_shards([src], str(tmp_path / "o"), "p", split_key="part", shard_size=1, workers=1,
+                               progress=False)
+    assert os.listdir(tmp_path / "o") == []
+
+
+def test_split_key_with_val_docs_or_txt_is_refused(tmp_path, no_torch):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "x", "split": "val"}])
+    res = run_cli("tokenize_text.py", src, "--split-key", "split", "--val-docs", "1", "--output-dir",
+                  tmp_path / "o", "--prefix", "p", no_torch=no_torch)
+    assert res.returncode == 2 and "--split-key and --val-docs" in res.stderr
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(tok.TokenizeError, match=r"a\.txt: --filter and --split-key select"):
+        tok.tokenize_to_shards([str(tmp_path / "a.txt")], str(tmp_path / "o"), "p", split_key="split", workers=1,
+                               progress=False)
+
+
 def test_existing_shards_need_overwrite_and_stale_ones_go(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS])
     out = str(tmp_path / "out")
@@ -194,25 +376,32 @@ def test_existing_shards_need_overwrite_and_stale_ones_go(tmp_path):
     assert sorted(os.listdir(out)) == ["p_train_000001.bin"]
 
 
-def test_parquet_input_with_filter(tmp_path, enc):
+def test_parquet_input_with_filter_and_split_key(tmp_path, enc):
     import pyarrow as pa
     import pyarrow.parquet as pq
     src = str(tmp_path / "d.parquet")
-    pq.write_table(pa.table({"text": DOCS, "lang": ["en", "de", "en", "en", "de"]}), src, row_group_size=2)
+    pq.write_table(pa.table({"text": DOCS, "lang": ["en", "de", "en", "en", "de"],
+                             "split": ["train", "val", "val", "train", "val"]}), src, row_group_size=2)
     w = tok.tokenize_to_shards([src], str(tmp_path / "o"), "pq", filters={"lang": "en"}, val_docs=1,
                                workers=1, progress=False)
     assert list(shard_tokens(w[0][0])[1]) == stream(enc, [DOCS[0]])
     assert list(shard_tokens(w[1][0])[1]) == stream(enc, [DOCS[2], DOCS[3]])
+
+    w = tok.tokenize_to_shards([src], str(tmp_path / "s"), "pq", filters={"lang": "en"}, split_key="split",
+                               workers=1, progress=False)
+    assert list(shard_tokens(w[0][0])[1]) == stream(enc, [DOCS[2]])
+    assert list(shard_tokens(w[1][0])[1]) == stream(enc, [DOCS[0], DOCS[3]])
 
     pq.write_table(pa.table({"body": DOCS}), src)
     with pytest.raises(tok.TokenizeError, match="no column 'text'"):
         tok.tokenize_to_shards([src], str(tmp_path / "o2"), "pq", workers=1, progress=False)
 
 
-def test_bad_inputs_get_one_clear_error(tmp_path):
+def test_bad_inputs_get_one_clear_error(tmp_path, no_torch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": oops}\n', encoding="utf-8")
-    res = run_cli("tokenize.py", bad, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "2")
+    res = run_cli("tokenize_text.py", bad, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "2",
+                  no_torch=no_torch)
     assert res.returncode == 1
     assert "bad.jsonl:2: not valid JSON" in res.stderr and "Traceback" not in res.stderr
     assert bin_files(tmp_path) == []
@@ -239,7 +428,7 @@ def _snapshot(folder):
     return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
 
 
-def test_overwrite_that_fails_partway_leaves_the_old_set_untouched(tmp_path):
+def test_overwrite_that_fails_partway_leaves_the_old_set_untouched(tmp_path, no_torch):
     out = tmp_path / "out"
     old_src = write_jsonl(tmp_path / "old.jsonl", [{"text": t} for t in DOCS])
     tok.tokenize_to_shards([old_src], str(out), "p", shard_size=5, val_docs=1, workers=1, progress=False)
@@ -254,8 +443,8 @@ def test_overwrite_that_fails_partway_leaves_the_old_set_untouched(tmp_path):
             tok.tokenize_to_shards([str(new_src)], str(out), "p", shard_size=5, workers=workers, overwrite=True,
                                    progress=False)
         assert _snapshot(out) == before  # same names, same bytes, no temporary file left
-    res = run_cli("tokenize.py", new_src, "--output-dir", out, "--prefix", "p", "--shard-size", "5",
-                  "--overwrite", "--workers", "2")
+    res = run_cli("tokenize_text.py", new_src, "--output-dir", out, "--prefix", "p", "--shard-size", "5",
+                  "--overwrite", "--workers", "2", no_torch=no_torch)
     assert res.returncode == 1 and "new.jsonl:6: not valid JSON" in res.stderr
     assert _snapshot(out) == before
     # the same input without the bad line: the new set replaces the old one entirely
@@ -266,11 +455,12 @@ def test_overwrite_that_fails_partway_leaves_the_old_set_untouched(tmp_path):
     assert "p_val_000000.bin" not in os.listdir(out)
 
 
-def test_output_dir_that_is_a_file_gets_one_clear_error(tmp_path):
+def test_output_dir_that_is_a_file_gets_one_clear_error(tmp_path, no_torch):
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}])
     (tmp_path / "out_is_file").write_text("not a folder")
     for out in (tmp_path / "out_is_file", tmp_path / "out_is_file" / "sub"):
-        res = run_cli("tokenize.py", src, "--output-dir", out, "--prefix", "x", "--workers", "1")
+        res = run_cli("tokenize_text.py", src, "--output-dir", out, "--prefix", "x", "--workers", "1",
+                      no_torch=no_torch)
         assert res.returncode == 1 and "Traceback" not in res.stderr
         [line] = res.stderr.strip().splitlines()
         assert line.startswith("error: --output-dir ") and str(tmp_path / "out_is_file") in line
@@ -293,20 +483,93 @@ def test_token_ids_that_do_not_fit_uint16_are_refused(tmp_path, monkeypatch):
     assert bin_files(tmp_path) == []
 
 
-def test_uint16_refusal_from_worker_processes_via_cli(tmp_path):
-    """The refusal raised inside a Pool worker (its traceback is formatted there, which needs the
-    stdlib `tokenize`) reaches the user as one message."""
+class _InterruptingEncoder:
+    """Encodes two documents, then acts as if Ctrl-C was pressed."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode_ordinary(self, text):
+        self.calls += 1
+        if self.calls > 2:
+            raise KeyboardInterrupt
+        return [1, 2, 3]
+
+
+def test_ctrl_c_leaves_nothing_and_exits_130(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tok, "_ENCODER", _InterruptingEncoder())
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS])
+    out = tmp_path / "o"
+    assert tok.main([src, "--output-dir", str(out), "--prefix", "x", "--shard-size", "2", "--workers", "1"]) == 130
+    assert "interrupted: no shard written" in capsys.readouterr().err
+    assert os.listdir(out) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer: a worker process that dies or fails
+
+
+# Installed as sitecustomize in the tool's processes: the worker (not the main process) that meets
+# the marked document kills itself with SIGKILL, as the out-of-memory killer would, or raises.
+_FAULTY_WORKER = """
+import multiprocessing, os, signal
+import tiktoken.core
+_encode = tiktoken.core.Encoding.encode_ordinary
+def encode_ordinary(self, text):
+    if "FAULT-HERE" in text and multiprocessing.parent_process() is not None:
+        with open(os.environ["FAULT_LOG"], "w") as f:  # what the output folder held at that moment
+            f.write("\\n".join(sorted(os.listdir(os.environ["FAULT_OUT"]))))
+        if os.environ["FAULT"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("simulated tokenizer bug")
+    return _encode(self, text)
+tiktoken.core.Encoding.encode_ordinary = encode_ordinary
+"""
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("kill", "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"),
+    ("raise", "error: {src}:1801: the tokenizer failed on this document: RuntimeError: simulated tokenizer bug"),
+], ids=["killed", "raises"])
+def test_worker_that_dies_or_fails_stops_the_run_with_one_line(tmp_path, no_torch, fault, message):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAULTY_WORKER)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "token", "shard", "speed", "run", "the", "of"]
+    rows = [{"text": " ".join(rng.choice(words, size=300)) + f" doc {i}."} for i in range(2000)]
+    rows[1800]["text"] += " FAULT-HERE"
+    src = write_jsonl(tmp_path / "big.jsonl", rows)  # ~3.5 MB, ~600k tokens
+    out, log = tmp_path / "out", tmp_path / "seen.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([no_torch, str(site)]), FAULT=fault, FAULT_LOG=str(log),
+               FAULT_OUT=str(out))
+    proc = subprocess.Popen([sys.executable, "data/tokenize_text.py", src, "--output-dir", str(out), "--prefix",
+                             "big", "--shard-size", "20000", "--workers", "2"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # a hang: end the tool and its workers, then fail
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the tokenizer did not stop after its worker died")
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [message.format(src=src)], stderr
+    assert any(".tmp" in name for name in log.read_text().split()), "no shard was being written: test too small"
+    assert os.listdir(out) == []  # no *.bin and no *.tmp<pid> left
+
+
+def test_uint16_refusal_from_worker_processes_via_cli(tmp_path, no_torch):
+    """The refusal raised inside a worker process reaches the user as one message."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import tiktoken\n"
-        "class _Wide:\n"
-        "    def encode_ordinary(self, text):\n"
-        "        return [1, 70000]\n"
-        "tiktoken.get_encoding = lambda name: _Wide()\n")
+        "import tiktoken.core\n"
+        "tiktoken.core.Encoding.encode_ordinary = lambda self, text: [1, 70000]\n")
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS])
-    res = run_cli("tokenize.py", src, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "2",
-                  env={"PYTHONPATH": str(site)})
+    res = run_cli("tokenize_text.py", src, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "2",
+                  env={"PYTHONPATH": str(site)}, no_torch=no_torch)
     assert res.returncode == 1
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "token id 70000 does not fit in a uint16" in errors[0]
@@ -314,36 +577,18 @@ def test_uint16_refusal_from_worker_processes_via_cli(tmp_path):
     assert bin_files(tmp_path) == []
 
 
-def test_tokenizer_that_cannot_load_names_tiktoken_cache_dir(monkeypatch):
-    import tiktoken
-
-    def offline(name):
-        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    monkeypatch.setattr(tok, "_ENCODER", None)
-    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
-    with pytest.raises(tok.TokenizeError,
-                       match="TIKTOKEN_CACHE_DIR is not set.*TIKTOKEN_CACHE_DIR=../shared/tokenizer"):
-        tok.get_encoder()
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/nowhere")
-    with pytest.raises(tok.TokenizeError, match="TIKTOKEN_CACHE_DIR=/nowhere is set but does not hold"):
-        tok.get_encoder()
-
-
 # ---------------------------------------------------------------------------------------------
 # --check / check_shards.py
 
 
 def _raw_shard(path, tokens, magic=20240520, version=1, n=None, cut=0, size=None):
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = magic, version, len(tokens) if n is None else n
-    data = header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+    data = _shard_bytes(tokens, magic, version, n)
     data = data[:size] if size is not None else data[:len(data) - cut]
     path.write_bytes(data)
 
 
-@pytest.mark.parametrize("script,first", [("tokenize.py", ["--check"]), ("check_shards.py", [])])
-def test_check_reports_each_bad_shard_kind(tmp_path, script, first):
+@pytest.mark.parametrize("script,first", [("tokenize_text.py", ["--check"]), ("check_shards.py", [])])
+def test_check_reports_each_bad_shard_kind(tmp_path, script, first, no_torch):
     d = tmp_path / "s"
     d.mkdir()
     _raw_shard(d / "good.bin", [EOT, 1, 2, EOT, 3])
@@ -351,7 +596,7 @@ def test_check_reports_each_bad_shard_kind(tmp_path, script, first):
     _raw_shard(d / "version.bin", [1, 2], version=7)
     _raw_shard(d / "truncated.bin", [1, 2, 3], cut=2)
     _raw_shard(d / "short.bin", [], size=100)
-    res = run_cli(script, *first, d / "*.bin")
+    res = run_cli(script, *first, d / "*.bin", no_torch=no_torch)
     assert res.returncode == 1
     lines = {os.path.basename(line.split()[0]): line for line in res.stdout.splitlines()[1:]}
     assert res.stdout.splitlines()[0].split() == ["file", "tokens", "documents", "max_id", "status"]
@@ -360,27 +605,27 @@ def test_check_reports_each_bad_shard_kind(tmp_path, script, first):
                       ("truncated.bin", "header says 3 tokens"), ("short.bin", "shorter than the 1024-byte")]:
         assert why in lines[name] and str(d / name) in lines[name].split(None, 1)[1], lines[name]
 
-    ok = run_cli(script, *first, d / "good.bin", os.path.join(REALTEXT, "*.bin"))
+    ok = run_cli(script, *first, d / "good.bin", os.path.join(SAMPLE_DIR, "*.bin"), no_torch=no_torch)
     assert ok.returncode == 0, ok.stdout
-    assert "realtext_val_000000.bin" in ok.stdout and "100,483" in ok.stdout
+    assert "wikipedia_val_000000.bin" in ok.stdout and "63,484" in ok.stdout
 
-    none = run_cli(script, *first, d / "nothing*.bin")
+    none = run_cli(script, *first, d / "nothing*.bin", no_torch=no_torch)
     assert none.returncode == 1 and "no file matches" in none.stdout
 
 
-@pytest.mark.parametrize("script,first", [("tokenize.py", ["--check"]), ("check_shards.py", [])])
-def test_check_reports_token_ids_above_gpt2(tmp_path, script, first):
+@pytest.mark.parametrize("script,first", [("tokenize_text.py", ["--check"]), ("check_shards.py", [])])
+def test_check_reports_token_ids_above_gpt2(tmp_path, script, first, no_torch):
     _raw_shard(tmp_path / "gpt2_max.bin", [EOT, 5, 50256, 17])
     _raw_shard(tmp_path / "wide.bin", [EOT, 5, 50257, 60000, 3])
     _raw_shard(tmp_path / "empty.bin", [])
-    res = run_cli(script, *first, tmp_path / "*.bin")
+    res = run_cli(script, *first, tmp_path / "*.bin", no_torch=no_torch)
     assert res.returncode == 1
     lines = {os.path.basename(line.split()[0]): line for line in res.stdout.splitlines()[1:]}
     assert lines["gpt2_max.bin"].split()[1:] == ["4", "2", "50256", "ok"]
     assert lines["empty.bin"].split()[1:] == ["0", "0", "-", "ok"]
     assert lines["wide.bin"].split()[1:4] == ["5", "1", "60000"]
-    assert "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize.py" in lines["wide.bin"]
-    assert run_cli(script, *first, tmp_path / "gpt2_max.bin").returncode == 0
+    assert "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py" in lines["wide.bin"]
+    assert run_cli(script, *first, tmp_path / "gpt2_max.bin", no_torch=no_torch).returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,10 +644,10 @@ def test_download_default_dir_is_next_to_the_script():
     assert len(dl.shard_names(103)) == 104
 
 
-def test_download_offline_fails_fast_with_clear_message(tmp_path):
+def test_download_offline_fails_fast_with_clear_message(tmp_path, no_torch):
     t0 = time.time()
     res = run_cli("cached_fineweb10B.py", "1", "--local-dir", tmp_path / "fw", env={"HF_HUB_OFFLINE": "1"},
-                  timeout=60)
+                  timeout=60, no_torch=no_torch)
     assert time.time() - t0 < 30
     assert res.returncode == 1
     assert "cannot reach the Hugging Face Hub" in res.stderr
@@ -470,8 +715,8 @@ def test_download_skips_valid_and_redownloads_invalid(tmp_path, monkeypatch):
     assert dl.main(["2", "--local-dir", str(fw)]) == 0
     assert calls == ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
     assert sorted(os.listdir(fw)) == ["fineweb_train_000001.bin", "fineweb_train_000002.bin", "fineweb_val_000000.bin"]
-    assert dl.read_shard_header(str(fw / "fineweb_val_000000.bin")) == 7  # untouched
-    assert dl.read_shard_header(str(fw / "fineweb_train_000001.bin")) == 4
+    assert read_header(str(fw / "fineweb_val_000000.bin")) == 7  # untouched
+    assert read_header(str(fw / "fineweb_train_000001.bin")) == 4
     calls.clear()
     assert dl.main(["2", "--local-dir", str(fw)]) == 0
     assert calls == []
@@ -493,14 +738,15 @@ def test_download_invalid_file_is_deleted_and_reported(tmp_path, monkeypatch, ca
     assert bin_files(tmp_path) == []
 
 
-def test_download_offline_keeps_an_invalid_file(tmp_path):
+def test_download_offline_keeps_an_invalid_file(tmp_path, no_torch):
     """The invalid file is replaced only by a validated download, never deleted before the Hub answers."""
     fw = tmp_path / "fw"
     fw.mkdir()
     bad = _valid_shard_bytes(4)
     bad = b"\x00\x01\x02\x03" + bad[4:]  # bad magic
     (fw / "fineweb_val_000000.bin").write_bytes(bad)
-    res = run_cli("cached_fineweb10B.py", "0", "--local-dir", fw, env={"HF_HUB_OFFLINE": "1"}, timeout=60)
+    res = run_cli("cached_fineweb10B.py", "0", "--local-dir", fw, env={"HF_HUB_OFFLINE": "1"}, timeout=60,
+                  no_torch=no_torch)
     assert res.returncode == 1 and "cannot reach the Hugging Face Hub" in res.stderr
     assert "Traceback" not in res.stderr
     assert "fineweb_val_000000.bin" in res.stdout and "bad magic" in res.stdout
@@ -530,5 +776,5 @@ def test_download_replaces_an_invalid_file_only_with_a_valid_download(tmp_path, 
     assert (fw / "fineweb_val_000000.bin").read_bytes() == bad  # left as it was
     payload["data"] = _valid_shard_bytes(9)
     assert dl.main(["0", "--local-dir", str(fw)]) == 0
-    assert dl.read_shard_header(str(fw / "fineweb_val_000000.bin")) == 9
+    assert read_header(str(fw / "fineweb_val_000000.bin")) == 9
     assert bin_files(tmp_path) == [str(fw / "fineweb_val_000000.bin")]

@@ -2,9 +2,10 @@
 
 Tokenize (inputs are files or globs, read in the order given; globs expand sorted):
 
-    python data/tokenize.py docs.jsonl --output-dir out --prefix mytext --val-docs 100
-    python data/tokenize.py 'books/*.txt' --output-dir out --prefix books
-    python data/tokenize.py data.parquet --filter lang=en --output-dir out --prefix web
+    python data/tokenize_text.py docs.jsonl --output-dir out --prefix mytext --val-docs 100
+    python data/tokenize_text.py docs.jsonl --split-key split --output-dir out --prefix mytext
+    python data/tokenize_text.py 'books/*.txt' --output-dir out --prefix books
+    python data/tokenize_text.py data.parquet --filter lang=en --output-dir out --prefix web
 
 * ``.jsonl``: one JSON object a line, its ``text`` field is a document (a line that is not a
   JSON object, e.g. ``[1, 2]`` or ``"text"``, is an error naming ``file:line``). ``--filter key=value``
@@ -14,11 +15,14 @@ Tokenize (inputs are files or globs, read in the order given; globs expand sorte
 * ``.parquet``: a ``text`` column, rows filtered like jsonl; needs ``pyarrow``.
 
 Every document becomes ``<|endoftext|>`` (50256) followed by its GPT-2 BPE tokens
-(``tiktoken.get_encoding("gpt2").encode_ordinary``: special-token text in a document is
-ordinary text). Documents keep input order. Without ``--val-docs`` all go to train shards
+(``encode_ordinary``: special-token text in a document is ordinary text). The GPT-2 BPE files are
+read from ``data/gpt2_bpe/`` (shipped with the repository, checked against their published sha256),
+so tokenizing needs neither network nor tiktoken's download cache; the ids are those of
+``tiktoken.get_encoding("gpt2")``. Documents keep input order. Without ``--val-docs`` all go to train shards
 ``<prefix>_train_000001.bin``, ``_000002`` ...; with ``--val-docs K`` the first K documents go to
 ``<prefix>_val_000000.bin`` and the rest to the train shards. K larger than the number of
 documents (or ``--val-docs all``) puts every document in the val shard and writes no train shard.
+``--split-key KEY`` instead routes each row by its field KEY (``"val"`` or ``"train"``).
 Each shard holds ``--shard-size`` tokens (default 100,000,000, as FineWeb) except the last of its
 split; like llm.c's fineweb.py a document may continue in the next shard. Extra shards of a split,
 if any, are numbered on (``_val_000001`` ...).
@@ -26,49 +30,49 @@ if any, are numbered on (``_val_000001`` ...).
 All or nothing: every shard is first written under a temporary name
 (``<final name>.tmp<pid>``, which no ``*.bin`` glob matches); only when every shard of the run is
 written are they renamed (``os.replace``) to their final names. A run that fails (bad input line,
-tokenizer error, Ctrl-C) removes its temporary files and changes nothing else. Existing
-``<prefix>_val_*.bin`` / ``<prefix>_train_*.bin`` in the output folder stop the run unless
-``--overwrite``: then the old set stays untouched until the new set is complete, is replaced by
-it, and old shards the new set does not have are removed.
+tokenizer error, a worker process killed, Ctrl-C) removes its temporary files and changes nothing
+else. Existing ``<prefix>_val_*.bin`` / ``<prefix>_train_*.bin`` in the output folder stop the run
+unless ``--overwrite``: then the old set stays untouched until the new set is complete, is
+replaced by it, and old shards the new set does not have are removed.
 
-Check shards (header, size, tokens, documents = count of token 50256, largest token id; a shard
-holding an id above 50256, the largest GPT-2 id, is not ok):
+Check shards (the same as ``python data/check_shards.py``):
 
-    python data/tokenize.py --check 'data/fineweb10B/*.bin' '../shared/data/realtext/*.bin'
+    python data/tokenize_text.py --check 'data/fineweb10B/*.bin' 'data/sample/*.bin'
 
 Exit status: 0 on success, 1 on a data/input error (one message, no traceback) or any bad shard
-or empty glob in ``--check``, 2 on bad arguments.
-
-Offline, tiktoken needs its cached GPT-2 files: ``TIKTOKEN_CACHE_DIR=../shared/tokenizer/tiktoken_cache``.
+or empty glob in ``--check``, 2 on bad arguments, 130 when interrupted.
 """
+import argparse
+import collections
+import contextlib
+import glob
+import hashlib
+import itertools
+import json
+import multiprocessing
 import os
+import signal
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-# This file is named tokenize.py: run as `python data/tokenize.py`, sys.path[0] is data/ and the
-# stdlib `tokenize` (imported by linecache, traceback, inspect, torch) would resolve to this file.
-# Drop data/ from the path before anything imports it; the repo root gives train_gpt.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import numpy as np
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from train_gpt import (  # noqa: E402
-    EOT_TOKEN, HEADER_BYTES, HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, DataError, read_shard_header)
+from check_shards import GPT2_MAX_ID, check_shards
+from shard_format import EOT_TOKEN, write_shard
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as the FineWeb-10B shards
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # shards store uint16 tokens
-GPT2_MAX_ID = EOT_TOKEN  # 50256: <|endoftext|> is the last of the 50257 GPT-2 tokens
 TEXT_FIELD = "text"
 ALL = "all"  # --val-docs all
+SPLITS = ("val", "train")  # the values --split-key accepts
+BPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe")
+# sha256 of the BPE files as published with GPT-2 (the hashes tiktoken checks its own download against)
+BPE_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+              "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+BATCH_DOCS = 16  # documents per task sent to a worker process
+IN_FLIGHT_PER_WORKER = 4  # tasks queued per worker: bounds memory whatever the input size
 
 
 class TokenizeError(Exception):
@@ -111,15 +115,23 @@ def _matches(row, filters):
     return True
 
 
-def _text_of(row, where):
-    """The row's text field; TokenizeError when missing or not a string."""
-    text = row.get(TEXT_FIELD) if isinstance(row, dict) else None
+def _document(where, row, split_key):
+    """``(where, text, split)`` of a row: split is None without ``split_key``. Raises TokenizeError."""
+    text = row.get(TEXT_FIELD)
     if not isinstance(text, str):
         raise TokenizeError(f"{where}: no string {TEXT_FIELD!r} field in this row")
-    return text
+    if split_key is None:
+        return where, text, None
+    split = row.get(split_key)
+    if split not in SPLITS:
+        got = json.dumps(split) if split_key in row else "missing"
+        raise TokenizeError(f"{where}: field {split_key!r} is {got}; --split-key {split_key} needs "
+                            f'"val" or "train" in every row (or use --val-docs)')
+    return where, text, split
 
 
 def _read_jsonl(path, filters):
+    """``(where, row)`` for each row of a .jsonl file that passes the filters."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -134,10 +146,11 @@ def _read_jsonl(path, filters):
                 raise TokenizeError(f"{where}: a JSON {kind} row, not a JSON object; .jsonl wants one object "
                                     f'a line, like {{"{TEXT_FIELD}": "..."}}')
             if _matches(row, filters):
-                yield where, _text_of(row, where)
+                yield where, row
 
 
-def _read_parquet(path, filters):
+def _read_parquet(path, filters, split_key):
+    """``(where, row)`` for each row of a .parquet file that passes the filters."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -145,41 +158,46 @@ def _read_parquet(path, filters):
                             "or convert the file to .jsonl") from None
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
-    missing = [c for c in [TEXT_FIELD, *filters] if c not in names]
+    columns = list(dict.fromkeys([TEXT_FIELD, *filters, *([split_key] if split_key else [])]))
+    missing = [c for c in columns if c not in names]
     if missing:
         raise TokenizeError(f"{path}: no column {', '.join(map(repr, missing))} (columns: {', '.join(names)})")
     row_index = 0
-    for batch in pf.iter_batches(columns=list(dict.fromkeys([TEXT_FIELD, *filters])), batch_size=1024):
+    for batch in pf.iter_batches(columns=columns, batch_size=1024):
         for row in batch.to_pylist():
             where = f"{path} row {row_index}"
             row_index += 1
             if _matches(row, filters):
-                yield where, _text_of(row, where)
+                yield where, row
 
 
-def iter_documents(files, filters=None):
-    """Yield ``(where, text)`` for each document of ``files`` in order.
+def iter_documents(files, filters=None, split_key=None):
+    """Yield ``(where, text, split)`` for each document of ``files`` in order.
 
-    ``where`` ("file:line", "file row i" or "file") locates the document in error messages.
-    Raises TokenizeError on an unknown extension, bad JSON/UTF-8, a missing text field, or a
-    filter given with .txt inputs.
+    ``where`` ("file:line", "file row i" or "file") locates the document in error messages;
+    ``split`` is the row's ``split_key`` field ("val" or "train"), None without ``split_key``.
+    Raises TokenizeError on an unknown extension, bad JSON/UTF-8, a missing text field, a split
+    field that is not "val"/"train", or a filter or split key given with .txt inputs.
     """
     filters = filters or {}
     for path in files:
         ext = os.path.splitext(path)[1].lower()
         try:
             if ext == ".jsonl":
-                yield from _read_jsonl(path, filters)
+                rows = _read_jsonl(path, filters)
             elif ext == ".parquet":
-                yield from _read_parquet(path, filters)
+                rows = _read_parquet(path, filters, split_key)
             elif ext == ".txt":
-                if filters:
-                    raise TokenizeError(f"{path}: --filter selects .jsonl/.parquet rows; a .txt file has none")
+                if filters or split_key:
+                    raise TokenizeError(f"{path}: --filter and --split-key select .jsonl/.parquet rows; "
+                                        "a .txt file has none")
                 with open(path, encoding="utf-8") as f:
-                    yield path, f.read()
+                    rows = [(path, {TEXT_FIELD: f.read()})]
             else:
                 raise TokenizeError(f"{path}: unsupported input type {ext or '(none)'!r}; "
                                     "use .jsonl (a 'text' field a line), .txt (one document a file) or .parquet")
+            for where, row in rows:
+                yield _document(where, row, split_key)
         except UnicodeDecodeError as e:
             raise TokenizeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -190,22 +208,52 @@ def iter_documents(files, filters=None):
 _ENCODER = None
 
 
-def load_encoder():
-    """``tiktoken.get_encoding("gpt2")``; TokenizeError with the offline fix when it cannot load."""
+def _bpe_paths(bpe_dir):
+    """``{name: path}`` of the GPT-2 BPE files, each checked against its published sha256."""
+    paths = {}
+    for name, expected in BPE_SHA256.items():
+        path = os.path.join(bpe_dir, name)
+        fix = f"restore it from the repository (git checkout -- {os.path.relpath(path)})"
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError as e:
+            raise TokenizeError(f"{path}: cannot read the GPT-2 BPE file ({e.strerror}); {fix}") from None
+        if digest != expected:
+            raise TokenizeError(f"{path}: not the GPT-2 BPE file (sha256 {digest[:12]}..., expected "
+                                f"{expected[:12]}...); {fix}")
+        paths[name] = path
+    return paths
+
+
+def load_encoder(bpe_dir=BPE_DIR):
+    """GPT-2's tiktoken encoding built from the BPE files in ``bpe_dir``: no network, no cache.
+
+    The merges of ``vocab.bpe`` (checked against ``encoder.json`` by tiktoken's own
+    ``data_gym_to_mergeable_bpe_ranks``), tiktoken's GPT-2 split pattern ``r50k_pat_str`` and
+    ``<|endoftext|>`` = 50256: the definition of ``tiktoken.get_encoding("gpt2")``, so the ids are
+    the same (tested). Raises TokenizeError when tiktoken is missing or a file is missing or altered.
+    """
     try:
         import tiktoken
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:
-        cache = os.environ.get("TIKTOKEN_CACHE_DIR")
-        if cache:
-            fix = (f"TIKTOKEN_CACHE_DIR={cache} is set but does not hold tiktoken's gpt2 files "
-                   "(vocab.bpe / encoder.json under their hashed names)")
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+    except ImportError as e:
+        raise TokenizeError(f"cannot import tiktoken ({e}); install it: pip install -r requirements.txt") from None
+    paths = _bpe_paths(bpe_dir)
+    # Read the files in place: otherwise tiktoken keeps a copy in its cache, keyed by the path, and
+    # reads that copy from then on.
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(paths["vocab.bpe"], paths["encoder.json"])
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
         else:
-            fix = ("TIKTOKEN_CACHE_DIR is not set, so tiktoken tried to download the gpt2 files; without network "
-                   "set it to a folder holding them, e.g. TIKTOKEN_CACHE_DIR=../shared/tokenizer/tiktoken_cache")
-        msg = str(e).strip().splitlines()
-        raise TokenizeError(f"cannot load the GPT-2 tokenizer (tiktoken 'gpt2'): {type(e).__name__}: "
-                            f"{msg[0] if msg else ''}. {fix}") from None
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: EOT_TOKEN}, explicit_n_vocab=EOT_TOKEN + 1)
 
 
 def get_encoder():
@@ -216,13 +264,20 @@ def get_encoder():
     return _ENCODER
 
 
-def encode_document(item):
-    """``(where, text)`` -> uint16 array ``[EOT_TOKEN, *encode_ordinary(text)]``, shape (1 + n,).
+def encode_document(where, text):
+    """uint16 array ``[EOT_TOKEN, *encode_ordinary(text)]``, shape (1 + n,).
 
-    Raises TokenizeError when a token id does not fit in uint16 (>= 65536).
+    Raises TokenizeError naming ``where`` when a token id does not fit in uint16 (>= 65536) or
+    the tokenizer fails on the text.
     """
-    where, text = item
-    ids = np.asarray(get_encoder().encode_ordinary(text), dtype=np.int64)
+    try:
+        ids = np.asarray(get_encoder().encode_ordinary(text), dtype=np.int64)
+    except TokenizeError:
+        raise
+    except Exception as e:  # reported as one line in the main process, not a worker's traceback
+        first = str(e).strip().splitlines()
+        raise TokenizeError(f"{where}: the tokenizer failed on this document: {type(e).__name__}: "
+                            f"{first[0] if first else ''}") from None
     if ids.size and ids.max() > MAX_TOKEN_ID:
         raise TokenizeError(f"{where}: token id {ids.max()} does not fit in a uint16 shard (ids must be "
                             f"0..{MAX_TOKEN_ID}); this format needs a tokenizer of under 65536 tokens, like GPT-2's")
@@ -230,6 +285,76 @@ def encode_document(item):
     tokens[0] = EOT_TOKEN
     tokens[1:] = ids
     return tokens
+
+
+def encode_batch(docs):
+    """``[(split, tokens)]`` for a list of ``(where, text, split)`` documents (one worker task)."""
+    return [(split, encode_document(where, text)) for where, text, split in docs]
+
+
+class _RecordingContext:
+    """The default multiprocessing context, keeping the processes it starts so that a broken pool
+    can say how its worker ended (ProcessPoolExecutor only says that one did)."""
+
+    def __init__(self):
+        self._base = multiprocessing.get_context()
+        self.processes = []
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+    def Process(self, *args, **kwargs):  # noqa: N802 (the multiprocessing name)
+        process = self._base.Process(*args, **kwargs)
+        self.processes.append(process)
+        return process
+
+
+def _worker_died(processes):
+    """One line on how a pool worker ended; the pool itself SIGTERMs the others after one dies."""
+    codes = sorted((p.exitcode for p in processes if p.exitcode), key=lambda c: c == -signal.SIGTERM)
+    if codes and codes[0] < 0:
+        try:
+            how = f"was killed (signal {signal.Signals(-codes[0]).name})"
+        except ValueError:
+            how = f"was killed (signal {-codes[0]})"
+    else:
+        how = f"exited unexpectedly (exit status {codes[0]})" if codes else "stopped unexpectedly"
+    return f"a tokenizer worker {how}; use fewer --workers or free memory"
+
+
+def _ignore_sigint():
+    """Worker initializer: Ctrl-C is the main process's to handle (it removes the temporary shards)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def encode_stream(docs, workers):
+    """Yield ``(split, tokens)`` for every document of ``docs``, in order.
+
+    ``workers`` > 1 encodes in that many processes, at most ``IN_FLIGHT_PER_WORKER`` batches of
+    ``BATCH_DOCS`` documents each in flight, so memory stays bounded. A worker that dies (e.g.
+    SIGKILLed by the out-of-memory killer) raises TokenizeError saying so within about a second;
+    closing the generator shuts the workers down.
+    """
+    if workers <= 1:
+        for where, text, split in docs:
+            yield split, encode_document(where, text)
+        return
+    context = _RecordingContext()
+    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    in_flight = collections.deque()
+    try:
+        batches = iter(lambda: list(itertools.islice(docs, BATCH_DOCS)), [])
+        for batch in batches:
+            in_flight.append(executor.submit(encode_batch, batch))
+            if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                yield from in_flight.popleft().result()
+        while in_flight:
+            yield from in_flight.popleft().result()
+    except BrokenProcessPool:
+        executor.shutdown(wait=True, cancel_futures=True)  # joins the workers: exit codes are known
+        raise TokenizeError(_worker_died(context.processes)) from None
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,15 +368,6 @@ def shard_path(output_dir, prefix, split, index):
 def temp_path(path):
     """The temporary name a shard is written under until the whole run has succeeded."""
     return f"{path}.tmp{os.getpid()}"
-
-
-def write_shard(path, tokens):
-    """Write header + uint16 ``tokens`` (shape (n,)) to ``path``."""
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, len(tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
 
 
 class ShardWriter:
@@ -330,17 +446,30 @@ def make_output_dir(output_dir):
                             "where you can write") from None
 
 
+def _write_split_shards(encoded, val, train, n_val, by_key, progress, desc):
+    """Route each encoded document to the val or train writer; returns the number of documents."""
+    n_docs = 0
+    with tqdm(unit="tok", unit_scale=True, desc=desc, disable=not progress) as bar:
+        for split, tokens in encoded:
+            to_val = split == "val" if by_key else n_docs < n_val
+            (val if to_val else train).add(tokens)
+            n_docs += 1
+            bar.update(len(tokens))
+    return n_docs
+
+
 def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE, val_docs=None,
-                       filters=None, workers=None, overwrite=False, progress=True):
+                       filters=None, workers=None, overwrite=False, progress=True, split_key=None):
     """Tokenize ``inputs`` (paths/globs) into shards; return ``[(path, n_tokens, n_documents)]``.
 
     ``val_docs``: None (all train), an int K (first K documents to val) or "all".
+    ``split_key``: route each row by this field ("val" or "train") instead of ``val_docs``.
     ``workers``: encoder processes (default: CPU count); 1 encodes in this process.
     All or nothing: shards are written under temporary names and renamed only when all are
     written; on any failure the temporary files are removed and the output folder is as before
     (with ``overwrite``, the old shards stay untouched until the new set replaces them).
-    Raises TokenizeError (inputs, tokenizer, uint16 overflow, existing shards, --output-dir not
-    a folder) or OSError.
+    Raises TokenizeError (inputs, tokenizer, a worker killed, uint16 overflow, existing shards,
+    --output-dir not a folder) or OSError.
     """
     if shard_size < 1 or shard_size > np.iinfo(np.int32).max:
         raise TokenizeError(f"--shard-size {shard_size}: must be 1..{np.iinfo(np.int32).max} tokens")
@@ -353,21 +482,15 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
                             f"({os.path.basename(old[0])} ...); pass --overwrite to replace them or pick "
                             "another --output-dir/--prefix")
     get_encoder()  # fail here, with the fix, rather than in every worker
-    workers = workers or os.cpu_count() or 1
     n_val = float("inf") if val_docs == ALL else (val_docs or 0)
-
     val = ShardWriter(output_dir, prefix, "val", 0, shard_size)
     train = ShardWriter(output_dir, prefix, "train", 1, shard_size)
-    docs = iter_documents(files, filters)
-    pool = multiprocessing.Pool(workers) if workers > 1 else None
-    n_docs, done = 0, False
+    done = False
     try:
-        encoded = pool.imap(encode_document, docs, chunksize=16) if pool else map(encode_document, docs)
-        with tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress) as bar:
-            for tokens in encoded:
-                (val if n_docs < n_val else train).add(tokens)
-                n_docs += 1
-                bar.update(len(tokens))
+        docs = iter_documents(files, filters, split_key)
+        with contextlib.closing(encode_stream(docs, workers or os.cpu_count() or 1)) as encoded:
+            n_docs = _write_split_shards(encoded, val, train, n_val, split_key is not None, progress,
+                                         f"tokenizing {prefix}")
         if n_docs == 0:
             raise TokenizeError(f"no documents in {', '.join(inputs)}"
                                 + (f" with --filter {filters}" if filters else ""))
@@ -375,9 +498,6 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
         train.close()
         done = True
     finally:
-        if pool:
-            pool.terminate()
-            pool.join()
         if not done:  # failed or interrupted: drop the partial new set, leave the folder as it was
             val.discard()
             train.discard()
@@ -392,47 +512,6 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
     for path in set(old) - {p for p, _, _ in written}:
         os.remove(path)
     return written
-
-
-# ----------------------------------------------------------------------------------------------
-# Checking shards
-
-def check_shards(patterns, out=sys.stdout):
-    """Print a table (file, tokens, documents, max_id, ok or why not) for each shard.
-
-    ``documents`` counts token 50256; ``max_id`` is the largest token id ("-" for an empty
-    shard). A shard is not ok when its header/size is bad (the trainer's DataError message) or it
-    holds an id above 50256 (not GPT-2 BPE ids, e.g. another tokenizer's). Returns the number of
-    problems: bad shards plus globs that match nothing.
-    """
-    rows, problems = [], 0
-    for pattern in patterns:
-        files = sorted(glob.glob(os.path.expanduser(pattern)))
-        if not files:
-            rows.append((pattern, "-", "-", "-", "no file matches"))
-            problems += 1
-        for path in files:
-            try:
-                n = read_shard_header(path)
-            except DataError as e:
-                rows.append((path, "-", "-", "-", str(e)))
-                problems += 1
-                continue
-            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else None
-            docs = int(np.count_nonzero(tokens == EOT_TOKEN)) if n else 0
-            max_id = int(tokens.max()) if n else None
-            status = "ok"
-            if max_id is not None and max_id > GPT2_MAX_ID:
-                status = (f"token id {max_id} > {GPT2_MAX_ID}: not GPT-2 BPE ids; "
-                          "re-tokenize with data/tokenize.py")
-                problems += 1
-            rows.append((path, f"{n:,}", f"{docs:,}", "-" if max_id is None else str(max_id), status))
-    header = ("file", "tokens", "documents", "max_id", "status")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-    for r in [header, *rows]:
-        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}",
-              file=out)
-    return problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +547,8 @@ def build_parser():
     p.add_argument("--val-docs", type=_val_docs, default=None, metavar="K",
                    help=f"first K documents go to the val shard; K >= #documents or '{ALL}': all of them; "
                         "unset: no val shard")
+    p.add_argument("--split-key", metavar="KEY",
+                   help='route each .jsonl/.parquet row by its field KEY, "val" or "train" (instead of --val-docs)')
     p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                    help="keep only .jsonl/.parquet rows whose KEY equals VALUE (repeatable)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoder processes")
@@ -486,12 +567,19 @@ def main(argv=None):
         parser.error("tokenizing needs --output-dir and --prefix (or use --check GLOB...)")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.split_key is not None and args.val_docs is not None:
+        parser.error("--split-key and --val-docs both choose the val documents; give one of them")
     try:
         written = tokenize_to_shards(args.inputs, args.output_dir, args.prefix, args.shard_size, args.val_docs,
-                                     parse_filters(args.filter), args.workers, args.overwrite)
-    except (TokenizeError, DataError, OSError) as e:
+                                     parse_filters(args.filter), args.workers, args.overwrite,
+                                     split_key=args.split_key)
+    except (TokenizeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: no shard written, temporary files removed, {args.output_dir} as it was",
+              file=sys.stderr)
+        return 130
     for path, n_tokens, n_docs in written:
         print(f"wrote {path}: {n_tokens:,} tokens, {n_docs:,} document starts")
     if args.val_docs not in (None, 0) and not any(
