@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The one command. With GPUs: the record preset on all of them (torchrun); without: the CPU smoke preset.
-#   bash run.sh                                   # shards from $DATA_DIR (default data/fineweb10B)
-#   DATA_DIR=../shared/data/realtext bash run.sh  # any folder of *_train_*.bin / *_val_*.bin shards
-#   bash run.sh --seed 3                          # extra arguments go to train_gpt.py
+#   bash run.sh                            # shards from $DATA_DIR; unset: data/fineweb10B with a GPU (downloaded
+#                                          # if missing), the repository's sample data/sample without one
+#   DATA_DIR=data/mytext bash run.sh       # any folder of *_train_*.bin / *_val_*.bin shards
+#   bash run.sh --seed 3                   # extra arguments go to train_gpt.py
 # Exit status 0 only for a completed run (or one stopped by --max-steps); the log path is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
-DATA_DIR="${DATA_DIR:-data/fineweb10B}"
 
 if ! "$PYTHON" -c "import torch, numpy" 2>/dev/null; then
     echo "run.sh: torch/numpy not importable by '$PYTHON'; install first: pip install -r requirements.txt" >&2
@@ -29,6 +29,15 @@ else
     fi
     if [ "$nproc" -eq 8 ]; then preset=record_8xb200; else preset=record_h200; fi
 fi
+sample_note=""
+if [ -z "${DATA_DIR:-}" ]; then
+    if [ "$n_gpus" -eq 0 ]; then
+        DATA_DIR=data/sample
+        sample_note=" (the repository's Wikipedia sample: no GPU and DATA_DIR not set)"
+    else
+        DATA_DIR=data/fineweb10B
+    fi
+fi
 
 shopt -s nullglob
 train_shards=("$DATA_DIR"/*_train_*.bin)
@@ -48,14 +57,14 @@ PY
     "$PYTHON" data/cached_fineweb10B.py "$need" --local-dir "$DATA_DIR"
 elif [ ${#train_shards[@]} -eq 0 ] || [ ${#val_shards[@]} -eq 0 ]; then
     missing=$([ ${#train_shards[@]} -eq 0 ] && echo "*_train_*.bin" || echo "*_val_*.bin")
-    echo "run.sh: $DATA_DIR has no $missing shard; add it (data/cached_fineweb10B.py, data/tokenize.py) or point DATA_DIR elsewhere" >&2
+    echo "run.sh: $DATA_DIR has no $missing shard; add it (data/cached_fineweb10B.py, data/tokenize_text.py) or point DATA_DIR elsewhere" >&2
     exit 2
 fi
 
 # the trainer takes globs: escape glob characters in the folder name itself
 data_glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')
 args=(--preset "$preset" --train-files "$data_glob/*_train_*.bin" --val-files "$data_glob/*_val_*.bin" "$@")
-echo "run.sh: preset $preset, $([ "$nproc" -eq 0 ] && echo "CPU" || echo "$nproc GPU process(es)"), data $DATA_DIR, logs in logs/" >&2
+echo "run.sh: preset $preset, $([ "$nproc" -eq 0 ] && echo "CPU" || echo "$nproc GPU process(es)"), data $DATA_DIR$sample_note, logs in logs/" >&2
 if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"
 else

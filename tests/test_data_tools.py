@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import train_gpt
-from conftest import REPO, SAMPLE_DIR
+from conftest import REPO, SAMPLE_DIR, read_log
 
 DATA = os.path.join(REPO, "data")
 sys.path.append(DATA)  # the tools import each other as `python data/X.py` runs them: data/ first on the path
@@ -778,3 +778,33 @@ def test_download_replaces_an_invalid_file_only_with_a_valid_download(tmp_path, 
     assert dl.main(["0", "--local-dir", str(fw)]) == 0
     assert read_header(str(fw / "fineweb_val_000000.bin")) == 9
     assert bin_files(tmp_path) == [str(fw / "fineweb_val_000000.bin")]
+
+
+# ---------------------------------------------------------------------------------------------
+# run.sh picks the sample on a CPU machine
+
+
+def _run_sh(tmp_path, env, *args):
+    env = {k: v for k, v in os.environ.items() if k != "DATA_DIR"} | {"CUDA_VISIBLE_DEVICES": ""} | env
+    return subprocess.run(["bash", "run.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_run_sh_without_gpu_or_data_dir_trains_on_the_sample(tmp_path):
+    tiny = ["--n-layer", "2", "--model-dim", "64", "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256",
+            "--micro-batch-seqs", "8", "--val-tokens", "512", "--num-iterations", "2", "--val-every", "0"]
+    res = _run_sh(tmp_path, {}, *tiny, "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert res.returncode == 0, res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh:")]
+    assert line == ("run.sh: preset cpu_smoke, CPU, data data/sample (the repository's Wikipedia sample: no GPU "
+                    "and DATA_DIR not set), logs in logs/"), line
+    log = read_log(tmp_path / "logs")
+    assert "data/sample/wikipedia_val_000000.bin" in log and "status:complete" in log
+
+
+def test_run_sh_with_data_dir_set_uses_it(tmp_path):
+    (tmp_path / "only_val").mkdir()
+    (tmp_path / "only_val" / "x_val_000000.bin").write_bytes(_shard_bytes())
+    res = _run_sh(tmp_path, {"DATA_DIR": str(tmp_path / "only_val")})
+    assert res.returncode == 2
+    assert f"run.sh: {tmp_path / 'only_val'} has no *_train_*.bin shard" in res.stderr
+    assert "data/sample" not in res.stderr
