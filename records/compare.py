@@ -1,14 +1,16 @@
-"""Compare groups of speedrun logs: final val loss, its spread, the record t-test, time, tokens, FLOPs.
+"""Compare groups of speedrun logs: is B better than A, and when does each reach the target?
 
-Reads this repo's logs (source snapshot, separator, environment, step lines, summary, ``status:``
-line) and logs of the modded-nanogpt shape (``step:{n}/{N} val_loss:... train_time:...ms ...``
-lines, with or without a code snapshot above), ignoring every line it does not know.
+Reads this repo's logs (source snapshot, separator, environment, config, step lines, summary,
+``status:`` line) and logs of the modded-nanogpt shape (``step:{n}/{N} val_loss:...
+train_time:...ms ...`` lines, with or without a code snapshot above), ignoring every line it
+does not know.
 
     python records/compare.py records/2026-01-01_MyRecord          # a folder = one group of runs
-    python records/compare.py a.txt b.txt                           # each file its own group
+    python records/compare.py A_DIR B_DIR --baseline A_DIR          # B against A: Welch, CI, ratios
     python records/compare.py --group-by prefix ../shared/peer_logs # <group>__<run id>.txt names
-    python records/compare.py --json DIR                            # the table as JSON
-    python records/compare.py --plot curves.png --x tokens DIR...   # val loss curves
+    python records/compare.py --json DIR                            # the tables as JSON
+    python records/compare.py --markdown DIR...                     # the tables as Markdown
+    python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
 
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
@@ -17,6 +19,10 @@ Grouping (``--group-by``):
           naming ``<record folder>__<run subfolder>__<run id>.txt``); a name without ``__``
           falls back to ``auto``.
   folder  every file is grouped by the name of the folder it lies in.
+Runs of one group must have measured the same thing: where their logged configs differ in a
+field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), the group
+is split into ``<group> [field=value ...]``, with a warning naming the fields.
+modded-nanogpt logs have no config line and are grouped as given.
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
 line at step N); for modded-nanogpt logs, which have no status line, the last ``val_loss`` line
@@ -26,13 +32,22 @@ counted. Per group: mean and sample std (ddof=1) of the final val loss, and the 
 one-sample t-test p-value that the mean is below ``--target`` (a finite number;
 ``scipy.stats.ttest_1samp(..., alternative="less")``; nan/null for fewer than two runs).
 
+Time to target: per run, the train time, step, raw tokens and FLOPs at which its val curve
+first reaches ``--target`` (linear interpolation between the two val points around it), and
+per group how many runs reached it and the mean and std over those. With ``--baseline A``
+every other group B also gets mean(B) - mean(A) of the final val loss, its 95% confidence
+interval and two-sided p-value from Welch's t-test (``scipy.stats.ttest_ind(B, A,
+equal_var=False)``; at least two runs in each group), and B/A ratios of mean train time,
+FLOPs, tokens and time to target.
+
 A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read permission, ...) is
 listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
 stderr; the other logs are compared as usual. A PATH argument that does not exist is an error.
 
 Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
-incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--plot`` into a missing
-folder or an unknown image type), or when no log at all could be read.
+incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
+no group or several, ``--plot`` into a missing folder or an unknown image type), or when no log
+at all could be read.
 """
 import argparse
 import dataclasses
@@ -42,6 +57,7 @@ import math
 import os
 import re
 import sys
+import warnings
 
 SEPARATOR = "=" * 100  # the line between the source snapshot and the run (same as train_gpt.py)
 HEADER_RE = re.compile(r"^### file (?P<name>\S+) lines=(?P<lines>\d+) sha256=(?P<sha>[0-9a-f]{64})\s*$")
@@ -209,7 +225,7 @@ def parse_lines(lines, path="", group=""):
             step, total, f = parsed
             run.total_steps = total
             point = dict(step=step, train_time_ms=f.get("train_time"),
-                         tokens=f.get("tokens"), flops=f.get("flops"))
+                         tokens=f.get("tokens"), flops=f.get("flops"), phase=f.get("phase"))
             if not all(isinstance(f.get(k, 0.0), (int, float)) for k in ("val_loss", "train_loss", "train_time")):
                 continue  # a step line with a non-numeric loss/time is not one we know
             if "val_loss" in f:
@@ -314,7 +330,72 @@ def collect(paths, group_by="auto", warn=None):
                 if warn:
                     warn(f"cannot read {f} ({runs[-1].reason[len('unreadable: '):]}); "
                          "listed as unreadable, not counted")
+    split_mixed_groups(runs, warn)
     return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs that measured different things are never pooled
+
+def operational_fields():
+    """``train_gpt.OPERATIONAL``: the config fields that change how a run executes, not what it computes.
+
+    Imported only when a log has a config line (train_gpt imports torch, ~2 s); raises
+    ImportError when the trainer beside ``records/`` cannot be imported.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import train_gpt
+    return frozenset(train_gpt.OPERATIONAL)
+
+
+def run_defining(config, operational):
+    """The fields of a logged config that define the run: all but the operational ones and the seed.
+
+    Decided from the log's own config, not from ``train_gpt.RUN_DEFINING`` (the fields of today's
+    Config): a field that today's trainer does not know (a log of an older or newer trainer) then
+    still keeps runs apart instead of being ignored, which errs towards two groups, never
+    towards pooling two different experiments. It is the rule ``--resume`` applies, less the seed.
+    """
+    return {k: v for k, v in config.items() if k not in operational and k != "seed"}
+
+
+def split_mixed_groups(runs, warn=None):
+    """Split every group whose runs differ in a run-defining config field; renames ``run.group``.
+
+    The runs of a group ``g`` that differ in fields ``f1, f2`` go to groups named
+    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); complete runs
+    without a config line (modded-nanogpt logs) mixed with ours go to ``g [no config line]``.
+    Each split is reported through ``warn(message)``, naming the fields. Runs without a config
+    line alone are grouped as given. Returns the list of ``(group, fields)`` that were split.
+    """
+    operational = None
+    split = []
+    for g in list(dict.fromkeys(r.group for r in runs)):
+        members = [r for r in runs if r.group == g]
+        configured = [r for r in members if r.config]
+        if not configured:
+            continue
+        if operational is None:
+            operational = operational_fields()
+        defs = {id(r): run_defining(r.config, operational) for r in configured}
+        keys = sorted({k for d in defs.values() for k in d})
+        differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
+        bare = any(r.complete and not r.config for r in members)
+        if not differ and not bare:
+            continue
+        for r in members:
+            if not r.config:
+                r.group = f"{g} [no config line]"
+            elif differ:
+                r.group = g + " [" + " ".join(f"{k}={defs[id(r)].get(k, '<missing>')}" for k in differ) + "]"
+        split.append((g, differ))
+        if warn:
+            why = f"differ in {', '.join(differ)}" if differ else "mix logs with and without a config line"
+            parts = ", ".join(dict.fromkeys(r.group for r in members))
+            warn(f"group {g}: its runs {why} (they measured different things); split into {parts}")
+    return split
 
 
 def _mean_if_all(values):
@@ -324,34 +405,153 @@ def _mean_if_all(values):
     return sum(values) / len(values)
 
 
+def _std(values):
+    """Sample standard deviation (ddof=1), nan for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = sum(values) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1))
+
+
+# where a val curve reaches the target: (key of a val point, JSON name of the per-run list, column)
+TO_TARGET = (("train_time_ms", "time_to_target_ms", "train_time"), ("step", "step_to_target", "step"),
+             ("tokens", "tokens_to_target", "tokens"), ("flops", "flops_to_target", "flops"))
+
+
+def reach_target(val, target):
+    """Where a val curve first reaches ``target`` (val_loss <= target), or None if it never does.
+
+    ``val``: a run's val points (dicts with ``val_loss`` and the ``TO_TARGET`` keys), in step
+    order; non-finite losses are left out. Between the last point above the target and the first
+    at or below it, every ``TO_TARGET`` key is interpolated linearly in the loss (the speedrun's
+    time to target between two val lines); a key that either point lacks is None. Returns a dict
+    of the ``TO_TARGET`` keys (floats; the step may be fractional).
+    """
+    points = [p for p in val if isinstance(p["val_loss"], (int, float)) and math.isfinite(p["val_loss"])]
+    for i, p in enumerate(points):
+        if p["val_loss"] > target:
+            continue
+        q = points[i - 1] if i else p
+        w = (q["val_loss"] - target) / (q["val_loss"] - p["val_loss"]) if i else 1.0
+        out = {}
+        for key, _, _ in TO_TARGET:
+            a, b = q.get(key), p.get(key)
+            known = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b))
+            out[key] = float(a + w * (b - a)) if known else None
+        return out
+    return None
+
+
+def _to_target_stats(done, target):
+    """Per-run time/step/tokens/FLOPs to the target, and their mean and std over the runs that reached it.
+
+    JSON fields: ``reached_target`` (how many runs did), per ``TO_TARGET`` name the per-run list
+    (None: not reached, or the log lacks that quantity) and ``mean_<name>``, ``std_<name>``
+    (None/nan unless every run that reached the target has the quantity).
+    """
+    hits = [h for h in (reach_target(r.val, target) for r in done)]
+    reached = [h for h in hits if h is not None]
+    out = dict(reached_target=len(reached))
+    for key, name, _ in TO_TARGET:
+        out[name] = [None if h is None else h[key] for h in hits]
+        values = [h[key] for h in reached]
+        out["mean_" + name] = _mean_if_all(values)
+        out["std_" + name] = _std(values) if out["mean_" + name] is not None else math.nan
+    return out
+
+
 def group_stats(runs, target=3.28):
-    """One dict per group (in order of first appearance): the columns of the table / JSON."""
+    """One dict per group (in order of first appearance): the columns of the table / JSON.
+
+    Final val loss statistics over the complete runs (mean, sample std, the one-sided
+    ``scipy.stats.ttest_1samp(..., alternative="less")`` p-value against ``target``), their
+    mean train time, tokens and FLOPs, and where each run first reaches ``target``
+    (``reach_target``; lists in ``run_names`` order, None where not reached).
+    """
     from scipy import stats  # imported here so that parsing alone needs no scipy
 
-    order = []
-    for r in runs:
-        if r.group not in order:
-            order.append(r.group)
     out = []
-    for g in order:
+    for g in dict.fromkeys(r.group for r in runs):
         members = [r for r in runs if r.group == g]
         done = [r for r in members if r.complete]
         losses = [r.final["val_loss"] for r in done]
         n = len(losses)
-        mean = sum(losses) / n if n else math.nan
-        std = math.sqrt(sum((x - mean) ** 2 for x in losses) / (n - 1)) if n > 1 else math.nan
         p = float(stats.ttest_1samp(losses, target, alternative="less").pvalue) if n > 1 else math.nan
         steps = sorted({r.total_steps for r in done})
-        out.append(dict(
+        row = dict(
             group=g, runs=n,
             incomplete=[f"{r.name} ({r.reason})" for r in members if not r.complete],
-            mean_val_loss=mean, std_val_loss=std, p_value=p, target=target,
+            mean_val_loss=sum(losses) / n if n else math.nan, std_val_loss=_std(losses), p_value=p,
+            target=target,
             mean_train_time_ms=_mean_if_all([r.final["train_time_ms"] for r in done]) if n else None,
             steps=steps[0] if len(steps) == 1 else (steps or None),
             tokens=_mean_if_all([r.raw_tokens for r in done]),
             flops=_mean_if_all([r.flops for r in done]),
-            val_losses=losses, run_names=[r.name for r in done]))
+            val_losses=losses, run_names=[r.name for r in done])
+        row.update(_to_target_stats(done, target))
+        out.append(row)
     return out
+
+
+def welch(base, other):
+    """Welch's t-test of ``mean(other) - mean(base)`` (final val losses, two lists of floats).
+
+    Returns the JSON fields ``delta_mean``, ``delta_ci95`` ([low, high], the 95% confidence
+    interval of the difference with the Welch-Satterthwaite degrees of freedom), ``p_welch``
+    (two-sided) and ``welch_dof``, from ``scipy.stats.ttest_ind(other, base, equal_var=False)``
+    and its ``confidence_interval(0.95)``. With fewer than two runs in a group, or no spread in
+    either, the test cannot be made: CI, p and dof are None and ``welch_note`` says why.
+    """
+    from scipy import stats
+
+    delta = sum(other) / len(other) - sum(base) / len(base) if base and other else math.nan
+    out = dict(delta_mean=delta, delta_ci95=None, p_welch=math.nan, welch_dof=math.nan)
+    if len(base) < 2 or len(other) < 2:
+        out["welch_note"] = (f"Welch's t-test needs at least two complete runs in each group "
+                             f"(this group has {len(other)}, the baseline {len(base)})")
+    elif _std(base) == 0 and _std(other) == 0:
+        out["welch_note"] = "every run of both groups has the same final val loss: no spread to test against"
+    else:
+        with warnings.catch_warnings():  # scipy warns when values agree to many digits; the result holds
+            warnings.simplefilter("ignore", RuntimeWarning)
+            res = stats.ttest_ind(other, base, equal_var=False)
+            ci = res.confidence_interval(0.95)
+        out.update(delta_ci95=[float(ci.low), float(ci.high)], p_welch=float(res.pvalue), welch_dof=float(res.df))
+    return out
+
+
+# ratios to the baseline: (row key, JSON name)
+RATIOS = (("mean_train_time_ms", "train_time_ratio"), ("flops", "flops_ratio"), ("tokens", "tokens_ratio"),
+          ("mean_time_to_target_ms", "time_to_target_ratio"))
+
+
+def add_baseline(rows, baseline):
+    """Add to every row but the baseline's its Welch test against it and the ratios of ``RATIOS``.
+
+    ``rows``: ``group_stats`` output, changed in place; ``baseline``: a group name, or the start
+    of exactly one group's name (peer-log groups are long). A ratio is None when either side is
+    unknown (or the baseline's is 0); that of the time to target also unless every run of both
+    groups reached the target. Returns the baseline's group name. Raises KeyError (its
+    message lists the groups) when no group, or more than one, matches.
+    """
+    exact = [r for r in rows if r["group"] == baseline]
+    found = exact or [r for r in rows if r["group"].startswith(baseline)]
+    if len(found) != 1:
+        what = "more than one group starts with" if found else "no group is named"
+        raise KeyError(f"{what} {baseline!r}; the groups are: " + ", ".join(r["group"] for r in rows))
+    base = found[0]
+    for r in rows:
+        if r is base:
+            continue
+        r["baseline"] = base["group"]
+        r.update(welch(base["val_losses"], r["val_losses"]))
+        for key, name in RATIOS:
+            a, b = base[key], r[key]
+            r[name] = b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+        if not all(x["runs"] and x["reached_target"] == x["runs"] for x in (base, r)):
+            r["time_to_target_ratio"] = None  # a mean over the runs that got there is biased low: no ratio of two
+    return base["group"]
 
 
 def _jsonable(x):
@@ -365,31 +565,103 @@ def _jsonable(x):
     return x
 
 
-def format_table(rows):
-    """The per-group table as aligned text, then the incomplete runs (listed, not counted)."""
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
+# ----------------------------------------------------------------------------------------------
+# Tables
 
+def render(head, body, markdown=False):
+    """Rows of strings as an aligned text table (first column left, the rest right) or Markdown."""
+    if markdown:
+        esc = [[c.replace("|", "\\|") for c in row] for row in [head] + body]
+        return "\n".join(["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(row) + " |" for row in esc[1:]])
+    width = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, width)))
+             for row in [head] + body]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    return "\n".join(lines)
+
+
+def _num(x, fmt):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _spread(mean, std, fmt, unit=""):
+    """``mean ± std`` with a unit; ``mean`` alone without a std; ``-`` when unknown."""
+    if mean is None:
+        return "-"
+    text = format(mean, fmt) + unit
+    return text if math.isnan(std) else f"{text} ± {format(std, fmt)}{unit}"
+
+
+def main_table(rows, markdown=False):
+    """The per-group table: runs, final val loss statistics, train time, steps, tokens, FLOPs."""
     target = rows[0]["target"] if rows else 3.28
     head = ["group", "runs", "incompl", "mean_val_loss", "std", f"p(mean<{target})",
             "mean_train_time", "steps", "tokens", "flops"]
     body = []
     for r in rows:
-        t = r["mean_train_time_ms"]
-        steps = r["steps"]
+        t, steps = r["mean_train_time_ms"], r["steps"]
         body.append([r["group"], str(r["runs"]), str(len(r["incomplete"])),
-                     num(r["mean_val_loss"], ".4f"), num(r["std_val_loss"], ".4f"), num(r["p_value"], ".3g"),
+                     _num(r["mean_val_loss"], ".4f"), _num(r["std_val_loss"], ".4f"), _num(r["p_value"], ".3g"),
                      "-" if t is None else f"{t:.0f}ms ({t / 60000:.2f}min)",
                      "-" if steps is None else (str(steps) if isinstance(steps, int) else ",".join(map(str, steps))),
-                     num(r["tokens"], ".4g"), num(r["flops"], ".4g")])
-    width = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, width)))
-             for row in [head] + body]
-    lines.insert(1, "  ".join("-" * w for w in width))
-    bad = [(r["group"], name) for r in rows for name in r["incomplete"]]
+                     _num(r["tokens"], ".4g"), _num(r["flops"], ".4g")])
+    return render(head, body, markdown)
+
+
+def target_table(rows, markdown=False):
+    """Where the runs first reach the target: how many did, and the mean ± std over those of the
+    train time, step, tokens and FLOPs at that point."""
+    head = ["group", "reached", "train_time", "step", "tokens", "flops"]
+    body = []
+    for r in rows:
+        t, s = r["mean_time_to_target_ms"], r["std_time_to_target_ms"]
+        body.append([r["group"], f"{r['reached_target']}/{r['runs']}",
+                     _spread(None if t is None else t / 1000, s / 1000, ".1f", "s"),
+                     _spread(r["mean_step_to_target"], r["std_step_to_target"], ".0f"),
+                     _spread(r["mean_tokens_to_target"], r["std_tokens_to_target"], ".4g"),
+                     _spread(r["mean_flops_to_target"], r["std_flops_to_target"], ".4g")])
+    return render(head, body, markdown)
+
+
+def baseline_table(rows, markdown=False):
+    """Every group against the baseline: difference, its 95% CI, Welch's p, and the ratios."""
+    head = ["group", "delta_mean", "95% CI", "p(Welch)", "train_time", "flops", "tokens", "time_to_target"]
+    body = []
+    for r in rows:
+        if "baseline" not in r:
+            continue
+        ci = r["delta_ci95"]
+        body.append([r["group"], _num(r["delta_mean"], "+.4f"),
+                     "-" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]", _num(r["p_welch"], ".3g")]
+                    + [_num(r[name], ".3f") + ("x" if r[name] is not None else "") for _, name in RATIOS])
+    return render(head, body, markdown)
+
+
+def format_table(rows, markdown=False):
+    """Everything the command line prints: the tables, then the incomplete runs (listed, not counted).
+
+    Text (aligned columns) or, with ``markdown``, Markdown tables and lists to paste into a README.
+    """
+    target = rows[0]["target"] if rows else 3.28
+    bullet, gap = ("* ", "\n\n") if markdown else ("  ", "\n")  # Markdown: a table needs a blank line above
+    blocks = [main_table(rows, markdown)]
+    if any(r["reached_target"] for r in rows):
+        blocks.append(f"time to {target} (first val point at or below it, linear interpolation between val "
+                      "points; mean ± std over the runs that reached it):" + gap + target_table(rows, markdown))
+    else:
+        blocks.append(f"time to {target}: no run reached it")
+    based = [r for r in rows if "baseline" in r]
+    if based:
+        notes = [f"{bullet}{r['group']}: {r['welch_note']}" for r in based if r.get("welch_note")]
+        blocks.append(f"against the baseline {based[0]['baseline']}: difference of mean final val loss "
+                      "(group - baseline) with the 95% CI and two-sided p of Welch's t-test; ratios group / "
+                      "baseline of mean train time, FLOPs, tokens and time to target:" + gap
+                      + baseline_table(rows, markdown) + (gap + "\n".join(notes) if notes else ""))
+    bad = [f"{bullet}{r['group']}: {name}" for r in rows for name in r["incomplete"]]
     if bad:
-        lines += ["", "incomplete runs (not counted):"] + [f"  {g}: {name}" for g, name in bad]
-    return "\n".join(lines)
+        blocks.append("incomplete runs (not counted):" + gap + "\n".join(bad))
+    return "\n\n".join(blocks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,79 +673,203 @@ X_AXES = {  # --x: point key, axis label
     "flops": ("flops", "training FLOPs (model estimate)"),
     "step": ("step", "step"),
 }
+SMOOTH_FRAC = 0.1  # a step's train loss swings with its batch's text: running mean over this fraction of the steps
 
 
-def plot(runs, out, x="time", target=3.28):
-    """Val loss against ``x`` for every run, one colour per group; returns notes on skipped runs.
+def run_curve(points, key, loss):
+    """A run's finite points as numpy arrays ``step``, ``x``, ``y`` (the loss) and ``phase1`` (bool).
 
-    Complete runs are solid lines, incomplete ones dotted. The y range is clipped to the
-    interesting part (the first losses of ~10.8 would squash everything else): from just below
-    the best loss (or the target) to a few tenths above the worst final loss (or the target).
+    ``points``: ``Run.val`` or ``Run.train``; only points with a number under ``loss`` count.
+    ``phase1`` marks the TST phase-1 points (``phase:1``). Returns None when one of them has no
+    number under ``key`` (e.g. tokens in a modded-nanogpt log).
+    """
+    import numpy as np
+    pts = [p for p in points if isinstance(p.get(loss), (int, float))]
+    if any(not isinstance(p.get(key), (int, float)) for p in pts):
+        return None
+    pts = [p for p in pts if math.isfinite(p[key]) and math.isfinite(p[loss])]
+    return dict(step=np.array([p["step"] for p in pts], dtype=np.int64),
+                x=np.array([p[key] for p in pts], dtype=np.float64),
+                y=np.array([p[loss] for p in pts], dtype=np.float64),
+                phase1=np.array([p.get("phase") == 1 for p in pts], dtype=bool))
+
+
+def smooth(y, window, segments):
+    """Centered running mean of ``y`` over ``window`` points (fewer at the ends), within each segment.
+
+    ``segments``: a label per point (e.g. the TST phase); the mean never mixes two labels.
+    """
+    import numpy as np
+    out = np.array(y, dtype=np.float64)
+    if window <= 1:
+        return out
+    kernel = np.ones(window)
+    for label in np.unique(segments):
+        m = segments == label
+        out[m] = np.convolve(out[m], kernel, "same") / np.convolve(np.ones(m.sum()), kernel, "same")
+    return out
+
+
+def mean_curve(curves):
+    """The mean curve of one group's runs and its spread, at the steps every run has.
+
+    ``curves``: ``run_curve`` dicts. Returns a dict with ``x`` and ``y`` (means over the runs:
+    their train times differ a little between seeds), ``std`` (sample std of y, ddof=1),
+    ``step`` and ``phase1`` (of the first run), or None when fewer than two steps are shared.
+    """
+    import numpy as np
+    common = sorted(set.intersection(*(set(c["step"].tolist()) for c in curves)))
+    if len(common) < 2:
+        return None
+    idx = [np.searchsorted(c["step"], common) for c in curves]
+    xs = np.stack([c["x"][i] for c, i in zip(curves, idx)])
+    ys = np.stack([c["y"][i] for c, i in zip(curves, idx)])
+    return dict(step=np.array(common), x=xs.mean(0), y=ys.mean(0), std=ys.std(0, ddof=1),
+                phase1=curves[0]["phase1"][idx[0]])
+
+
+def _line(ax, c, scale, faint_phase1, **kw):
+    """Draw a curve (and its ±1 std band if it has one); with ``faint_phase1`` its TST phase-1 part
+    (a bag loss, not next-token CE) faint and dashed, without a band."""
+    x, y = c["x"] / scale, c["y"]
+    p1 = c["phase1"] if faint_phase1 else c["phase1"] & False  # val in phase 1 is next-token CE: drawn plain
+    if p1.any():
+        end = min(int(p1.nonzero()[0].max()) + 2, len(x))  # up to the first phase-2 point: no gap
+        ax.plot(x[:end], y[:end], **dict(kw, label=None, alpha=0.35, ls="--"))
+    ax.plot(x[~p1], y[~p1], **kw)
+    if "std" in c:
+        ax.fill_between(x[~p1], (y - c["std"])[~p1], (y + c["std"])[~p1], color=kw["color"], alpha=0.2, lw=0)
+
+
+def draw_panel(ax, runs, curves, colour, scale, train=False):
+    """One panel: per group the mean curve with a ±1 std band over its complete runs (a single run:
+    its own line), incomplete runs dotted; labelled for the legend in the val panel only (the train
+    panel shares its colours). Returns the y values to fit the range to: the val curves after their
+    first point; the train curves after the first tenth of the steps, TST phase 1 left out.
+    """
+    import numpy as np
+    fit = []
+    for g in dict.fromkeys(r.group for r in runs):
+        done = [curves[id(r)] for r in runs if r.group == g and r.complete and id(r) in curves]
+        rest = [(r, curves[id(r)]) for r in runs if r.group == g and not r.complete and id(r) in curves]
+        m = mean_curve(done) if len(done) > 1 else None
+        shown = [m] if m else done
+        for i, c in enumerate(shown):
+            label = None if i or train else (f"{g} (mean ± 1 std of {len(done)} runs)" if m else
+                                             f"{g} ({len(done)} complete run{'s' * (len(done) != 1)})")
+            _line(ax, c, scale, train, color=colour[g], lw=1.6 if m else 1.2, label=label,
+                  marker="o" if not train and len(c["x"]) <= 30 else None, ms=3)  # few val points: show them
+        for i, (r, c) in enumerate(rest):
+            _line(ax, c, scale, train, color=colour[g], lw=1.0, ls=":", alpha=0.6,
+                  label=None if done or i or train else f"{g} (incomplete)")
+        for c in shown + [c for _, c in rest]:
+            keep = (c["step"] >= 0.1 * c["step"].max()) & ~c["phase1"] if train else np.arange(len(c["y"])) >= 1
+            std = c.get("std", 0.0)
+            fit += [(c["y"] - std)[keep], (c["y"] + std)[keep]]
+    return np.concatenate(fit) if fit else np.zeros(0)
+
+
+def _train_curves(runs, drawn, key):
+    """Smoothed train-loss curves of the runs whose val curve is drawn and whose train lines have ``key``."""
+    out = {}
+    for r in runs:
+        c = run_curve(r.train, key, "train_loss") if id(r) in drawn else None
+        if c is not None and len(c["y"]) > 1:
+            c["y"] = smooth(c["y"], max(1, round(SMOOTH_FRAC * len(c["y"]))), c["phase1"])
+            out[id(r)] = c
+    return out
+
+
+def _val_curves(runs, key, x):
+    """Val curves of the runs that can be drawn against ``x``, and notes on those left out."""
+    curves, notes = {}, []
+    for r in runs:
+        where = f"{r.name} ({r.group})"
+        c = run_curve(r.val, key, "val_loss") if r.val else None
+        if not r.val:
+            notes.append(f"plot: skipped {where}: {r.reason or 'no val_loss line'}")
+        elif c is None:
+            notes.append(f"plot: skipped {where}: its val lines have no {x} values")
+        elif not len(c["y"]):  # nan/inf points cannot be drawn and would break the axis limits
+            notes.append(f"plot: skipped {where}: no finite val point")
+        else:
+            k = len(r.val) - len(c["y"])
+            if k:
+                notes.append(f"plot: {where}: left out {k} non-finite point{'s' * (k != 1)}")
+            curves[id(r)] = c
+    return curves, notes
+
+
+def _fit_ylim(ax, ys):
+    """Fit the y range to ``ys`` with a margin; returns (low, high)."""
+    lo, hi = (float(ys.min()), float(ys.max())) if len(ys) else (0.0, 1.0)
+    pad = max(0.05 * (hi - lo), 0.01)
+    ax.set_ylim(lo - pad, hi + pad)
+    return lo - pad, hi + pad
+
+
+def draw_figure(runs, x="time", target=3.28):
+    """The figure of ``plot`` (matplotlib, Agg), unsaved: returns ``(fig, notes)``; close it after use.
+
+    Top panel: val loss against ``x`` per group, the mean curve with a ±1 std band over its
+    complete runs. Its y range is fitted to the curves after their first val point (the untrained
+    ~10.8 would squash the rest); the target line is drawn only when it lies in that range,
+    otherwise the title says where it is. Bottom panel (only when a drawn run logs train losses):
+    the train loss, a centered running mean over ``SMOOTH_FRAC`` of each run's steps, y fitted
+    after the first tenth of the steps, the TST phase-1 part (a bag loss, not comparable with
+    next-token CE) faint and dashed. ``notes``: the runs left out and why.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     key, label = X_AXES[x]
-    notes, curves = [], []
-    for r in runs:
-        if not r.val:
-            notes.append(f"plot: skipped {r.name} ({r.group}): {r.reason or 'no val_loss line'}")
-            continue
-        pts = [p for p in r.val if isinstance(p.get(key), (int, float))]
-        if len(pts) < len(r.val):
-            notes.append(f"plot: skipped {r.name} ({r.group}): its val lines have no {x} values")
-            continue
-        # nan/inf points (a diverged run, "nanms" times) cannot be drawn and would break the axis limits
-        finite = [p for p in pts if math.isfinite(p[key]) and math.isfinite(p["val_loss"])]
-        if not finite:
-            notes.append(f"plot: skipped {r.name} ({r.group}): no finite val point")
-            continue
-        if len(finite) < len(pts):
-            k = len(pts) - len(finite)
-            notes.append(f"plot: {r.name} ({r.group}): left out {k} non-finite point{'s' * (k != 1)}")
-        curves.append((r, [p[key] for p in finite], [p["val_loss"] for p in finite]))
-    scale, unit = 1.0, ""
+    curves, notes = _val_curves(runs, key, x)
+    train = _train_curves(runs, curves, key)
+    scale = 1.0
     if x == "time":
-        longest = max((max(xs) for _, xs, _ in curves), default=0)
+        longest = max((c["x"].max() for c in curves.values()), default=0)
         scale, unit = (60000.0, "min") if longest > 10 * 60000 else (1000.0, "s")
         label = f"train time ({unit}, validation and compile excluded)"
-
     groups = list(dict.fromkeys(r.group for r in runs))
     cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     colour = {g: cmap(i % cmap.N) for i, g in enumerate(groups)}
-    fig, ax = plt.subplots(figsize=(11, 6.5), dpi=110)
-    labelled = set()
-    for r, xs, ys in curves:
-        n = sum(1 for q in runs if q.group == r.group and q.complete)
-        lab = None if r.group in labelled else f"{r.group} ({n} complete run{'s' * (n != 1)})"
-        labelled.add(r.group)
-        ax.plot([v / scale for v in xs], ys, color=colour[r.group], label=lab,
-                lw=1.2 if r.complete else 1.0, ls="-" if r.complete else ":", alpha=0.85 if r.complete else 0.6,
-                marker="o" if len(xs) <= 30 else None, ms=3)  # few val points: show where they are
-    if any(not r.complete for r, _, _ in curves):
-        ax.plot([], [], color="grey", ls=":", label="incomplete run (not counted)")
-    ax.axhline(target, color="black", ls="--", lw=1.2, label=f"target {target}")
-
-    if curves:
-        lows = [min(ys) for _, _, ys in curves]
-        finals = max(ys[-1] for _, _, ys in curves)
-        # highest loss after the first val point (the untrained ~10.8 would dominate the axis)
-        highs = max(max(ys[1:] or ys) for _, _, ys in curves)
-        lo = min(min(lows), target) - 0.05
-        # a few tenths above the worst final loss; more when runs end far from the target
-        # (short CPU runs), but never above the highest loss worth showing
-        hi = max(finals, target) + max(0.4, finals - lo)
-        top = max(highs, target)
-        hi = min(hi, top + max(0.05, 0.05 * (top - lo)))
-        ax.set_ylim(lo, hi)
-        ax.set_xlim(left=0)
-    ax.set_xlabel(label)
+    fig, axes = plt.subplots(2 if train else 1, 1, sharex=True, squeeze=False, dpi=110,
+                             figsize=(11, 9.5 if train else 6.5), height_ratios=[3, 2] if train else [1])
+    ax = axes[0, 0]
+    lo, hi = _fit_ylim(ax, draw_panel(ax, runs, curves, colour, scale))
+    title = f"val loss vs {x}"
+    if lo <= target <= hi:
+        ax.axhline(target, color="black", ls="--", lw=1.2, label=f"target {target}")
+    elif curves:
+        title += f" (target {target} is {'below' if target < lo else 'above'} the range shown)"
+    ax.set_title(title + ("; y fitted after the first val point" if curves else ""))
     ax.set_ylabel("val loss (cross-entropy, nats/token)")
-    ax.set_title(f"val loss vs {x}" + (" (y clipped: early losses are off the top)" if curves else ""))
-    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
+    if train:
+        tax = axes[1, 0]
+        _fit_ylim(tax, draw_panel(tax, runs, train, colour, scale, train=True))
+        only = f"; {len(train)} of {len(curves)} runs log train losses" if len(train) < len(curves) else ""
+        tax.set_title(f"train loss (running mean over {SMOOTH_FRAC:.0%} of the steps; y fitted after the "
+                      f"first 10%{only})", fontsize=10)
+        tax.set_ylabel("train loss")
+        if any(c["phase1"].any() for c in train.values()):
+            tax.plot([], [], color="grey", ls="--", alpha=0.5,
+                     label="TST phase 1: bag loss (MCE), not next-token CE")
+            tax.legend(fontsize=8, loc="upper right")
+    for a in axes[:, 0]:
+        a.grid(True, alpha=0.3)
+        a.set_xlim(left=0)
+    axes[-1, 0].set_xlabel(label)
     fig.tight_layout()
+    return fig, notes
+
+
+def plot(runs, out, x="time", target=3.28):
+    """Draw ``draw_figure(runs, x, target)`` into the image file ``out``; returns the notes on runs left out."""
+    import matplotlib.pyplot as plt
+
+    fig, notes = draw_figure(runs, x, target)
     try:
         fig.savefig(out)
     finally:
@@ -515,9 +911,17 @@ def main(argv=None):
     ap.add_argument("--group-by", choices=("auto", "prefix", "folder"), default="auto",
                     help="auto: a folder is one group, a file its own group; prefix: by the file-name part "
                          "before the last '__' (peer_logs naming); folder: by the folder a file lies in")
-    ap.add_argument("--target", type=finite_float, default=3.28, help="val loss to beat (one-sided t-test)")
-    ap.add_argument("--json", action="store_true", help="print the groups as JSON instead of the table")
-    ap.add_argument("--plot", metavar="OUT.png", help="draw val loss curves of every run to this file")
+    ap.add_argument("--target", type=finite_float, default=3.28,
+                    help="val loss to beat (one-sided t-test, time to target)")
+    ap.add_argument("--baseline", metavar="GROUP",
+                    help="compare every other group against this one (difference of mean final val loss with "
+                         "95%% CI and Welch's t-test; ratios of time, FLOPs, tokens)")
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the groups as JSON instead of the table")
+    out.add_argument("--markdown", action="store_true",
+                     help="print the tables as Markdown (to paste into a README)")
+    ap.add_argument("--plot", metavar="OUT.png",
+                    help="draw the val (and train) loss curves of every group to this file")
     ap.add_argument("--x", choices=sorted(X_AXES), default="time", help="x axis of --plot")
     args = ap.parse_args(argv)
 
@@ -533,15 +937,23 @@ def main(argv=None):
                        warn=lambda message: print(f"compare.py: warning: {message}", file=sys.stderr))
     except OSError as e:
         return error(e)
+    except ImportError as e:  # train_gpt.OPERATIONAL is needed to compare configs (see run_defining)
+        return error(f"cannot import train_gpt.py beside records/ to tell run-defining config fields from "
+                     f"operational ones ({e}); install the requirements: pip install -r requirements.txt")
     if not runs:
         return error("no .txt logs found in " + ", ".join(args.paths))
     if all(r.reason.startswith("unreadable:") for r in runs):
         return error("no log could be read (see the warnings above)")
     rows = group_stats(runs, args.target)
+    if args.baseline is not None:
+        try:
+            add_baseline(rows, args.baseline)
+        except KeyError as e:
+            return error(f"--baseline: {e.args[0]}")
     if args.json:
         print(json.dumps(_jsonable(rows), indent=1))
     else:
-        print(format_table(rows))
+        print(format_table(rows, args.markdown))
     if args.plot:
         try:
             notes = plot(runs, args.plot, args.x, args.target)

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -561,5 +562,314 @@ def test_shell_glob_over_records_skips_plots_and_points_into_nested_folders(tmp_
     assert proc.returncode == 0, proc.stderr
     assert "plot.png: not a log (.png), skipped" in proc.stderr
     assert "nested: no .txt logs in it, but in its subfolders" in proc.stderr
-    rows = [ln.split()[0] for ln in proc.stdout.splitlines()[2:] if ln.strip()]
+    rows = [ln.split()[0] for ln in proc.stdout.split("\n\n")[0].splitlines()[2:]]  # the main table
     assert rows == ["a"]
+
+
+# ----------------------------------------------------------------------------------------------
+# time to target, A/B against a baseline, Markdown
+
+
+def curve_log(path, vals, train=()):
+    """A modded-nanogpt-shape log: ``vals`` = [(step, val_loss, train_time_ms)], N = the last step."""
+    n = vals[-1][0]
+    lines = [f"step:{s}/{n} train_loss:{loss:.4f} train_time:{ms}ms step_avg:1.00ms" for s, loss, ms in train]
+    lines += [f"step:{s}/{n} val_loss:{loss:.4f} train_time:{ms}ms step_avg:1.00ms" for s, loss, ms in vals]
+    write_text(path, "\n".join(lines) + "\n")
+
+
+def interp_reference(points, target):
+    """Slow reference of reach_target: scan for the first point at or below target, np.interp on its segment."""
+    for i, p in enumerate(points):
+        if p["val_loss"] <= target:
+            if i == 0:
+                return {k: p[k] for k in ("train_time_ms", "step", "tokens", "flops")}
+            q = points[i - 1]  # np.interp needs increasing xp: the loss falls from q to p
+            return {k: float(np.interp(target, [p["val_loss"], q["val_loss"]], [p[k], q[k]]))
+                    for k in ("train_time_ms", "step", "tokens", "flops")}
+    return None
+
+
+def test_reach_target_matches_a_slow_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(2, 12))
+        steps = np.cumsum(rng.integers(1, 50, n))
+        losses = 10.0 - np.cumsum(rng.uniform(-0.3, 1.0, n))  # mostly falling, sometimes rising
+        points = [dict(step=int(s), val_loss=float(v), train_time_ms=float(s * rng.uniform(90, 110)),
+                       tokens=int(s) * 1024, flops=float(s) * 3.1e11) for s, v in zip(steps, losses)]
+        target = float(rng.uniform(losses.min() - 0.5, losses.max()))
+        got, want = compare.reach_target(points, target), interp_reference(points, target)
+        if want is None:
+            assert got is None
+        else:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-9)
+            assert points[0]["step"] <= got["step"] <= points[-1]["step"]
+    pts = [dict(step=0, val_loss=10.0, train_time_ms=0, tokens=0, flops=0.0),
+           dict(step=10, val_loss=float("nan"), train_time_ms=50, tokens=100, flops=1.0),
+           dict(step=20, val_loss=4.0, train_time_ms=100, tokens=None, flops=2.0),
+           dict(step=30, val_loss=3.0, train_time_ms=150, tokens=300, flops=3.0)]
+    # the nan point is left out: 5.0 lies between step 0 (10.0) and step 20 (4.0)
+    assert compare.reach_target(pts, 5.0) == dict(train_time_ms=pytest.approx(250 / 3), step=pytest.approx(50 / 3),
+                                                  tokens=None, flops=pytest.approx(5 / 3))
+    assert compare.reach_target(pts, 4.0)["step"] == 20  # reached exactly at a val point
+    assert compare.reach_target(pts, 12.0)["step"] == 0   # already at the first point
+    assert compare.reach_target(pts, 2.9) is None
+
+
+def test_time_to_target_per_run_and_per_group(tmp_path):
+    # run a: 3.30 at 1000 ms -> 3.26 at 2000 ms: 3.28 at 1500 ms, step 150; run b: 1100 -> 2100 ms, 3.29 -> 3.27:
+    # 1600 ms, step 150; run c never gets below 3.29
+    curve_log(tmp_path / "g__a.txt", [(0, 10.8, 0), (100, 3.30, 1000), (200, 3.26, 2000)])
+    curve_log(tmp_path / "g__b.txt", [(0, 10.8, 0), (100, 3.29, 1100), (200, 3.27, 2100)])
+    curve_log(tmp_path / "g__c.txt", [(0, 10.8, 0), (100, 3.35, 1000), (200, 3.29, 2000)])
+    curve_log(tmp_path / "h__a.txt", [(0, 10.8, 0), (50, 3.28, 400), (100, 3.20, 800)])
+    proc = run_tool("compare.py", "--group-by", "prefix", "--json", tmp_path, "--baseline", "h")
+    assert proc.returncode == 0, proc.stderr
+    g, h = json.loads(proc.stdout)
+    assert g["run_names"] == ["g__a", "g__b", "g__c"] and g["reached_target"] == 2
+    assert g["time_to_target_ms"][:2] == pytest.approx([1500, 1600], rel=1e-12) and g["time_to_target_ms"][2] is None
+    assert g["step_to_target"][:2] == pytest.approx([150, 150]) and g["tokens_to_target"] == [None] * 3
+    assert g["mean_time_to_target_ms"] == pytest.approx(1550) and g["std_time_to_target_ms"] == pytest.approx(50 * 2 ** 0.5)
+    assert h["time_to_target_ms"] == [400] and h["std_time_to_target_ms"] is None
+    assert g["time_to_target_ratio"] is None  # run c never got there: no ratio of a survivors' mean
+    table = run_tool("compare.py", "--group-by", "prefix", tmp_path).stdout
+    assert re.search(r"^g\s+2/3\s+1\.6s ± 0\.1s\s+150 ± 0\s+-\s+-$", table, re.M), table
+    curve_log(tmp_path / "g__c.txt", [(0, 10.8, 0), (100, 3.30, 1000), (200, 3.20, 2000)])  # now at 1200 ms
+    g, h = json.loads(run_tool("compare.py", "--group-by", "prefix", "--json", tmp_path, "--baseline", "h").stdout)
+    assert g["time_to_target_ratio"] == pytest.approx(np.mean([1500, 1600, 1200]) / 400)
+    out = run_tool("compare.py", "--group-by", "prefix", tmp_path, "--target", "2").stdout
+    assert "time to 2.0: no run reached it" in out
+
+
+def welch_reference(a, b):
+    """delta, 95% CI and two-sided p of Welch's test of mean(b) - mean(a), by hand in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+    delta = b.mean() - a.mean()
+    half = stats.t.ppf(0.975, dof) * se
+    return delta, [delta - half, delta + half], 2 * stats.t.sf(abs(delta / se), dof), dof
+
+
+def test_welch_matches_a_hand_computation():
+    rng = np.random.default_rng(1)
+    for na, nb in [(2, 2), (2, 5), (3, 12), (12, 3), (10, 10)]:
+        for _ in range(20):
+            a = rng.normal(3.28, rng.uniform(5e-4, 5e-3), na)
+            b = rng.normal(3.28 + rng.uniform(-0.004, 0.004), rng.uniform(5e-4, 5e-3), nb)
+            got = compare.welch(list(a), list(b))
+            delta, ci, p, dof = welch_reference(a, b)
+            assert got["delta_mean"] == pytest.approx(delta, rel=1e-9, abs=1e-13)
+            assert got["delta_ci95"] == pytest.approx(ci, rel=1e-9, abs=1e-13)
+            assert got["p_welch"] == pytest.approx(p, rel=1e-9) and got["welch_dof"] == pytest.approx(dof, rel=1e-9)
+            assert "welch_note" not in got and (ci[0] < 0 < ci[1]) == (p > 0.05)
+
+
+def test_baseline_json_table_and_ratios(tmp_path):
+    rng = np.random.default_rng(2)
+    losses = {"A": np.round(rng.normal(3.279, 0.0015, 5), 4), "B": np.round(rng.normal(3.276, 0.002, 4), 4),
+              "C": [3.2801]}
+    times = {"A": [5000, 5100, 4900, 5050, 4950], "B": [4000, 4100, 3950, 4020], "C": [6000]}
+    for g in losses:
+        for i, (x, ms) in enumerate(zip(losses[g], times[g])):
+            modded_log(tmp_path / f"{g}__{i}.txt", float(x), ms=ms)
+    proc = run_tool("compare.py", "--group-by", "prefix", "--json", "--baseline", "A", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["group"]: r for r in json.loads(proc.stdout)}
+    assert not {"delta_mean", "delta_ci95", "p_welch"} & set(rows["A"])  # the baseline has no test against itself
+    delta, ci, p, _ = welch_reference(losses["A"], losses["B"])
+    b = rows["B"]
+    assert b["baseline"] == "A" and b["delta_mean"] == pytest.approx(delta, abs=1e-12)
+    assert b["delta_ci95"] == pytest.approx(ci, rel=1e-9) and b["p_welch"] == pytest.approx(p, rel=1e-9)
+    assert b["train_time_ratio"] == pytest.approx(np.mean(times["B"]) / np.mean(times["A"]), rel=1e-12)
+    assert b["flops_ratio"] is None and b["tokens_ratio"] is None  # modded-nanogpt logs have neither
+    c = rows["C"]  # one run: the difference, but no test
+    assert c["delta_mean"] == pytest.approx(3.2801 - np.mean(losses["A"]), abs=1e-12)
+    assert c["delta_ci95"] is None and c["p_welch"] is None and "two complete runs" in c["welch_note"]
+    out = run_tool("compare.py", "--group-by", "prefix", "--baseline", "A", tmp_path).stdout
+    line = [ln for ln in out.split("against the baseline A")[1].splitlines() if ln.startswith("B ")][0].split()
+    assert line[1:6] == [f"{delta:+.4f}", f"[{ci[0]:+.4f},", f"{ci[1]:+.4f}]", f"{p:.3g}",
+                         f"{np.mean(times['B']) / np.mean(times['A']):.3f}x"]
+    assert "C: Welch's t-test needs at least two complete runs in each group (this group has 1, the baseline 5)" in out
+    # both groups without spread: no test, said so
+    for i in range(2):
+        modded_log(tmp_path / f"D__{i}.txt", 3.2770)
+        modded_log(tmp_path / f"E__{i}.txt", 3.2790)
+    d = {r["group"]: r for r in json.loads(run_tool("compare.py", "--group-by", "prefix", "--json", "--baseline",
+                                                    "E", tmp_path).stdout)}["D"]
+    assert d["p_welch"] is None and "no spread" in d["welch_note"] and d["delta_mean"] == pytest.approx(-0.002)
+
+
+def test_baseline_names_a_group_or_a_unique_start(tmp_path):
+    for g in ("run_a", "run_b", "other"):
+        for i in range(2):
+            modded_log(tmp_path / f"{g}__{i}.txt", 3.277 + 0.001 * i)
+    ok = run_tool("compare.py", "--group-by", "prefix", "--json", "--baseline", "oth", tmp_path)
+    assert ok.returncode == 0 and all(r["baseline"] == "other" for r in json.loads(ok.stdout) if r["group"] != "other")
+    for name, what in [("run", "more than one group starts with 'run'"), ("nope", "no group is named 'nope'")]:
+        proc = run_tool("compare.py", "--group-by", "prefix", "--baseline", name, tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line == f"compare.py: error: --baseline: {what}; the groups are: other, run_a, run_b", line
+
+
+def test_markdown_holds_the_same_tables(tmp_path):
+    for g, xs in (("A", [3.2770, 3.2790]), ("B", [3.2750, 3.2760, 3.2781])):
+        for i, x in enumerate(xs):
+            modded_log(tmp_path / f"{g}__{i}.txt", x)
+    args = ("--group-by", "prefix", "--baseline", "A", tmp_path)
+    text, md = run_tool("compare.py", *args).stdout, run_tool("compare.py", "--markdown", *args).stdout
+    tables = [b for b in md.split("\n\n") if b.startswith("|")]
+    assert len(tables) == 3  # per group, time to target, against the baseline
+    for table in tables:
+        rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()]
+        assert set(rows[1]) == {"---"} and all(len(r) == len(rows[0]) for r in rows)
+        for r in rows[2:]:  # every row of the Markdown table is a row of the text table
+            assert re.search(r"^" + r"\s+".join(map(re.escape, " ".join(r).split())) + r"$", text, re.M), r
+    proc = run_tool("compare.py", "--markdown", "--json", *args)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# runs that measured different things are not pooled
+
+CPU = os.path.join(RECORDS, "cpu")
+TST = os.path.join(CPU, "2026-11-29_cpu_smoke_tst")
+
+
+def with_config(src, dst, **changes):
+    """Copy a log of records/cpu, changing fields of its config line (None: remove the field)."""
+    lines = read_text(src).splitlines(keepends=True)
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("config: {"))
+    cfg = json.loads(lines[i][len("config: "):])
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    lines[i] = "config: " + json.dumps(cfg, sort_keys=True) + "\n"
+    write_text(dst, "".join(lines))
+
+
+def test_runs_differing_in_a_run_defining_field_are_not_pooled(tmp_path):
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    for seed in (0, 1):  # differ in seed and run_id only: one group
+        shutil.copyfile(os.path.join(TST, f"tst_seed{seed}.txt"), grp / f"s{seed}.txt")
+    with_config(os.path.join(TST, "tst_seed1.txt"), grp / "s1_ops.txt", val_every=7, micro_batch_seqs=2,
+                log_dir="elsewhere", device="cpu")  # operational fields only: still the same experiment
+    warnings = []
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    assert warnings == [] and {r.group for r in runs} == {"grp"}
+    finals = {r.name: r.final["val_loss"] for r in runs}
+    with_config(os.path.join(TST, "tst_seed1.txt"), grp / "vt.txt", val_tokens=4096)  # measured on other tokens
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    [w] = warnings
+    assert "group grp: its runs differ in val_tokens" in w and "grp [val_tokens=16384], grp [val_tokens=4096]" in w
+    rows = {r["group"]: r for r in compare.group_stats(runs)}
+    assert set(rows) == {"grp [val_tokens=16384]", "grp [val_tokens=4096]"}
+    assert rows["grp [val_tokens=16384]"]["val_losses"] == [finals["s0"], finals["s1"], finals["s1_ops"]]
+    assert rows["grp [val_tokens=4096]"]["runs"] == 1
+    # through the command line: the warning on stderr, the baseline must name one of the parts
+    proc = run_tool("compare.py", grp, "--baseline", "grp")
+    assert proc.returncode == 2 and "more than one group starts with 'grp'" in proc.stderr
+    assert "compare.py: warning: group grp: its runs differ in val_tokens" in proc.stderr
+
+
+def test_unknown_missing_and_several_fields_split_too(tmp_path):
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    with_config(os.path.join(TST, "tst_seed0.txt"), grp / "a.txt", new_knob=1)
+    with_config(os.path.join(TST, "tst_seed1.txt"), grp / "b.txt", new_knob=2)
+    with_config(os.path.join(TST, "tst_seed1.txt"), grp / "c.txt", tst_frac=0.0)  # no new_knob at all
+    warnings = []
+    groups = [r.group for r in compare.collect([str(grp)], warn=warnings.append)]
+    assert groups == ["grp [new_knob=1 tst_frac=0.3]", "grp [new_knob=2 tst_frac=0.3]",
+                      "grp [new_knob=<missing> tst_frac=0.0]"]
+    assert "differ in new_knob, tst_frac" in warnings[0]
+    # a modded-nanogpt log (no config line) among ours is not pooled with them either
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copyfile(os.path.join(TST, "tst_seed0.txt"), mixed / "ours.txt")
+    modded_log(mixed / "theirs.txt", 3.2770)
+    runs = compare.collect([str(mixed)], warn=warnings.append)
+    assert {r.name: r.group for r in runs} == {"ours": "mixed", "theirs": "mixed [no config line]"}
+    assert "mix logs with and without a config line" in warnings[-1]
+    # modded-nanogpt logs alone group as given
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for i in range(2):
+        modded_log(plain / f"{i}.txt", 3.2770 + i * 1e-3)
+    assert {r.group for r in compare.collect([str(plain)], warn=warnings.append)} == {"plain"} and len(warnings) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# plot: mean curve with its band, fitted range
+
+
+def test_mean_curve_and_smoothing_match_slow_references():
+    rng = np.random.default_rng(3)
+    curves = []
+    for k in range(3):
+        steps = sorted(set(range(0, 100, 10)) | set(rng.integers(0, 100, 4).tolist()))  # extra steps per run
+        curves.append(dict(step=np.array(steps), x=np.array(steps) * (1.0 + 0.1 * k), y=rng.normal(5, 1, len(steps)),
+                           phase1=np.array(steps) < 30))
+    m = compare.mean_curve(curves)
+    common = sorted(set.intersection(*(set(c["step"].tolist()) for c in curves)))
+    assert m["step"].tolist() == common
+    for j, s in enumerate(common):
+        ys = [float(c["y"][c["step"].tolist().index(s)]) for c in curves]
+        xs = [float(c["x"][c["step"].tolist().index(s)]) for c in curves]
+        assert m["y"][j] == pytest.approx(sum(ys) / 3, rel=1e-12) and m["x"][j] == pytest.approx(sum(xs) / 3)
+        assert m["std"][j] == pytest.approx(statistics.stdev(ys), rel=1e-9)
+    assert compare.mean_curve([dict(step=np.array([0, 1]), x=np.zeros(2), y=np.zeros(2), phase1=np.zeros(2, bool)),
+                               dict(step=np.array([1, 2]), x=np.zeros(2), y=np.zeros(2), phase1=np.zeros(2, bool))]) is None
+    y, seg = rng.normal(0, 1, 57), np.array([1] * 20 + [2] * 37)
+    for w in (1, 4, 5):
+        got = compare.smooth(y, w, seg)
+        for i in range(len(y)):  # the mean of the points within the window and the same segment
+            lo, hi = i - w // 2, i - w // 2 + w
+            near = [y[j] for j in range(max(lo, 0), min(hi, len(y))) if seg[j] == seg[i]]
+            assert got[i] == pytest.approx(sum(near) / len(near), rel=1e-12, abs=1e-12)
+
+
+def group_band(folder):
+    """Mean ± std (ddof=1) of the val losses of a records/cpu folder's runs at each val step after step 0."""
+    runs = [compare.parse_log(f) for f in sorted(glob.glob(os.path.join(folder, "*.txt")))]
+    ys = np.array([[p["val_loss"] for p in r.val] for r in runs])[:, 1:]
+    return ys.mean(0) - ys.std(0, ddof=1), ys.mean(0) + ys.std(0, ddof=1)
+
+
+def test_plot_fits_the_range_to_the_curves_and_draws_the_target_only_inside(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+
+    folders = [os.path.join(CPU, "2026-11-29_cpu_smoke_no_tst"), TST]
+    runs = compare.collect(folders)
+    bands = [group_band(f) for f in folders]
+    lo, hi = min(b[0].min() for b in bands), max(b[1].max() for b in bands)
+    fig, notes = compare.draw_figure(runs, "flops", 3.28)
+    try:
+        val_ax, train_ax = fig.axes
+        y0, y1 = val_ax.get_ylim()
+        assert y0 < lo and y1 > hi and (y1 - y0) < 1.15 * (hi - lo)  # the curves fill the panel
+        assert "target 3.28 is below the range shown" in val_ax.get_title()
+        assert not [ln for ln in val_ax.get_lines() if list(ln.get_ydata()) == [3.28, 3.28]]
+        assert len([c for c in val_ax.collections if isinstance(c, PolyCollection)]) == 2  # one band per group
+        assert "train loss" in train_ax.get_title() and notes == []
+    finally:
+        plt.close(fig)
+    target = round((lo + hi) / 2, 2)  # inside the range: drawn, not mentioned
+    fig, _ = compare.draw_figure(runs, "step", target)
+    try:
+        assert [ln for ln in fig.axes[0].get_lines() if list(ln.get_ydata()) == [target, target]]
+        assert "range shown" not in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
+    # logs without train losses: no train panel; a single run is drawn as its own line (no band)
+    curve_log(tmp_path / "m.txt", [(0, 10.8, 0), (100, 3.5, 1000), (200, 3.25, 2000)])
+    fig, _ = compare.draw_figure(compare.collect([str(tmp_path / "m.txt")]), "time", 3.28)
+    try:
+        [ax] = fig.axes
+        assert ax.get_ylim()[0] < 3.28 < ax.get_ylim()[1] and not ax.collections
+    finally:
+        plt.close(fig)
