@@ -529,13 +529,14 @@ RATIOS = (("mean_train_time_ms", "train_time_ratio"), ("flops", "flops_ratio"), 
 def add_baseline(rows, baseline):
     """Add to every row but the baseline's its Welch test against it and the ratios of ``RATIOS``.
 
-    ``rows``: ``group_stats`` output, changed in place; ``baseline``: a group name, or the start
-    of exactly one group's name (peer-log groups are long). A ratio is None when either side is
+    ``rows``: ``group_stats`` output, changed in place; ``baseline``: a group name, a folder path
+    (its last part names the group), or the start of exactly one group's name (peer-log groups are
+    long). A ratio is None when either side is
     unknown (or the baseline's is 0); that of the time to target also unless every run of both
     groups reached the target. Returns the baseline's group name. Raises KeyError (its
     message lists the groups) when no group, or more than one, matches.
     """
-    exact = [r for r in rows if r["group"] == baseline]
+    exact = [r for r in rows if r["group"] in (baseline, os.path.basename(os.path.normpath(baseline)))]
     found = exact or [r for r in rows if r["group"].startswith(baseline)]
     if len(found) != 1:
         what = "more than one group starts with" if found else "no group is named"
@@ -617,7 +618,7 @@ def target_table(rows, markdown=False):
     for r in rows:
         t, s = r["mean_time_to_target_ms"], r["std_time_to_target_ms"]
         body.append([r["group"], f"{r['reached_target']}/{r['runs']}",
-                     _spread(None if t is None else t / 1000, s / 1000, ".1f", "s"),
+                     _spread(None if t is None else t / 1000, s / 1000, ".2f", "s"),
                      _spread(r["mean_step_to_target"], r["std_step_to_target"], ".0f"),
                      _spread(r["mean_tokens_to_target"], r["std_tokens_to_target"], ".4g"),
                      _spread(r["mean_flops_to_target"], r["std_flops_to_target"], ".4g")])
