@@ -158,8 +158,8 @@ class Run:
     name: str
     fmt: str = "modded"          # "ours" or "modded"
     total_steps: int = 0         # N of the step lines
-    val: list = dataclasses.field(default_factory=list)    # dicts: step, val_loss, train_time_ms, tokens, flops
-    train: list = dataclasses.field(default_factory=list)  # dicts: step, train_loss, train_time_ms, tokens, flops
+    val: list = dataclasses.field(default_factory=list)    # dicts: step, val_loss, train_time_ms, tokens, flops, phase
+    train: list = dataclasses.field(default_factory=list)  # dicts: step, train_loss, train_time_ms, tokens, flops, phase
     status: str = ""             # our status line (``complete`` ...); "" if none
     reason: str = ""             # why it is incomplete
     summary: dict = dataclasses.field(default_factory=dict)

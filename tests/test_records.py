@@ -782,6 +782,19 @@ def test_runs_differing_in_a_run_defining_field_are_not_pooled(tmp_path):
     assert "compare.py: warning: group grp: its runs differ in val_tokens" in proc.stderr
 
 
+def test_a_trainer_that_cannot_be_imported_is_one_error_line(tmp_path, monkeypatch, capsys):
+    shutil.copyfile(os.path.join(TST, "tst_seed0.txt"), tmp_path / "a.txt")
+
+    def no_torch():
+        raise ModuleNotFoundError("No module named 'torch'")
+    monkeypatch.setattr(compare, "operational_fields", no_torch)
+    assert compare.main([str(tmp_path / "a.txt")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("compare.py: error: cannot import train_gpt.py") and "No module named 'torch'" in line
+    modded_log(tmp_path / "m.txt", 3.27)  # modded-nanogpt logs (no config line) do not need the trainer
+    assert compare.main([str(tmp_path / "m.txt")]) == 0
+
+
 def test_unknown_missing_and_several_fields_split_too(tmp_path):
     grp = tmp_path / "grp"
     grp.mkdir()
