@@ -93,16 +93,13 @@ def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e
         ``sqrt(max(1, m / n))``. For a tall (or transposed wide) matrix with ``K >= 1`` its
         rows have near-equal norms; a square matrix, or ``K = 0``, gives Muon's ``polar(U)``.
 
-    Raises:
-        ValueError: bad ``pp_iterations``/``pp_beta``/``eps`` or ``U`` not at least 2-D.
+    The hyperparameters are not checked here (this runs every step, possibly compiled):
+    ``Aurora``'s constructor checks them with ``check_hparams``.
 
     Algorithm (tall orientation M > N, float32 outside the polar iterations):
     ``D = 1/max(|row_i(U)|, eps)``; for k = 1..K: ``P = polar(diag(D) U)``; if k < K:
     ``D *= ((N/M) / max(|row_i(P)|^2, eps^2)) ** beta``. The result is P.
     """
-    if U.ndim < 2:
-        raise ValueError(f"aurora_direction: expected [..., m, n], got shape {tuple(U.shape)}")
-    _check_aurora_hparams(pp_iterations, pp_beta, eps)
     m, n = U.shape[-2:]
     U = U if U.dtype == torch.float64 else U.float()
     if pp_iterations == 0 or m == n:
@@ -121,13 +118,23 @@ def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e
     return O * math.sqrt(max(1.0, m / n))
 
 
-def _check_aurora_hparams(pp_iterations, pp_beta, eps):
+def check_hparams(lr=0.05, weight_decay=0.025, momentum=0.95, ns="polar_express", pp_iterations=2,
+                  pp_beta=0.5, eps=1e-7):
+    """Raise ValueError for a value Aurora cannot use; the message starts with the argument's name."""
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0 (got {lr!r})")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0 (got {weight_decay!r})")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1) (got {momentum!r})")
+    if ns not in NS_COEFFICIENTS:
+        raise ValueError(f"ns must be one of {sorted(NS_COEFFICIENTS)} (got {ns!r})")
     if not isinstance(pp_iterations, int) or pp_iterations < 0:
-        raise ValueError(f"pp_iterations must be an int >= 0 (0 = Muon), got {pp_iterations!r}")
+        raise ValueError(f"pp_iterations must be an int >= 0, 0 = Muon (got {pp_iterations!r})")
     if not pp_beta > 0:
-        raise ValueError(f"pp_beta must be > 0, got {pp_beta!r}")
+        raise ValueError(f"pp_beta must be > 0 (got {pp_beta!r})")
     if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+        raise ValueError(f"eps must be > 0 (got {eps!r})")
 
 
 class Aurora(torch.optim.Optimizer):
@@ -149,8 +156,6 @@ class Aurora(torch.optim.Optimizer):
         momentum: mu (0.95). nesterov: Nesterov momentum (True).
         pp_iterations: K (2); 0 = Muon. pp_beta: row-scale exponent (0.5).
         ns: Newton-Schulz variant for ``polar`` ("polar_express"). eps: row-norm floor (1e-7).
-        check_finite: raise ``FloatingPointError`` naming the parameter when a gradient or
-            update is not finite, before any weight is changed (costs one host sync a step).
         compile: run the direction computation through ``torch.compile``.
 
     Raises:
@@ -158,17 +163,8 @@ class Aurora(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=0.05, weight_decay=0.025, momentum=0.95, nesterov=True,
-                 pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7,
-                 check_finite=True, compile=False):
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if ns not in NS_COEFFICIENTS:
-            raise ValueError(f"unknown ns={ns!r}; choose one of {sorted(NS_COEFFICIENTS)}")
-        _check_aurora_hparams(pp_iterations, pp_beta, eps)
+                 pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, compile=False):
+        check_hparams(lr, weight_decay, momentum, ns, pp_iterations, pp_beta, eps)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         pp_iterations=pp_iterations, pp_beta=pp_beta, ns=ns, eps=eps)
         super().__init__(params, defaults)
@@ -181,7 +177,13 @@ class Aurora(torch.optim.Optimizer):
                     name = names[i] or f"param {i}"
                     raise ValueError(f"Aurora handles 2-D matrices only; {name} has shape "
                                      f"{tuple(p.shape)} (give it to Adam)")
-        self.check_finite = check_finite
+        # same-shape matrices are orthogonalized together: the groups are fixed, so build them once
+        self._by_shape = []
+        for group in self.param_groups:
+            by_shape = {}
+            for i, p in enumerate(group["params"]):
+                by_shape.setdefault(tuple(p.shape), []).append(i)
+            self._by_shape.append(by_shape)
         self._direction = torch.compile(aurora_direction, dynamic=False) if compile else aurora_direction
 
     def _shards(self):
@@ -194,78 +196,53 @@ class Aurora(torch.optim.Optimizer):
     def warmup(self):
         """Run the direction computation once per matrix shape on zeros (compiles it, changes nothing)."""
         world, _ = self._shards()
-        for group in self.param_groups:
-            counts = {}
-            for p in group["params"]:
-                counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
-            for shape, k in counts.items():
-                zeros = torch.zeros(-(-k // world), *shape, device=group["params"][0].device)
+        for group, by_shape in zip(self.param_groups, self._by_shape):
+            for shape, index in by_shape.items():
+                zeros = torch.zeros(-(-len(index) // world), *shape, device=group["params"][0].device)
                 self._direction(zeros, group["pp_iterations"], group["pp_beta"], group["ns"], group["eps"])
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter (grads of None count as zero).
+        """One update of every parameter (a grad of None counts as zero), with no host sync.
 
-        Raises:
-            FloatingPointError: a gradient or update is NaN/inf (names the parameter);
-                no weight has been changed when it is raised.
+        Non-finite gradients are not checked here (that would sync every step): the caller
+        guards its loss on the device, as train_gpt.py does.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         world, rank = self._shards()
-
-        pending = []  # (group, params, names, directions [k, m, n], grad finite flags [k])
-        for group in self.param_groups:
-            mu = group["momentum"]
-            by_shape = {}
-            for p, name in zip(group["params"], group["names"]):
-                by_shape.setdefault(tuple(p.shape), []).append((p, name))
-            for shape, items in by_shape.items():
-                params = [p for p, _ in items]
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                updates = []
-                for p, g in zip(params, grads):
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p)
-                    buf = state["momentum_buffer"]
-                    buf.lerp_(g, 1 - mu)
-                    updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
-                U = torch.stack(updates)  # [k, m, n]
-                grad_ok = torch.stack([torch.isfinite(g).all() for g in grads])
-                k = U.size(0)
-                chunk = -(-k // world)  # ceil(k / world) matrices per rank
-                if world > 1 and chunk * world != k:  # pad so every rank gets an equal chunk
-                    U = torch.cat([U, U.new_zeros(chunk * world - k, *shape)])
-                mine = U[rank * chunk:(rank + 1) * chunk]
-                O_mine = self._direction(mine, group["pp_iterations"], group["pp_beta"],
-                                         group["ns"], group["eps"])
-                if world > 1:
-                    O = U.new_empty(chunk * world, *shape)
-                    _all_gather_single(O, O_mine.contiguous())
-                    O = O[:k]
-                else:
-                    O = O_mine
-                pending.append((group, params, [n for _, n in items], O, grad_ok))
-
-        if self.check_finite and pending:
-            flags = torch.cat([ok & torch.isfinite(O).flatten(1).all(1)
-                               for _, _, _, O, ok in pending])
-            if not bool(flags.all()):  # one host sync; locate the culprit only on failure
-                for _, params, names, O, ok in pending:
-                    for i, p in enumerate(params):
-                        if not bool(ok[i]) or not bool(torch.isfinite(O[i]).all()):
-                            what = "gradient" if not bool(ok[i]) else "update"
-                            name = names[i] or f"parameter of shape {tuple(p.shape)}"
-                            raise FloatingPointError(
-                                f"Aurora: non-finite {what} in {name}; weights left unchanged, momentum "
-                                f"buffers not (lower the lr or check the data/loss for NaN)")
-
-        for group, params, _, O, _ in pending:
+        for group, by_shape in zip(self.param_groups, self._by_shape):
             lr, wd = group["lr"], group["weight_decay"]
-            for p, o in zip(params, O):
-                p.mul_(1 - lr * wd)
-                p.add_(o.to(p.dtype), alpha=-lr)
+            for index in by_shape.values():
+                params = [group["params"][i] for i in index]
+                U = torch.stack([self._momentum_update(p, group) for p in params])  # [k, m, n]
+                for p, o in zip(params, self._sharded_direction(U, group, world, rank)):
+                    p.mul_(1 - lr * wd)
+                    p.add_(o.to(p.dtype), alpha=-lr)
         return loss
+
+    def _momentum_update(self, p, group):
+        """``M <- mu M + (1 - mu) G``; returns ``(1 - mu) G + mu M`` (Nesterov) or ``M``."""
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.lerp_(g, 1 - group["momentum"])
+        return g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _sharded_direction(self, U, group, world, rank):
+        """Directions of ``U`` ``[k, m, n]``: this rank computes its equal chunk, then all ranks all-gather."""
+        k, shape = U.size(0), U.shape[1:]
+        chunk = -(-k // world)  # ceil(k / world) matrices per rank
+        if world > 1 and chunk * world != k:  # pad so every rank gets an equal chunk
+            U = torch.cat([U, U.new_zeros(chunk * world - k, *shape)])
+        mine = self._direction(U[rank * chunk:(rank + 1) * chunk], group["pp_iterations"], group["pp_beta"],
+                               group["ns"], group["eps"])
+        if world == 1:
+            return mine
+        O = U.new_empty(chunk * world, *shape)
+        _all_gather_single(O, mine.contiguous())
+        return O[:k]

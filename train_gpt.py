@@ -1,14 +1,16 @@
 """Train a GPT on FineWeb (GPT-2 tokens) to 3.28 val loss, fast: Aurora + Token-Superposition Training.
 
-One file, read top to bottom: config, data, model, TST, optimizers, schedule, eval,
-checkpoints, logging, main. One GPU (gradient accumulation) or `torchrun` on many; CPU for
-tests and smoke runs. The exact math of TST and Aurora is in docs/METHODS.md.
+Read top to bottom, this file is the speedrun: config, data, model, TST, optimizers, schedule,
+eval, the training loop. Below the "Harness" banner: CLI checks, checkpoints, the run log,
+signals and ``main``. One GPU (gradient accumulation) or ``torchrun`` on many; CPU for tests and
+smoke runs. The exact math of TST and Aurora is in docs/METHODS.md.
 
     python train_gpt.py --preset record_h200                                   # one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
 import argparse
+import ctypes
 import dataclasses
 import datetime
 import glob
@@ -20,11 +22,13 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -33,10 +37,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aurora_opt import NS_COEFFICIENTS, Aurora
+from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
 
 # ----------------------------------------------------------------------------------------------
-# Config
+# Config and presets
 
 
 def _f(default, help, **kw):
@@ -109,20 +113,19 @@ class Config:
     save_every: int = _f(0, "checkpoint every this many steps (0 = never)")
     save_final: bool = _f(False, "checkpoint at the end of the run")
     save_on_interrupt: bool = _f(False, "on SIGINT/SIGTERM, checkpoint after the current step, then stop")
-    resume: str = _f("", "checkpoint file to continue from, or 'auto' (newest under --checkpoint-dir)")
-    resume_force: bool = _f(False, "resume even if the checkpoint's config differs in what changes the run")
+    resume: str = _f("", "checkpoint file to continue from, or 'auto' (highest step under --checkpoint-dir)")
+    resume_force: bool = _f(False, "resume even if the checkpoint's config or data differs in what changes the run")
 
 
-# The known-good GPT-2-small recipe (3.28 in ~3,000 steps with a Muon-family optimizer) plus TST.
-RECORD = dict(n_layer=12, model_dim=768, n_head=6, seq_len=1024, batch_tokens=524_288, num_iterations=3000,
-              tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05, matrix_wd=0.025,
-              momentum=0.95, val_tokens=10_485_760)
+# The GPT-2-small recipe (3.28 in ~3,000 steps with a Muon-family optimizer) plus TST. One run
+# whatever the number of GPUs: 8 micro-steps of 64 x 1024 on one, one micro-step each on eight.
+RECORD = dict(n_layer=12, model_dim=768, n_head=6, seq_len=1024, batch_tokens=524_288, micro_batch_seqs=64,
+              num_iterations=3000, tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora",
+              matrix_lr=0.05, matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760)
 PRESETS = {
-    # 1 GPU: 8 micro-steps of 64 x 1024 make the 524,288-position step.
-    "record_h200": dict(RECORD, micro_batch_seqs=64),
-    # 8 GPUs: one micro-step each, same global batch, same dynamics as record_h200.
-    "record_8xb200": dict(RECORD, micro_batch_seqs=64),
-    # 2 CPU cores, under 5 minutes: a tiny model on the real-text shards.
+    "record_h200": RECORD,    # the record's name on one H200
+    "record_8xb200": RECORD,  # ... and on 8 B200s: the same run
+    # 2 CPU cores, under 5 minutes: a tiny model on the real-text sample.
     "cpu_smoke": dict(n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
                       micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0,
                       embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
@@ -144,123 +147,13 @@ class DataError(ValueError):
     """A shard or glob that cannot be used; the message names the file and the fix."""
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, "") or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser():
-    """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
-    p = argparse.ArgumentParser(
-        prog="train_gpt.py",
-        description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
-                    "--preset sets several at once and explicit flags override it.",
-        epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
-                                        for k, v in PRESETS.items()),
-        formatter_class=_DefaultsFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="bundle of defaults")
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=f.default, help=f.metadata["help"])
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, type=typ, choices=f.metadata.get("choices"), **kw)
-    return p
-
-
-def parse_config(argv=None):
-    """Config from command-line words: dataclass defaults < --preset < explicit flags.
-
-    Raises:
-        ConfigError: a value that cannot work (names the flag).
-    """
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
-    if known.preset:
-        parser.set_defaults(**PRESETS[known.preset])
-    args, extra = parser.parse_known_args(argv)
-    if extra and all(os.path.exists(a) for a in extra):
-        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, "
-                          f"e.g. --train-files 'data/fineweb10B/fineweb_train_*.bin'")
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    preset = args.preset
-    cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
-    validate_config(cfg)
-    return cfg, preset
-
-
-def config_to_argv(config):
-    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
-    values = dataclasses.asdict(config) if isinstance(config, Config) else dict(config)
-    argv = []
-    for f in fields(Config):
-        if f.name not in values or values[f.name] is None:
-            continue
-        flag, value = "--" + f.name.replace("_", "-"), values[f.name]
-        if f.type in (bool, "bool"):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def validate_config(cfg):
-    """Raise ConfigError naming the flag for any value that cannot work."""
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-    for name in ("n_layer", "n_head", "model_dim", "mlp_ratio", "seq_len", "batch_tokens",
-                 "micro_batch_seqs", "num_iterations", "val_tokens", "vocab_size", "log_every"):
-        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
-    for name in ("max_steps", "val_every", "val_batch_seqs", "save_every", "warmup_steps",
-                 "momentum_warmup_steps"):
-        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (got {getattr(cfg, name)})")
-    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
-         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
-    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
-    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
-    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
-    need(cfg.batch_tokens % cfg.seq_len == 0,
-         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
-    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
-    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
-    need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
-    for name in ("matrix_lr", "matrix_wd", "adamw_lr", "adamw_wd", "embed_lr", "head_lr", "scalar_lr"):
-        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("momentum", "momentum_start", "adam_beta1", "adam_beta2"):
-        need(0.0 <= getattr(cfg, name) < 1.0,
-             f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(cfg, name)})")
-    need(cfg.pp_iterations >= 0, f"--pp-iterations must be >= 0 (got {cfg.pp_iterations})")
-    need(cfg.pp_beta > 0, f"--pp-beta must be > 0 (got {cfg.pp_beta})")
-    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
-    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
-    for f in fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float):
-            need(math.isfinite(value), f"--{f.name.replace('_', '-')} must be finite (got {value})")
-    need(cfg.warmup_steps <= cfg.num_iterations,
-         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
-    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
-        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
-             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
-             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
-    need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
-         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
-
-
 # ----------------------------------------------------------------------------------------------
 # Data: shards of 256 x int32 header + uint16 tokens (llm.c / modded-nanogpt format)
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
+REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
 
 
 def read_shard_header(path):
@@ -270,75 +163,55 @@ def read_shard_header(path):
         DataError: missing file, short header, wrong magic or version, or a file size other
             than exactly ``1024 + 2 * n_tokens`` bytes. The message names the file and the fix.
     """
-    redo = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize.py)"
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     except OSError as e:  # missing, a directory, a symlink loop, unreadable
-        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {redo}") from None
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
     if header.size < HEADER_INTS:
-        raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {redo}")
+        raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {REMAKE}")
     if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard, {redo}")
+        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard, {REMAKE}")
     if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION}); {redo}")
+        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION}); {REMAKE}")
     n = int(header[2])
     if n < 0 or size != HEADER_BYTES + 2 * n:
         raise DataError(f"{path}: file is {size} bytes but its header says {n} tokens "
-                        f"({HEADER_BYTES + 2 * n} bytes); truncated or corrupt, {redo}")
+                        f"({HEADER_BYTES + 2 * n} bytes); truncated or corrupt, {REMAKE}")
     return n
 
 
-def load_shard(path):
-    """Memory-map a validated shard: uint16 numpy array of its tokens. Raises DataError."""
-    n = read_shard_header(path)
+def load_shard(path, n_tokens=None):
+    """Memory-map a shard: uint16 numpy array of its tokens (header validated unless ``n_tokens`` is given)."""
+    n = read_shard_header(path) if n_tokens is None else n_tokens
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
-
-
-def resolve_files(pattern, flag):
-    """Sorted files matching a glob. Raises DataError naming the flag when nothing matches."""
-    files = sorted(glob.glob(os.path.expanduser(pattern)))
-    if not files:
-        raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
-                        f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
-    return files
-
-
-def fingerprint(path, n_bytes=1 << 20):
-    """sha256 (16 hex) of a file's size, first and last MiB: fast, identifies a shard's contents."""
-    h = hashlib.sha256(str(os.path.getsize(path)).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(n_bytes))
-        f.seek(max(0, os.path.getsize(path) - n_bytes))
-        h.update(f.read(n_bytes))
-    return h.hexdigest()[:16]
 
 
 class TokenStream:
     """The shards of a glob as one long token stream; ``read`` is random access.
 
-    All headers are validated at construction (a bad shard fails before training starts);
-    every read checks its token ids are below ``vocab_size`` (a shard from another tokenizer
-    fails naming the file, not deep inside the embedding). With ``wrap=True`` reads past the
-    end continue from the start (another epoch).
+    Each header is read once, here (a bad shard fails before training starts); every read
+    checks its ids are below ``vocab_size`` (a shard from another tokenizer fails naming the
+    file, not deep inside the embedding). ``wrap=True``: reads past the end start over.
     """
 
     def __init__(self, files, wrap=False, vocab_size=None):
         self.files = list(files)
-        self.shards = [load_shard(f) for f in self.files]
-        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
+        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        self.offsets = np.cumsum([0] + self.sizes)
         self.total = int(self.offsets[-1])
         self.wrap, self.vocab_size = wrap, vocab_size
         if self.total == 0:
             raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
-                            f"(data/tokenize.py) or point the glob at other shards")
+                            f"(data/tokenize_text.py) or point the glob at other shards")
 
     def locate(self, pos):
-        """(file, token offset in it) of stream position ``pos``."""
+        """(file index, token offset in it) of stream position ``pos``."""
         pos %= self.total
         i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-        return self.files[i], pos - int(self.offsets[i])
+        return i, pos - int(self.offsets[i])
 
     def read(self, start, n):
         """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
@@ -348,17 +221,15 @@ class TokenStream:
         out = np.empty(n, dtype=np.int64)
         done = 0
         while done < n:
-            pos = (start + done) % self.total
-            i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-            take = min(n - done, int(self.offsets[i + 1]) - pos)
-            lo = pos - int(self.offsets[i])
+            i, lo = self.locate(start + done)
+            take = min(n - done, self.sizes[i] - lo)
             out[done:done + take] = self.shards[i][lo:lo + take]
             done += take
         if self.vocab_size is not None and n and out.max() >= self.vocab_size:
             bad = int(np.argmax(out >= self.vocab_size))
-            path, offset = self.locate(start + bad)
-            raise DataError(f"{path}: token id {out[bad]} at token {offset} is >= --vocab-size {self.vocab_size}; "
-                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize.py")
+            i, offset = self.locate(start + bad)
+            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= --vocab-size "
+                            f"{self.vocab_size}; not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
         return out
 
 
@@ -368,8 +239,7 @@ def sequence_layout(mode, bag_size, seq_len):
     Returns ``(seq_tokens, advance)``: plain next-token (``bag_size == 1``) needs ``L + 1``
     tokens and advances ``L``; TST ``full``/``input`` need ``(L + 1) * s`` (the last latent
     position's labels are the next bag) and advance ``L * s``; ``output`` needs ``L + s``
-    and advances ``L``. Consecutive sequences overlap only by their label tokens, so every
-    token of the stream is an input exactly once.
+    and advances ``L``. Every token of the stream is an input exactly once.
     """
     s, L = bag_size, seq_len
     if s == 1:
@@ -381,17 +251,6 @@ def sequence_layout(mode, bag_size, seq_len):
     raise ValueError(f"unknown TST mode {mode!r}")
 
 
-def train_tokens_needed(cfg):
-    """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
-    switch = tst_switch_step(cfg)
-    seqs = cfg.batch_tokens // cfg.seq_len
-    total = 0
-    for steps, (_, s, mode) in ((switch, phase_of(0, cfg)), (cfg.num_iterations - switch, (2, 1, "full"))):
-        seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
-        total += steps * seqs * advance
-    return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
-
-
 class TrainLoader:
     """Sequential train batches over a TokenStream; each (rank, micro-step) gets its own slice.
 
@@ -399,15 +258,13 @@ class TrainLoader:
     of ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and
     micro-step, so one process with accumulation and many processes see the same batch.
     ``position`` (tokens consumed) is all the state there is; it is saved in checkpoints.
+    ``wrapped`` tells whether the last batch read past the end of the stream (a new epoch).
     """
 
     def __init__(self, stream, global_seqs, micro_seqs, rank, world):
-        if global_seqs % (micro_seqs * world):
-            raise ConfigError(f"--batch-tokens / --seq-len = {global_seqs} sequences is not a multiple of "
-                              f"--micro-batch-seqs {micro_seqs} x world size {world}; change either")
         self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
         self.rank, self.accum = rank, global_seqs // (micro_seqs * world)
-        self.position = 0
+        self.position, self.wrapped = 0, False
 
     def next_batch(self, seq_tokens, advance):
         """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``."""
@@ -417,7 +274,9 @@ class TrainLoader:
             n = (self.micro_seqs - 1) * advance + seq_tokens
             flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
             micro.append(flat.unfold(0, seq_tokens, advance))
+        epoch = self.position // self.stream.total
         self.position += self.global_seqs * advance
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
         return micro
 
 
@@ -668,6 +527,17 @@ def phase_of(step, cfg):
     return 2, 1, "full"
 
 
+def next_micro_batches(loader, step, cfg, rt):
+    """This rank's ``[(inputs, targets)]`` for optimizer ``step`` (its phase's layout), on the device.
+
+    Returns ``(micro_batches, raw_tokens)``: ``raw_tokens`` is what the whole step read from the stream.
+    """
+    _, s, mode = phase_of(step, cfg)
+    seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
+    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance)]
+    return micro, loader.global_seqs * advance
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
@@ -726,6 +596,7 @@ def momentum_at(step, cfg):
 
 
 def apply_schedule(opts, step, cfg):
+    """Set every group's lr (and Aurora's momentum) for ``step``; returns the lr scale."""
     scale = lr_scale(step, cfg)
     for opt in opts:
         for g in opt.param_groups:
@@ -736,16 +607,18 @@ def apply_schedule(opts, step, cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# Runtime: devices, processes, one training step
+# Runtime and one step's gradients (gradient accumulation, all-reduce across processes)
 
 @dataclass
 class Runtime:
+    """Where and how this process runs: its rank among ``world`` processes, device, compile, bf16,
+    and ``accum``, the micro-batches per process per optimizer step."""
     rank: int
     world: int
-    local_rank: int
     device: torch.device
     compile: bool
     bf16: bool = False
+    accum: int = 1
 
     @property
     def master(self):
@@ -774,31 +647,6 @@ class Runtime:
         return t.contiguous()
 
 
-def setup_runtime(cfg):
-    """Pick the device and join the process group when launched by torchrun.
-
-    The device index comes from LOCAL_RANK (multi-node safe); NCCL on CUDA, gloo on CPU, with
-    a timeout so a rank that died never leaves the others hanging in a collective.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-    if kind == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
-                                **({"device_id": device} if kind == "cuda" else {}))
-    use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
-    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
-    return Runtime(rank, world, local_rank, device, use_compile, use_bf16)
-
-
 def all_reduce_sum(t, rt):
     if rt.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -821,8 +669,7 @@ def accumulate_gradients(model, micro_batches, rt):
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += (targets != IGNORE_INDEX).sum()
-    all_reduce_sum(n_valid, rt)
-    n_valid = n_valid.clamp_min(1)
+    n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
     total = torch.zeros((), device=rt.device)
     for inputs, targets in micro_batches:
         with rt.autocast():
@@ -837,7 +684,7 @@ def accumulate_gradients(model, micro_batches, rt):
 
 
 # ----------------------------------------------------------------------------------------------
-# Eval
+# Eval: the metric is next-token cross-entropy over the first --val-tokens tokens of the val shards
 
 class ValData:
     """The first ``n_tokens`` tokens of the val shards (+1 for the last label), held in memory.
@@ -846,10 +693,9 @@ class ValData:
         DataError: the val shards hold fewer than ``n_tokens + 1`` tokens.
     """
 
-    def __init__(self, files, n_tokens, vocab_size=None):
-        stream = TokenStream(files, vocab_size=vocab_size)
+    def __init__(self, stream, n_tokens):
         if stream.total < n_tokens + 1:
-            raise DataError(f"--val-tokens {n_tokens}: the val shards ({', '.join(files)}) hold only "
+            raise DataError(f"--val-tokens {n_tokens}: the val shards ({', '.join(stream.files)}) hold only "
                             f"{stream.total} tokens (need {n_tokens} + 1 for the last label); "
                             f"lower --val-tokens or add val shards")
         self.n_tokens = n_tokens
@@ -876,16 +722,6 @@ class ValData:
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
 
-def next_micro_batches(loader, step, cfg, rt):
-    """This rank's ``[(inputs, targets)]`` for optimizer ``step`` (its phase's layout), on the device.
-
-    Returns ``(micro_batches, advance)``; the loader moves ``global_seqs * advance`` tokens on.
-    """
-    _, s, mode = phase_of(step, cfg)
-    seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
-    return [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance)], advance
-
-
 def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
 
@@ -908,18 +744,455 @@ def evaluate(model, val, mode, bag_size, cfg, rt):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints
+# The training loop
 
-def checkpoint_state(model, opts, loader, step, run, cfg):
-    return dict(config=dataclasses.asdict(cfg), step=step,
-                phase=phase_of(step, cfg)[0], run_id=run["run_id"], model=model.state_dict(),
-                optimizers=[o.state_dict() for o in opts], loader_position=loader.position,
-                counters={k: run[k] for k in ("train_time_ms", "raw_tokens", "positions", "flops")},
-                rng=dict(torch=torch.get_rng_state(),
-                         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
+@dataclass
+class Progress:
+    """What the run has done so far; saved in checkpoints, summed over a resume."""
+    train_time_ms: float = 0.0  # wall-clock of training steps only
+    raw_tokens: int = 0         # text read from the train stream (TST phase 1 reads s x more per step)
+    positions: int = 0          # latent positions trained
+    flops: float = 0.0          # model FLOPs (model_flops_per_position x positions)
 
+
+class Clock:
+    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
+
+    def __init__(self, rt, progress):
+        self.rt, self.progress, self.t0 = rt, progress, None
+
+    def start(self):
+        self.rt.sync()
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        self.rt.sync()
+        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
+        yield
+        self.start()
+
+
+class NanGuard:
+    """The first step whose loss was not finite, kept on the device: no host sync per step.
+
+    ``check`` (one sync) runs at every logged line and before every checkpoint write.
+    """
+
+    def __init__(self, device, lr_flags):
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.lr_flags = lr_flags
+
+    def update(self, loss, step):
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
+
+    def check(self, model=None):
+        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
+        bad = int(self.first_bad)
+        if bad:
+            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
+                                     f"({self.lr_flags}) or check the data")
+        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
+                                     f"no checkpoint was written")
+
+
+@dataclass
+class Run:
+    """What the loop works on: config, runtime, the model (``net``: compiled, if it is), optimizers,
+    data, progress, the run log and the stop flag the signal handler sets."""
+    cfg: Config
+    rt: Runtime
+    log: "RunLog"
+    model: GPT
+    net: nn.Module
+    opts: list
+    loader: TrainLoader
+    val: ValData
+    progress: Progress
+    guard: NanGuard
+    stop: dict
+    data: dict
+
+
+def training_loop(run, start_step, end_step):
+    """The speedrun itself: one optimizer step per iteration.
+
+    Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
+    """
+    cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
+    switch = tst_switch_step(cfg)
+    if start_step == 0:
+        validate(run, 0)
+    clock.start()
+    for step in range(start_step, end_step):
+        if step == switch > 0:
+            log_switch(run, step)
+        micro, raw_tokens = next_micro_batches(run.loader, step, cfg, rt)
+        if run.loader.wrapped:
+            log_wrap(run, step + 1)
+        scale = apply_schedule(run.opts, step, cfg)
+        loss = accumulate_gradients(run.net, micro, rt)
+        for opt in run.opts:
+            opt.step()
+        run.model.zero_grad(set_to_none=True)
+        run.guard.update(loss, step + 1)
+        count_step(run.progress, cfg, raw_tokens)
+
+        done = step + 1
+        last, stopping = done == end_step, stop_requested(run)
+        if done % cfg.log_every == 0 or last or stopping:
+            with clock.paused():
+                log_train_line(run, done, loss, scale)
+        val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
+        save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
+        if val_now or save_now or (stopping and not last):
+            with clock.paused():
+                if val_now:
+                    validate(run, done)
+                if save_now or (stopping and not last):
+                    save(run, done)
+            if stopping and not last:
+                return done
+    return None
+
+
+def count_step(progress, cfg, raw_tokens):
+    progress.raw_tokens += raw_tokens
+    progress.positions += cfg.batch_tokens
+    progress.flops += model_flops_per_position(cfg) * cfg.batch_tokens
+
+
+def validate(run, step):
+    """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
+    cfg, rt = run.cfg, run.rt
+    phase = phase_of(max(step - 1, 0), cfg)[0]  # the phase that trained the model so far
+    loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
+    extra = {"phase": phase}
+    if phase == 1:
+        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
+    p = run.progress
+    extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
+    run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
+    run.log.update(final_val_loss=loss, val_step=step)
+
+
+def log_train_line(run, step, loss, scale):
+    run.guard.check()
+    value, p = loss.item(), run.progress
+    run.log.summary.setdefault("train_losses", []).append([step, value])
+    run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
+        phase=phase_of(step - 1, run.cfg)[0], tokens=p.raw_tokens, positions=p.positions,
+        flops=f"{p.flops:.3e}", lr_scale=f"{scale:.4f}")))
+
+
+def log_switch(run, step):
+    run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {run.cfg.tst_bag_size} -> 1, mode "
+                 f"{run.cfg.tst_mode} -> next-token); same weights and optimizer state; "
+                 f"tokens:{run.progress.raw_tokens}")
+
+
+def log_wrap(run, step):
+    stream = run.loader.stream
+    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
+                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
+
+
+def step_line(step, cfg, what, value, train_time_ms, extra):
+    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
+    avg = train_time_ms / max(step, 1)
+    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
+    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
+            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
+
+
+def warm_up(run):
+    """Compile every graph the run will use (both phases, train and val) before the clock starts.
+
+    Returns the warm-up time in ms (0 without --compile); reported, not counted in train_time.
+    """
+    cfg, rt = run.cfg, run.rt
+    if not rt.compile:
+        return 0.0
+    t0 = time.perf_counter()
+    phases = sorted({phase_of(s, cfg) for s in (0, tst_switch_step(cfg), cfg.num_iterations - 1)})
+    for _, s, mode in phases:
+        seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
+        dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
+        inputs, targets = make_batch(rt.to_device(dummy), mode, s)
+        with rt.autocast():
+            run.net(inputs, targets).backward()
+        run.model.zero_grad(set_to_none=True)
+        vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
+        with torch.no_grad(), rt.autocast():
+            run.net(rt.to_device(vi), rt.to_device(vt))
+    for opt in run.opts:
+        if isinstance(opt, Aurora):
+            opt.warmup()
+    rt.sync()
+    ms = 1000 * (time.perf_counter() - t0)
+    run.log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {ms:.0f}ms (not in train_time)")
+    return ms
+
+
+def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
+    """The whole run after the start-up checks: data, model, warm-up, the loop, the summary.
+
+    ``data`` is ``find_data``'s file list, ``resume`` ``prepare_resume``'s ``(state, path, diffs)``,
+    ``stop`` the dict the signal handler fills (``{"signal": name}``). Returns ``(status, reason)``.
+    """
+    train_stream, val_stream = open_data(cfg, data)
+    log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg).to(rt.device)
+    lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
+    run = Run(cfg, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
+              build_optimizers(model, cfg, compile=rt.compile),
+              TrainLoader(train_stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world),
+              ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
+              stop if stop is not None else {"signal": None}, data)
+    start_step = restore(run, *resume[:2]) if resume else 0
+    log_model_line(run)
+    compile_ms = warm_up(run)
+    log.update(compile_time_ms=round(compile_ms))
+    end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
+    graphs_before = compiled_graphs() if rt.compile else 0
+    stopped_at = training_loop(run, start_step, end_step)
+    if stopped_at is not None:
+        log.update(**dataclasses.asdict(run.progress), steps=stopped_at)
+        return "interrupted", f"{run.stop['signal']}; resume with --resume auto --run-id {log.summary['run_id']}"
+    if rt.compile:
+        log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
+    log_summary(run, end_step, compile_ms)
+    if end_step < cfg.num_iterations:
+        return "stopped_early", f"--max-steps {cfg.max_steps}"
+    return "complete", None
+
+
+# ==============================================================================================
+# Harness: CLI checks, data files, checkpoints and resume, the run log, signals, main.
+# Nothing below changes what a run computes.
+# ==============================================================================================
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser():
+    """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
+    p = argparse.ArgumentParser(
+        prog="train_gpt.py",
+        description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
+                    "--preset sets several at once and explicit flags override it.",
+        epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
+                                        for k, v in PRESETS.items()),
+        formatter_class=_DefaultsFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="bundle of defaults")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(default=f.default, help=f.metadata["help"])
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(flag, type=typ, choices=f.metadata.get("choices"), **kw)
+    return p
+
+
+def parse_config(argv=None):
+    """Config from command-line words: dataclass defaults < --preset < explicit flags.
+
+    Returns ``(Config, preset name or None)``.
+
+    Raises:
+        ConfigError: a value that cannot work (names the flag).
+    """
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.preset:
+        parser.set_defaults(**PRESETS[known.preset])
+    args, extra = parser.parse_known_args(argv)
+    if extra and all(os.path.exists(a) for a in extra):
+        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, "
+                          f"e.g. --train-files 'data/fineweb10B/fineweb_train_*.bin'")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
+    validate_config(cfg)
+    return cfg, args.preset
+
+
+def config_to_argv(config):
+    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
+    values = dataclasses.asdict(config) if isinstance(config, Config) else dict(config)
+    argv = []
+    for f in fields(Config):
+        if f.name not in values or values[f.name] is None:
+            continue
+        flag, value = "--" + f.name.replace("_", "-"), values[f.name]
+        if f.type in (bool, "bool"):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def validate_config(cfg):
+    """Raise ConfigError naming the flag for any value that cannot work (the CLI's only check)."""
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):
+            need(math.isfinite(value), f"{_flag(f.name)} must be finite (got {value})")
+    for name in ("n_layer", "n_head", "model_dim", "mlp_ratio", "seq_len", "batch_tokens",
+                 "micro_batch_seqs", "num_iterations", "val_tokens", "vocab_size", "log_every"):
+        need(getattr(cfg, name) >= 1, f"{_flag(name)} must be >= 1 (got {getattr(cfg, name)})")
+    for name in ("max_steps", "val_every", "val_batch_seqs", "save_every", "warmup_steps", "momentum_warmup_steps",
+                 "adamw_lr", "adamw_wd", "embed_lr", "head_lr", "scalar_lr"):
+        need(getattr(cfg, name) >= 0, f"{_flag(name)} must be >= 0 (got {getattr(cfg, name)})")
+    for name in ("momentum_start", "adam_beta1", "adam_beta2"):
+        need(0.0 <= getattr(cfg, name) < 1.0, f"{_flag(name)} must be in [0, 1) (got {getattr(cfg, name)})")
+    try:  # Aurora's own check, its arguments named as flags
+        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
+                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
+    except ValueError as e:
+        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
+                     pp_beta="pp_beta", ns="ns")
+        name, rest = str(e).split(" ", 1)
+        raise ConfigError(f"{_flag(flags.get(name, name))} {rest}") from None
+    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
+         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
+    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
+    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
+    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
+    need(cfg.batch_tokens % cfg.seq_len == 0,
+         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
+    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
+    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
+    need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
+    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
+    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    need(cfg.warmup_steps <= cfg.num_iterations,
+         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
+    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
+        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
+             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
+             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+    need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
+         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
+
+
+def grad_accum_steps(cfg, world):
+    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
+
+    Raises:
+        ConfigError: no even split; names the --micro-batch-seqs values that work, or, when no value
+            can work with this many processes, the process counts that can.
+    """
+    seqs = cfg.batch_tokens // cfg.seq_len
+    if seqs % (cfg.micro_batch_seqs * world) == 0:
+        return seqs // (cfg.micro_batch_seqs * world)
+    fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
+    if fits:
+        raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
+                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
+    counts = [w for w in range(1, min(seqs, 64) + 1) if seqs % w == 0]
+    raise ConfigError(f"{world} processes cannot share the {seqs} sequences of a step (--batch-tokens / --seq-len) "
+                      f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
+
+
+def train_tokens_needed(cfg):
+    """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
+    switch = tst_switch_step(cfg)
+    seqs = cfg.batch_tokens // cfg.seq_len
+    total = 0
+    for first, steps in ((0, switch), (switch, cfg.num_iterations - switch)):
+        _, s, mode = phase_of(first, cfg)
+        total += steps * seqs * sequence_layout(mode, s, cfg.seq_len)[1]
+    return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
+
+
+# ----------------------------------------------------------------------------------------------
+# Data files: which shards a run reads, identified by content
+
+def resolve_files(pattern, flag):
+    """Sorted files matching a glob. Raises DataError naming the flag when nothing matches."""
+    files = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not files:
+        raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
+                        f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
+    return files
+
+
+def fingerprint(path, n_bytes=1 << 20):
+    """sha256 (16 hex) of a file's size, first and last MiB: fast, identifies a shard's contents."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h = hashlib.sha256(str(size).encode())
+            h.update(f.read(n_bytes))
+            f.seek(max(0, size - n_bytes))
+            h.update(f.read(n_bytes))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
+    return h.hexdigest()[:16]
+
+
+def find_data(cfg):
+    """``{"train": [[path, fingerprint], ...], "val": [...]}`` of the run's globs.
+
+    Raises:
+        DataError: a glob matches nothing, or a train file has a val file's content (the
+            val tokens would be trained on).
+    """
+    data = {kind: [[f, fingerprint(f)] for f in resolve_files(pattern, flag)]
+            for kind, pattern, flag in (("train", cfg.train_files, "--train-files"),
+                                        ("val", cfg.val_files, "--val-files"))}
+    val_fps = {fp: f for f, fp in data["val"]}
+    for f, fp in data["train"]:
+        if fp in val_fps:
+            raise DataError(f"--train-files {cfg.train_files!r}: {f} has the content of val shard {val_fps[fp]}; "
+                            f"training on val tokens voids the val loss: exclude it (e.g. '<dir>/*_train_*.bin')")
+    return data
+
+
+def open_data(cfg, data):
+    """(train TokenStream that wraps, val TokenStream) over the files of ``find_data``. Raises DataError."""
+    return (TokenStream([f for f, _ in data["train"]], wrap=True, vocab_size=cfg.vocab_size),
+            TokenStream([f for f, _ in data["val"]], vocab_size=cfg.vocab_size))
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and resume
 
 CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio")
+
+
+def checkpoint_state(run, step):
+    """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
+    return dict(config=dataclasses.asdict(run.cfg), step=step, phase=phase_of(step, run.cfg)[0],
+                run_id=run.log.summary["run_id"], model=run.model.state_dict(),
+                optimizers=[o.state_dict() for o in run.opts], loader_position=run.loader.position,
+                counters=dataclasses.asdict(run.progress), data=run.data,
+                rng=dict(torch=torch.get_rng_state(),
+                         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
 
 
 def save_checkpoint(state, path):
@@ -927,19 +1200,35 @@ def save_checkpoint(state, path):
 
     The file is ``torch.save({"format", "sha256", "payload"})`` where ``payload`` is the
     uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load.
+
+    Raises:
+        ConfigError: the folder lacks the space (checked first: needed and free MB named) or
+            the write fails (disk full, file too large, I/O error); the temporary file is removed.
     """
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    inner, outer = io.BytesIO(), io.BytesIO()  # serialized in memory: a failed write is a plain OSError
+    torch.save(state, inner)
+    payload = inner.getbuffer()
     torch.save(dict(format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
-                    payload=torch.frombuffer(bytearray(payload), dtype=torch.uint8)), tmp)
-    os.replace(tmp, path)
+                    payload=torch.frombuffer(payload, dtype=torch.uint8)), outer)
+    folder, tmp = os.path.dirname(path) or ".", f"{path}.tmp.{os.getpid()}"
+    need_mb = (outer.getbuffer().nbytes >> 20) + 1
+    try:
+        os.makedirs(folder, exist_ok=True)
+        free_mb = shutil.disk_usage(folder).free >> 20
+        if free_mb < need_mb:
+            raise OSError(28, f"No space left: {need_mb} MB needed, {free_mb} MB free")
+        with open(tmp, "wb") as f:
+            f.write(outer.getbuffer())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"--checkpoint-dir: cannot write {path} ({e.strerror}; the checkpoint is ~{need_mb} MB); "
+                          f"free space there or choose another --checkpoint-dir") from None
 
 
 def load_checkpoint(path):
-    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config).
+    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config, data).
 
     Raises:
         ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
@@ -966,56 +1255,84 @@ def load_checkpoint(path):
 
 
 def find_latest_checkpoint(checkpoint_dir, run_id=""):
-    """Newest ``*.pt`` under ``checkpoint_dir`` (only ``<dir>/<run_id>/`` when a run id is given).
+    """The highest-step ``step_NNNNNN.pt`` of a run under ``checkpoint_dir`` (``<dir>/<run_id>/`` if named).
+
+    By step number, not file time: a copied folder loses its modification times.
 
     Raises:
-        ConfigError: no checkpoint there.
+        ConfigError: no checkpoint there, or checkpoints of several runs and no --run-id.
     """
     where = os.path.join(checkpoint_dir, run_id) if run_id else checkpoint_dir
-    found = sorted(glob.glob(os.path.join(where, "**", "*.pt"), recursive=True), key=os.path.getmtime)
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
+             if (m := re.fullmatch(r"step_(\d+)\.pt", os.path.basename(p)))]
     if not found:
         raise ConfigError(f"--resume auto: no checkpoint under {where!r} (--checkpoint-dir"
                           + (", --run-id)" if run_id else ")"))
-    return found[-1]
+    runs = sorted({os.path.dirname(p) for _, p in found})
+    if len(runs) > 1:
+        raise ConfigError(f"--resume auto: checkpoints of {len(runs)} runs under {where!r} "
+                          f"({', '.join(os.path.basename(r) for r in runs)}); name one with --run-id")
+    return max(found)[1]
 
 
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio")
-
-
-def check_resume_config(saved, cfg):
-    """Differences in run-defining fields between a checkpoint's config and this run's.
+def check_resume(state, cfg, data):
+    """Differences in run-defining config fields and in the data between a checkpoint and this run.
 
     Returns the list of differences (continued past with ``--resume-force``).
 
     Raises:
         ConfigError: any difference without --resume-force, or a different model shape at all.
     """
+    saved = state["config"]
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {getattr(cfg, k)!r}"
              for k in RUN_DEFINING if saved.get(k) != getattr(cfg, k)]
     shape = [d for d in diffs if d.split(":")[0] in SHAPE_FIELDS]
     if shape:
         raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
                           + "); use the checkpoint's model flags")
+    for kind in ("train", "val"):
+        was, now = state.get("data", data)[kind], data[kind]
+        if [fp for _, fp in was] != [fp for _, fp in now]:
+            diffs.append(f"{kind} data: checkpoint {len(was)} file(s) ({', '.join(os.path.basename(f) for f, _ in was)}) "
+                         f"vs now {len(now)} ({', '.join(os.path.basename(f) for f, _ in now)}) with other contents")
     if diffs and not cfg.resume_force:
-        raise ConfigError("--resume: the checkpoint was made with a different run config ("
-                          + "; ".join(diffs) + "); use the same flags, or --resume-force to continue anyway")
+        raise ConfigError("--resume: the checkpoint was made with a different run config or data ("
+                          + "; ".join(diffs) + "); use the same flags and shards, or --resume-force to continue anyway")
     return diffs
 
 
-def prepare_resume(cfg):
+def prepare_resume(cfg, data):
     """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written."""
     path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
     state = load_checkpoint(path)
-    return state, path, check_resume_config(state["config"], cfg)
+    return state, path, check_resume(state, cfg, data)
 
 
-def check_batch_split(cfg, world):
-    """The global batch must split into equal micro-batches over the processes; suggest values."""
-    seqs = cfg.batch_tokens // cfg.seq_len
-    if seqs % (cfg.micro_batch_seqs * world):
-        fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
-        raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
-                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
+def restore(run, state, path):
+    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
+    run.model.load_state_dict(state["model"])
+    for opt, sd in zip(run.opts, state["optimizers"]):
+        opt.load_state_dict(sd)
+    run.loader.position = state["loader_position"]
+    run.progress = Progress(**state["counters"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and run.rt.device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    p = run.progress
+    run.log.line(f"resume: from {path} at step {state['step']} (phase {state['phase']}) "
+                 f"train_time:{p.train_time_ms:.0f}ms tokens:{p.raw_tokens}")
+    return state["step"]
+
+
+def save(run, step):
+    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights."""
+    run.guard.check(run.model)
+    if run.rt.master:
+        path = os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+        save_checkpoint(checkpoint_state(run, step), path)
+        run.log.line(f"checkpoint: step {step} -> {path}")
+    if run.rt.distributed:
+        dist.barrier()
 
 
 def check_checkpoint_dir(cfg, run_id):
@@ -1034,9 +1351,9 @@ def check_checkpoint_dir(cfg, run_id):
 
 
 # ----------------------------------------------------------------------------------------------
-# Logging: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
+# The run log: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
 
-SEPARATOR = "=" * 100
+SEPARATOR = "=" * 100  # between the source snapshot and the run
 SOURCE_FILES = ("train_gpt.py", "aurora_opt.py")
 
 
@@ -1047,9 +1364,8 @@ def source_snapshot():
     for name in SOURCE_FILES:
         with open(os.path.join(here, name), encoding="utf-8") as f:
             text = f.read()
-        lines = text.splitlines(keepends=True)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        parts.append(f"### file {name} lines={len(lines)} sha256={digest}\n{text}")
+        parts.append(f"### file {name} lines={len(text.splitlines())} sha256={digest}\n{text}")
         if not text.endswith("\n"):
             parts.append("\n")
     return "".join(parts)
@@ -1064,6 +1380,7 @@ def _run_quiet(cmd):
 
 
 def environment_lines(rt):
+    """Versions, host, devices (GPU model and nvidia-smi, or CPU model, cores and threads)."""
     lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
              f"cuda: {torch.version.cuda}  numpy: {np.__version__}",
              f"host: {platform.node()}  platform: {platform.platform()}",
@@ -1099,11 +1416,12 @@ class RunLog:
     replaces an existing one; ``resume=True`` appends to the run's log when it exists.
 
     Raises:
-        ConfigError: the log exists (and this is no resume), or --log-dir cannot be written.
+        ConfigError: the log exists (and this is no resume), or --log-dir cannot be written
+            (at creation or later, e.g. a full disk).
     """
 
     def __init__(self, cfg, rt, run_id, resume=False):
-        self.rt, self.path, self.json_path, self.is_new = rt, None, None, False
+        self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
@@ -1130,22 +1448,36 @@ class RunLog:
                               f"choose another --log-dir") from None
         self.path, self.json_path = path, json_path
         if self.is_new:
-            self.file.write(source_snapshot() + SEPARATOR + "\n")
+            try:
+                self._write(source_snapshot() + SEPARATOR + "\n")
+            except ConfigError:  # not even the snapshot fits: leave no partial log behind
+                self.file.close()
+                os.remove(path)
+                raise
+
+    def _write(self, text):
+        try:
+            self.file.write(text)
             self.file.flush()
+        except OSError as e:
+            raise ConfigError(f"--log-dir: cannot write {self.path} ({e.strerror}); free space there "
+                              f"or choose another --log-dir") from None
 
     def line(self, text, echo=True):
         if not self.rt.master:
             return
         if echo:
             print(text, flush=True)
-        self.file.write(text + "\n")
-        self.file.flush()
+        self._write(text + "\n")
 
     def update(self, **kw):
         self.summary.update(kw)
 
     def finish(self, status, reason=None):
-        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...)."""
+        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...).
+
+        Best effort: when even that cannot be written (a full disk), say so on stderr.
+        """
         if not self.rt.master or self.path is None or self.file.closed:
             return
         reason = " | ".join(str(reason).split("\n")) if reason else None  # the status stays one line
@@ -1153,52 +1485,27 @@ class RunLog:
         self.summary.pop("reason", None)  # a resumed run's earlier stop reason no longer applies
         if reason:
             self.summary["reason"] = reason
-        self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
-        self.file.close()
         tmp = self.json_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.summary, f, indent=1)
-        os.replace(tmp, self.json_path)
+        try:
+            self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.summary, f, indent=1)
+            os.replace(tmp, self.json_path)
+        except (OSError, ConfigError) as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            print(f"train_gpt.py: could not finish the log {self.path} as {status} ({e})", file=sys.stderr)
+        finally:
+            try:
+                self.file.close()
+            except OSError:  # the last flush failed: already reported
+                pass
 
 
-def step_line(step, cfg, what, value, train_time_ms, steps_timed, extra):
-    avg = train_time_ms / max(steps_timed, 1)
-    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
-    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
-            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
-
-
-def peak_memory_mib(rt):
-    if rt.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(rt.device) / 2**20
-    import resource  # peak resident set size of this process, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# ----------------------------------------------------------------------------------------------
-# Main
-
-class StopRequested(Exception):
-    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
-
-
-def train(cfg, rt, log, preset=None, resume=None, stop=None):
-    """The whole run after setup: data, model, warm-up, the training loop, val, summary.
-
-    ``resume`` is ``prepare_resume``'s ``(state, path, diffs)``; ``stop`` the dict the signal
-    handler fills (``{"signal": name}``) when a checkpoint-on-interrupt is wanted.
-    Returns ``(status, reason)``.
-    """
-    stop = stop if stop is not None else {"signal": None}
-    global_seqs = cfg.batch_tokens // cfg.seq_len
-    switch = tst_switch_step(cfg)
-    train_files = resolve_files(cfg.train_files, "--train-files")
-    val_files = resolve_files(cfg.val_files, "--val-files")
-
-    resume_state, resume_path, diffs = resume or (None, None, [])
-    if diffs:
-        log.line("resume_force: continuing despite config differences: " + "; ".join(diffs))
-    # every start (a resume too, maybe on another machine) records where and how it ran
+def log_run_header(log, cfg, rt, preset, resume, data, streams):
+    """Every start (a resume too, maybe on another machine) records where and how it ran, and on what data."""
+    if resume and resume[2]:
+        log.line("resume_force: continuing despite differences: " + "; ".join(resume[2]))
     for text in environment_lines(rt):
         log.line(text, echo=False)
     log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
@@ -1209,165 +1516,101 @@ def train(cfg, rt, log, preset=None, resume=None, stop=None):
     if log.is_new:
         log.line(f"preset: {preset}", echo=False)
         log.line("config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), echo=False)
-    for kind, files in (("train", train_files), ("val", val_files)):
-        for f in files:
-            log.line(f"data {kind}: {f} tokens:{read_shard_header(f)} bytes:{os.path.getsize(f)} "
-                     f"fingerprint:{fingerprint(f)}", echo=False)
-    train_stream = TokenStream(train_files, wrap=True, vocab_size=cfg.vocab_size)
-    val = ValData(val_files, cfg.val_tokens, cfg.vocab_size)
-    loader = TrainLoader(train_stream, global_seqs, cfg.micro_batch_seqs, rt.rank, rt.world)
+    for kind, stream in zip(("train", "val"), streams):
+        for (f, fp), n in zip(data[kind], stream.sizes):
+            log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
 
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(rt.device)
-    opts = build_optimizers(model, cfg, compile=rt.compile)
-    flops_per_step = model_flops_per_position(cfg) * cfg.batch_tokens
-    run = dict(run_id=log.summary["run_id"], train_time_ms=0.0, raw_tokens=0, positions=0, flops=0)
-    start_step = 0
-    if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
-        for opt, sd in zip(opts, resume_state["optimizers"]):
-            opt.load_state_dict(sd)
-        loader.position = resume_state["loader_position"]
-        run.update(resume_state["counters"])
-        start_step = resume_state["step"]
-        torch.set_rng_state(resume_state["rng"]["torch"])
-        if resume_state["rng"]["cuda"] and rt.device.type == "cuda":
-            torch.cuda.set_rng_state_all(resume_state["rng"]["cuda"])
-        log.line(f"resume: from {resume_path} at step {start_step} (phase {resume_state['phase']}) "
-                 f"train_time:{run['train_time_ms']:.0f}ms tokens:{run['raw_tokens']}")
-    net = torch.compile(model, dynamic=False) if rt.compile else model
 
-    n_params = sum(p.numel() for p in model.parameters())
+def log_model_line(run):
+    cfg, rt, switch = run.cfg, run.rt, tst_switch_step(run.cfg)
+    n_params = sum(p.numel() for p in run.model.parameters())
     tst = "off" if switch == 0 else f"{cfg.tst_mode} s={cfg.tst_bag_size} for steps [0, {switch})"
-    log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,} FLOPs per latent position; "
-             f"grad accumulation {loader.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
+    run.log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,} FLOPs per latent position; "
+                 f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
-    # Warm-up: compile every graph the run will use (both phases, train and val) before the clock starts.
-    compile_ms = 0.0
-    if rt.compile:
-        t0 = time.perf_counter()
-        phases = sorted({phase_of(s, cfg) for s in (0, switch, cfg.num_iterations - 1)})
-        for _, s, mode in phases:
-            seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
-            dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
-            inputs, targets = make_batch(rt.to_device(dummy), mode, s)
-            with rt.autocast():
-                net(inputs, targets).backward()
-            model.zero_grad(set_to_none=True)
-            vi, vt = next(val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
-            with torch.no_grad(), rt.autocast():
-                net(rt.to_device(vi), rt.to_device(vt))
-        for opt in opts:
-            if isinstance(opt, Aurora):
-                opt.warmup()
-        rt.sync()
-        compile_ms = 1000 * (time.perf_counter() - t0)
-        log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {compile_ms:.0f}ms (not in train_time)")
-    log.update(compile_time_ms=round(compile_ms))
 
-    lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
+def peak_memory_mib(rt):
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    import resource  # peak resident set size of this process, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    def do_val(step, steps_timed):
-        extra = {"phase": phase_of(max(step - 1, 0), cfg)[0]}  # the phase that trained the model so far
-        loss = evaluate(net, val, "full", 1, cfg, rt)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({lr_flags})")
-        if extra["phase"] == 1:  # also the TST objective on the same val tokens
-            extra["val_loss_tst"] = f"{evaluate(net, val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
-        extra.update(tokens=run["raw_tokens"], positions=run["positions"], flops=f"{run['flops']:.3e}")
-        log.line(step_line(step, cfg, "val_loss", loss, run["train_time_ms"], steps_timed, extra))
-        log.update(final_val_loss=loss, val_step=step)
-        return loss
 
-    def save(step, tag):
-        if rt.master:
-            path = os.path.join(cfg.checkpoint_dir, run["run_id"], f"{tag}.pt")
-            save_checkpoint(checkpoint_state(model, opts, loader, step, run, cfg), path)
-            log.line(f"checkpoint: step {step} -> {path}")
-        if rt.distributed:
-            dist.barrier()
-
-    end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
-    steps_timed = 0
-    graphs = torch._dynamo.utils.counters["stats"] if rt.compile else None
-    graphs_before = graphs["unique_graphs"] if rt.compile else 0
-    if start_step == 0:
-        do_val(0, 0)
-    # first step whose loss was not finite, tracked on the device: no extra host sync per step
-    first_bad = torch.zeros((), dtype=torch.int64, device=rt.device)
-    rt.sync()
-    t0 = time.perf_counter()
-    for step in range(start_step, end_step):
-        phase, s, mode = phase_of(step, cfg)
-        if step == switch and switch > 0:
-            log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {cfg.tst_bag_size} -> 1, mode "
-                     f"{cfg.tst_mode} -> next-token); same weights and optimizer state; "
-                     f"tokens:{run['raw_tokens']}")
-        epoch = loader.position // train_stream.total
-        micro, advance = next_micro_batches(loader, step, cfg, rt)
-        if (loader.position - 1) // train_stream.total > epoch:
-            log.line(f"data: the train stream ({train_stream.total} tokens) wrapped around during step "
-                     f"{step + 1}; from here on tokens are read again (epoch {epoch + 2})")
-        scale = apply_schedule(opts, step, cfg)
-        loss = accumulate_gradients(net, micro, rt)
-        for opt in opts:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        run["raw_tokens"] += global_seqs * advance
-        run["positions"] += cfg.batch_tokens
-        run["flops"] += flops_per_step
-        steps_timed += 1
-        done = step + 1
-        first_bad.masked_fill_((first_bad == 0) & ~torch.isfinite(loss), done)
-        if cfg.save_on_interrupt and rt.distributed:  # every rank stops after the same step
-            flag = torch.tensor(float(stop["signal"] is not None), device=rt.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and stop["signal"] is None:
-                stop["signal"] = "SIGTERM (on another rank)"
-        last = done == end_step
-        if done % cfg.log_every == 0 or last or stop["signal"]:
-            rt.sync()
-            run["train_time_ms"] += 1000 * (time.perf_counter() - t0)
-            value, bad_step = loss.item(), int(first_bad)
-            if bad_step:
-                raise FloatingPointError(f"train loss is not finite since step {bad_step}; lower the lr "
-                                         f"({lr_flags}) or check the data")
-            log.summary.setdefault("train_losses", []).append([done, value])
-            log.line(step_line(done, cfg, "train_loss", value, run["train_time_ms"], done, dict(
-                phase=phase, tokens=run["raw_tokens"], positions=run["positions"],
-                flops=f"{run['flops']:.3e}", lr_scale=f"{scale:.4f}")))
-            t0 = time.perf_counter()  # the log line itself is not training time
-        timed_pause = (cfg.val_every and done % cfg.val_every == 0) or last or \
-            (cfg.save_every and done % cfg.save_every == 0) or stop["signal"]
-        if timed_pause:
-            rt.sync()
-            now = time.perf_counter()
-            run["train_time_ms"] += 1000 * (now - t0)
-            if (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations):
-                do_val(done, done)
-            if (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final):
-                save(done, f"step_{done:06d}")
-            if stop["signal"] and not last:
-                save(done, f"step_{done:06d}")
-                log.update(**run, steps=done)
-                return "interrupted", f"{stop['signal']}; resume with --resume auto --run-id {run['run_id']}"
-            rt.sync()
-            t0 = time.perf_counter()
-    if rt.compile:
-        log.update(graphs_compiled_during_training=graphs["unique_graphs"] - graphs_before)
-    peak = peak_memory_mib(rt)
-    log.update(**run, steps=end_step, flops_per_position=model_flops_per_position(cfg),
-               train_epochs=round(loader.position / train_stream.total, 4),
-               peak_memory_mib=round(peak, 1), world_size=rt.world)
-    s = log.summary
+def log_summary(run, end_step, compile_ms):
+    p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
+    log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=model_flops_per_position(run.cfg),
+               train_epochs=round(run.loader.position / run.loader.stream.total, 4),
+               peak_memory_mib=round(peak, 1), world_size=run.rt.world)
     log.line(SEPARATOR)
-    log.line(f"summary: final_val_loss:{s.get('final_val_loss', float('nan')):.4f} "
-             f"train_time:{run['train_time_ms']:.0f}ms steps:{end_step} raw_tokens:{run['raw_tokens']} "
-             f"positions:{run['positions']} flops:{run['flops']:.3e} peak_memory:{peak:.0f}MiB "
+    log.line(f"summary: final_val_loss:{log.summary.get('final_val_loss', float('nan')):.4f} "
+             f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
+             f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
              f"compile_time:{compile_ms:.0f}ms")
-    if end_step < cfg.num_iterations:
-        return "stopped_early", f"--max-steps {cfg.max_steps}"
-    return "complete", None
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes, signals, main
+
+def setup_runtime(cfg):
+    """Pick the device and join the process group when launched by torchrun.
+
+    The device index comes from LOCAL_RANK (multi-node safe); NCCL on CUDA, gloo on CPU, with
+    a timeout so a rank that died never leaves the others hanging in a collective.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    accum = grad_accum_steps(cfg, world)
+    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        tune_cpu_allocator()
+    if world > 1:
+        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
+                                **({"device_id": device} if kind == "cuda" else {}))
+    use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
+    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
+    return Runtime(rank, world, device, use_compile, use_bf16, accum)
+
+
+def tune_cpu_allocator():
+    """glibc: keep freed big blocks (the [N, V] logits) in the heap instead of unmapping them.
+
+    A CPU step allocates and frees ~100 MB buffers; returning them to the OS and faulting them
+    in again doubles the step time. Same as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2**31-1.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compile_failure(err):
+    """One line for a torch.compile toolchain failure (no working C++ compiler, ...), else None."""
+    names = set()
+    while err is not None:
+        names.add(type(err).__name__)
+        err = err.__cause__ or err.__context__
+    if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
+        kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
+        return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
+                f"(and Triton on CUDA) or run with --no-compile")
+    return None
+
+
+class StopRequested(Exception):
+    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
 
 
 def install_stop_handlers(stop, save_on_interrupt):
@@ -1380,28 +1623,44 @@ def install_stop_handlers(stop, save_on_interrupt):
     return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
+def stop_requested(run):
+    """True once a signal asked to stop after this step; with torchrun, once any rank got one."""
+    if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
+        flag = torch.tensor(float(run.stop["signal"] is not None), device=run.rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and run.stop["signal"] is None:
+            run.stop["signal"] = "SIGTERM (on another rank)"
+    return run.stop["signal"] is not None
+
+
+def start(cfg):
+    """Everything that can be refused before a file is written: runtime, data files, resume, run id, folders."""
+    rt = setup_runtime(cfg)
+    data = find_data(cfg)
+    resume = prepare_resume(cfg, data) if cfg.resume else None
+    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+    if rt.master:
+        check_checkpoint_dir(cfg, run_id)
+    return rt, data, resume, run_id
+
+
 def main(argv=None):
     """Run from command-line words; returns the exit status (0 only for a completed run).
 
-    Everything that can be refused (flags, the checkpoint to resume, the log and checkpoint
-    folders) is checked before the log is created; from then on any failure closes the log
-    with ``status:incomplete`` and the reason.
+    Everything that can be refused (flags, data files, the checkpoint to resume, the log and
+    checkpoint folders) is checked before the log is created; from then on any failure closes
+    the log with ``status:incomplete`` and the reason.
     """
     log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv)
         handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
-        rt = setup_runtime(cfg)
+        rt, data, resume, run_id = start(cfg)
         rank = rt.rank
-        resume = prepare_resume(cfg) if cfg.resume else None
-        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-        check_batch_split(cfg, rt.world)
-        if rt.master:
-            check_checkpoint_dir(cfg, run_id)
         log = RunLog(cfg, rt, run_id, resume=resume is not None)
-        status, reason = train(cfg, rt, log, preset, resume, stop)
+        status, reason = train(cfg, rt, log, data, preset, resume, stop)
         code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
     except (ConfigError, DataError, FloatingPointError) as e:
         reason = f"rank {rank}: {e}"
@@ -1411,10 +1670,15 @@ def main(argv=None):
         reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
         print(f"train_gpt.py: {reason}", file=sys.stderr)
         code = 130
-    except BaseException as e:  # unexpected: keep the traceback, still close the log as incomplete
-        if log is not None:
-            log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+    except BaseException as e:  # a compile toolchain failure gets one line; anything else keeps its traceback
+        message = compile_failure(e)
+        if message is None:
+            if log is not None:
+                log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
+            raise
+        reason = f"rank {rank}: {message}"
+        print(f"train_gpt.py: error: {reason}", file=sys.stderr)
+        code = 2
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -130,7 +130,7 @@ def test_resume_refuses_a_different_run_config_unless_forced(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--resume-force" in err and "tst_bag_size" in err and "batch_tokens" in err
     assert run(tmp_path, "--resume", "auto", "--seed", "5", "--resume-force") == 0
-    assert "resume_force: continuing despite config differences: seed" in read_log(tmp_path / "logs", "c")
+    assert "resume_force: continuing despite differences: seed" in read_log(tmp_path / "logs", "c")
 
 
 def interrupt_run(tmp_path, run_id, sig, after_step, *extra):

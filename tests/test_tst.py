@@ -209,7 +209,7 @@ def test_step_gradient_is_the_same_for_1_2_4_micro_batches_with_uneven_labels(mo
     targets = targets.clone()
     targets[:2][torch.rand(2, cfg.seq_len, s) < 0.7] = -100  # first micro-batches lose most labels
     targets[5, 3:] = -100
-    rt = T.Runtime(0, 1, 0, torch.device("cpu"), False)
+    rt = T.Runtime(0, 1, torch.device("cpu"), False)
 
     def grads(n_micro, dtype):
         model = randomized_model(cfg).to(dtype)
@@ -240,7 +240,7 @@ def test_no_token_read_twice_or_skipped_across_the_switch(shard_dir):
                               tst_frac=0.4, tst_bag_size=3)
     stream = T.TokenStream(sorted(str(p) for p in shard_dir.glob("t_train_*.bin")))
     loader = T.TrainLoader(stream, global_seqs=2, micro_seqs=1, rank=0, world=1)
-    rt = T.Runtime(0, 1, 0, torch.device("cpu"), False)
+    rt = T.Runtime(0, 1, torch.device("cpu"), False)
     seen = []
     for step in range(cfg.num_iterations):
         micro, _ = T.next_micro_batches(loader, step, cfg, rt)

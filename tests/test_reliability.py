@@ -1,0 +1,164 @@
+"""Faults reported by people who train GPT-2-scale models, replayed: each stops with one clear line.
+
+Val shards in the train stream, resume onto other data, a full disk, checkpoints copied without
+their times, a missing C++ compiler.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+import train_gpt as T
+from conftest import REPO, read_log, subprocess_env, tiny_args, write_shard
+
+
+def error_lines(stderr):
+    return [l for l in stderr.splitlines() if l.strip() and not l.startswith("log: ")]
+
+
+def run_cli(tmp_path, *flags, env=None, preexec_fn=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "train_gpt.py"), *tiny_args(tmp_path), *flags],
+                          capture_output=True, text=True, env=env or subprocess_env(), cwd=tmp_path, timeout=600,
+                          preexec_fn=preexec_fn)
+
+
+def no_temp_files(*folders):
+    return [os.path.join(d, n) for folder in folders if os.path.isdir(folder)
+            for d, _, names in os.walk(folder) for n in names if ".tmp" in n]
+
+
+# ---------------------------------------------------------------------------------------------
+# the val shard must never train
+
+
+@pytest.mark.parametrize("how", ["glob of every shard", "the val shard itself", "a copy under another name"])
+def test_a_train_file_with_the_content_of_a_val_file_is_refused(tmp_path, shard_dir, capsys, how):
+    val = shard_dir / "t_val_000000.bin"
+    if how == "glob of every shard":
+        train = str(shard_dir / "*.bin")
+    elif how == "the val shard itself":
+        train = str(val)
+    else:
+        shutil.copy(val, shard_dir / "t_train_000009.bin")
+        train = str(shard_dir / "t_train_*.bin")
+    code = T.main(tiny_args(tmp_path, "--train-files", train, "--val-files", str(val)))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--train-files" in err and str(val) in err and "content of val shard" in err
+    assert not (tmp_path / "logs").exists()  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# resume: the data defines the run
+
+
+def test_resume_refuses_other_data_unless_forced(tmp_path, shard_dir, capsys):
+    base = ["--train-files", str(shard_dir / "t_train_*.bin"), "--val-files", str(shard_dir / "t_val_*.bin"),
+            "--tst-frac", "0"]
+    assert T.main(tiny_args(tmp_path, *base, "--run-id", "d", "--max-steps", "2", "--save-final")) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    write_shard(other / "o_train_000001.bin", list(range(5, 4005)))
+    write_shard(other / "o_val_000000.bin", list(range(7, 707)))
+    for flags, what in ((["--train-files", str(other / "o_train_*.bin")], "train data"),
+                        (["--val-files", str(other / "o_val_*.bin")], "val data")):
+        argv = tiny_args(tmp_path, *base, "--resume", "auto", "--run-id", "d", *flags)
+        assert T.main(argv) == 2
+        err = capsys.readouterr().err
+        assert what in err and "--resume-force" in err and "o_" in err
+    # the same contents under another path is the same data
+    moved = tmp_path / "moved"
+    shutil.copytree(shard_dir, moved)
+    assert T.main(tiny_args(tmp_path, "--train-files", str(moved / "t_train_*.bin"), "--val-files",
+                            str(moved / "t_val_*.bin"), "--tst-frac", "0", "--resume", "auto", "--run-id", "d",
+                            "--max-steps", "1")) == 0
+    assert T.main(tiny_args(tmp_path, *base, "--train-files", str(other / "o_train_*.bin"), "--resume", "auto",
+                            "--run-id", "d", "--resume-force", "--max-steps", "1")) == 0
+    assert "resume_force: continuing despite differences: train data" in read_log(tmp_path / "logs", "d")
+
+
+# ---------------------------------------------------------------------------------------------
+# resume auto: by step, not by file time
+
+
+def test_resume_auto_picks_the_highest_step_whatever_the_file_times(tmp_path):
+    assert T.main(tiny_args(tmp_path, "--run-id", "m", "--num-iterations", "12", "--max-steps", "4",
+                            "--save-every", "2")) == 0
+    folder = tmp_path / "ckpt" / "m"
+    assert sorted(os.listdir(folder)) == ["step_000002.pt", "step_000004.pt"]
+    os.utime(folder / "step_000002.pt", (2_000_000_000, 2_000_000_000))  # a copy that lost its times
+    os.utime(folder / "step_000004.pt", (1_000_000_000, 1_000_000_000))
+    assert T.find_latest_checkpoint(str(tmp_path / "ckpt")) == str(folder / "step_000004.pt")
+    (folder / "step_000010.pt").write_bytes((folder / "step_000004.pt").read_bytes())  # 10 > 4 as numbers
+    assert T.find_latest_checkpoint(str(tmp_path / "ckpt"), "m") == str(folder / "step_000010.pt")
+
+
+def test_resume_auto_without_run_id_refuses_to_guess_between_runs(tmp_path):
+    for run_id in ("a", "b"):
+        (tmp_path / "ckpt" / run_id).mkdir(parents=True)
+        (tmp_path / "ckpt" / run_id / "step_000002.pt").write_bytes(b"x")
+    with pytest.raises(T.ConfigError, match=r"checkpoints of 2 runs .*\(a, b\); name one with --run-id"):
+        T.find_latest_checkpoint(str(tmp_path / "ckpt"))
+
+
+# ---------------------------------------------------------------------------------------------
+# a full disk: one line, the temporary file removed, the log marked incomplete
+
+
+def limit_file_size(n_bytes):
+    """preexec_fn: files this process writes may not grow past n_bytes (writes fail with EFBIG)."""
+    def apply():
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
+    return apply
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_cleanly(tmp_path):
+    out = run_cli(tmp_path, "--run-id", "f", "--save-every", "2", "--val-every", "0",
+                  preexec_fn=limit_file_size(4 << 20))  # the log fits, a ~75 MB checkpoint does not
+    assert out.returncode == 2
+    errors = error_lines(out.stderr)
+    ckpt = os.path.join("ckpt", "f", "step_000002.pt")
+    assert len(errors) == 1 and ckpt in errors[0] and "File too large" in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert read_log(tmp_path / "logs", "f").splitlines()[-1].startswith("status:incomplete reason:")
+    assert no_temp_files(tmp_path / "ckpt", tmp_path / "logs") == []
+    assert not (tmp_path / "ckpt" / "f" / "step_000002.pt").exists()
+
+
+def test_too_little_free_space_is_said_before_writing(tmp_path, monkeypatch, capsys):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(T.shutil, "disk_usage", lambda path: Usage(10 << 20, 9 << 20, 1 << 20))
+    assert T.main(tiny_args(tmp_path, "--run-id", "s", "--save-every", "2", "--val-every", "0")) == 2
+    err = capsys.readouterr().err
+    assert "No space left" in err and "1 MB free" in err and "MB needed" in err and "--checkpoint-dir" in err
+    assert no_temp_files(tmp_path / "ckpt") == []
+    assert read_log(tmp_path / "logs", "s").splitlines()[-1].startswith("status:incomplete")
+
+
+def test_a_log_that_cannot_be_written_stops_with_one_line(tmp_path):
+    out = run_cli(tmp_path, "--run-id", "g", preexec_fn=limit_file_size(20_000))  # smaller than the snapshot
+    assert out.returncode == 2
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and "--log-dir" in errors[0] and "File too large" in errors[0], out.stderr[-2000:]
+    assert os.listdir(tmp_path / "logs") == []  # no partial log, no temporary file
+
+
+# ---------------------------------------------------------------------------------------------
+# a broken compile toolchain
+
+
+def test_compile_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
+    env = dict(subprocess_env(), CXX=str(tmp_path / "no-such-c++"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # no cached kernel may hide it
+    out = run_cli(tmp_path, "--run-id", "c", "--compile", "--num-iterations", "2", env=env)
+    assert out.returncode == 2
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and "no working C++ compiler" in errors[0] and "--no-compile" in errors[0], \
+        out.stderr[-3000:]
+    assert read_log(tmp_path / "logs", "c").splitlines()[-1].startswith("status:incomplete")
