@@ -66,7 +66,7 @@ def test_log_parsing_and_phase_stats():
     text = "\n".join([
         "def f():  # source snapshot: nothing here is a step line",
         "    return 'step:1/4 train_loss:1.0000 train_time:1ms step_avg:1.00ms'",
-        "=" * 100,
+        gpu_check.SEPARATOR,
         "compile: warm-up of 2 phase graph(s) took 51234ms (not in train_time)",
         "step:0/4 val_loss:10.0000 train_time:0ms step_avg:0.00ms phase:1 val_loss_tst:11.0000 tokens:0",
         "step:1/4 train_loss:9.0000 train_time:300ms step_avg:300.00ms phase:1 tokens:400 positions:100",

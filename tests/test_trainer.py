@@ -263,7 +263,7 @@ def run_main(tmp_path, *extra):
 def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
     code, text = run_main(tmp_path, "--run-id", "e2e", "--tst-frac", "0.5")
     assert code == 0
-    head, rest = text.split("=" * 100 + "\n", 1)
+    head, rest = text.split(T.SEPARATOR + "\n", 1)
     for name in T.SOURCE_FILES:  # the exact source of both files
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             src = f.read()
@@ -304,14 +304,14 @@ def test_reading_past_the_end_of_the_train_shards_is_logged(tmp_path, shard_dir)
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0"))
     assert code == 0
-    text = read_log(tmp_path / "logs", "w").split("=" * 100)[1]  # 3000 tokens; 8 steps read 2048
+    text = read_log(tmp_path / "logs", "w").split(T.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
     summary = json.loads((tmp_path / "logs" / "w.json").read_text())
     assert summary["train_epochs"] == pytest.approx(8 * 256 / 3000, abs=1e-4)
     assert "wrapped around" not in text
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w2",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0.5"))
     assert code == 0  # 4 steps x 1024 + 4 x 256 = 5120 tokens > 3000: wraps during step 3
-    text = read_log(tmp_path / "logs", "w2").split("=" * 100)[1]
+    text = read_log(tmp_path / "logs", "w2").split(T.SEPARATOR)[1]
     assert "wrapped around during step 3; from here on tokens are read again (epoch 2)" in text
     assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5120 / 3000,
                                                                                                     abs=1e-4)
