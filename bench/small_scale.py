@@ -1,12 +1,13 @@
-"""Does it work? Equal-FLOP evidence for TST and Aurora at small scale, on real text.
+"""Does it work? Paired equal-FLOP evidence for TST and Aurora at small scale, over data orders and seeds.
 
 What it measures
 ----------------
-A small GPT (the ``cpu_smoke`` preset's shape, see MODEL below) is trained on the real-text
-shards (``../shared/data/realtext``: ~1.02M train tokens, 100k val tokens) once per *arm* and
-seed, every arm with the **same number of steps, the same latent positions per step and so
-the same FLOPs per step**; only what a step reads (TST reads ``s`` times more text per step in
-phase 1 -- that is the method) and the optimizer differ:
+A small GPT (``--preset cpu_smoke`` with the shape of MODEL below) is trained on a real-text
+corpus (``--train-files``; default the repository's ``data/sample``: 570k train tokens, 63k val
+tokens of English Wikipedia) once per *arm*, *data order* and *init seed*. Every arm runs the
+same number of steps with the same latent positions per step, so the same FLOPs per step; only
+what a step reads (TST reads ``s`` times more text per step in phase 1 -- that is the method)
+and the optimizer differ:
 
   adamw          AdamW on the block matrices, no TST            (the baseline)
   muon           Muon on the block matrices, no TST
@@ -15,56 +16,83 @@ phase 1 -- that is the method) and the optimizer differ:
   aurora_tst_s2 / _s8      s in {2, 8}, r=0.3
   aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4
   aurora_tst_input / _output  the two ablation modes (--tst-mode input/output), s=4, r=0.3
+  aurora_eqtext  the equal-text control of aurora_tst: plain Aurora (no bags) with s=4 times the
+                 batch for the first r=0.3 of the steps, then the normal batch
 
-The lr of the block matrices is tuned per optimizer family first, by a small sweep that this
-script runs and reports (one seed, no TST, best final val loss wins; if the best is at the edge
-of the grid the grid is extended by one factor-2 step, ``--sweep-extend`` times):
-``--adamw-lr`` for adamw, ``--matrix-lr`` for muon and for aurora (every aurora+TST arm uses
-aurora's). The Adam lrs of the embedding, head and scalars stay at the ``cpu_smoke`` preset
-values for every arm. The sweep run at the chosen lr *is* seed 0 of that arm (same flags, so
-bit-identical on CPU): it is copied into the arm's folder instead of being trained twice.
+Data orders (the noise includes the data). The benchmark writes ``--orders`` data orders of the
+corpus into ``<out>/data/`` (``bench/small_scale_data.py``; git-ignored, rebuilt from the corpus
+on demand) and trains every arm on every order x every seed (``--seeds``): the runs of two arms
+with the same (order, seed) read the same tokens in the same order from the same initial
+weights. The orders are an i.i.d.-like *mix*: the corpus cut into ``seq_len``-token chunks, the
+chunks shuffled (order k by seed k), so the last steps of a run read pieces of many documents and
+the final val loss depends less on which documents came last. The trainer reads each order as
+its usual in-order stream. Val loss is measured on the *whole* val shard (``--val-tokens``
+default: its token count minus 1, the most the trainer accepts: the last token is only a label).
 
-Reported, per arm: mean +- sample std over seeds of the final val loss; its difference to the
-adamw baseline and to plain aurora, called "no measurable difference" when below twice the
-seed-to-seed std (pooled over all arms); the FLOPs and the train time (validation excluded) at
-which the arm's seed-mean val curve first reaches the baseline's mean final val loss, as a
-ratio to the baseline (linear interpolation between val points; "not reached" if never); the
-text tokens read and whether that is more than the corpus (the trainer then wraps around and
-repeats data). Written as ``results.md`` (+ ``results.json``) in the output folder together
-with one folder of logs per arm (``<out>/<arm>/<arm>_seed<k>.txt`` + ``.json``, the
-trainer's own log and summary), the sweep's logs (``<out>/lr_sweep/``) and plots of val loss vs
-FLOPs and vs train time drawn by ``records/compare.py`` (or by this script if that fails).
+Comparisons are paired (``bench/small_scale_stats.py``): per (order, seed) the difference of the
+two arms' final val losses; reported with its mean, 95% t-interval and paired t-test p-value.
+"better"/"worse" only where the interval excludes zero, else "no measurable difference".
+A pair missing on either side (a failed run) is left out and named in the report and on stdout.
+
+The equal-text control. aurora_tst reads ``s*B`` raw tokens per step in its phase 1 (the first
+``round(r*N)`` steps) and ``B`` after; aurora_eqtext reads exactly the same tokens at every step
+as plain next-token training with a batch of ``s*B`` positions in those steps (then ``B``), at
+``s`` times the FLOPs per step there. Compared *at equal text* (final vs final: same steps, same
+tokens read) it separates "reads more text" from "bags help"; *at equal FLOPs* its val loss at
+aurora_tst's total FLOPs (step ``N/s``, inside its big-batch part, where a val point is placed)
+is compared with aurora_tst's final one (the control is then mid-run: its lr has not decayed).
+The trainer has one batch size per run, so the control is two trainer invocations of one run
+(one log): the big-batch part stops at ``--max-steps round(r*N)`` with a checkpoint, the rest
+resumes from it (``--resume --resume-force`` with the normal ``--batch-tokens``; the loader
+position, weights, optimizer state and lr schedule carry over). The checkpoint is deleted when
+the run ends.
+
+The recency check (``--recency-arm``, default adamw): the arm also trains at seed 0 on
+``docs`` orders of the corpus -- whole documents shuffled, each read in one piece, i.e. the
+in-order stream with only the document order changed -- with val points every ``N/6`` steps (as
+its seed-0 ``mix`` runs). ``recency.png`` shows its val curves over the orders before (docs) and
+after (mix), and results.md the spread (std, range) of its final val loss over orders, before
+and after.
+
+The lr of the block matrices is tuned per optimizer family first, by a small sweep (mix order
+0, seed 0, no TST; best final val loss wins; an optimum at the edge of the grid extends it by one
+factor-2 step, ``--sweep-extend`` times): ``--adamw-lr`` for adamw, ``--matrix-lr`` for muon
+and for aurora (every other aurora arm uses aurora's). The Adam lrs of the embedding, head and
+scalars stay at the ``cpu_smoke`` preset values. The sweep run at the chosen lr *is* (order 0,
+seed 0) of that arm (same flags): it is copied into the arm's folder instead of trained twice.
+
+Output: ``results.md`` (+ ``results.json``), one folder of logs per arm
+(``<out>/<arm>/<arm>_o<order>_seed<k>.txt`` + ``.json``, the trainer's own), ``lr_sweep/``,
+``recency_docs/``, ``recency.png`` and plots of val loss vs FLOPs and vs train time drawn by
+``records/compare.py`` (or by this script if that fails).
 
 How to run (from the repo root)
 -------------------------------
-    python bench/small_scale.py --quick   # adamw, aurora, aurora_tst; 2 seeds; short sweep
-                                          # -> bench/out/small_scale_quick/   (<= 20 min)
-    python bench/small_scale.py           # every arm, full sweep, 2 seeds
-                                          # -> records/cpu/<today>_small_scale/  (<= 2 h)
+    python bench/small_scale.py --quick   # pipeline check: 4 arms, 2 orders x 1 seed, tiny runs
+                                          # -> bench/out/small_scale_quick/
+    python bench/small_scale.py           # every arm, 3 orders x 2 seeds, full sweep
+                                          # -> records/cpu/<today>_small_scale/
+    python bench/small_scale.py --arms adamw --seeds 1 --adamw-lrs 0.002 --sweep-extend 0
+                                          # the recency check alone: adamw on 3 mix + 3 docs orders
 
-Budget (2-core CPU; torch CPU, float32, no compile; ``--jobs 2`` trainer processes at a time,
-each on ``--threads 1``): the full mode trains 4 layers x 128 wide, seq 128, 1024 positions/step,
-300 steps for 26 runs (9 sweep + 20 arm runs - 3 reused; up to 3 more if a sweep optimum is at
-a grid edge). Two runs side by side take ~7 min each (~1.4 s/step; one run alone on an idle
-machine ~1.1 s/step), so the full mode takes ~1.5-1.7 h, more when other jobs load the cores.
-The quick mode trains 150 steps x 512 positions for 8 runs (2-value sweeps for adamw and aurora;
-adamw, aurora, aurora_tst x 2 seeds): ~7 min. The 1-minute load average at the start and end
-of each run goes into results.md.
-The glibc malloc settings that keep the CPU step time from doubling
-(``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000``) are set for the trainer
-subprocesses by this script. Resumable: a run whose JSON says ``complete`` (with the same
-run-defining config) is skipped, so rerunning the same command after a crash continues where
-it stopped; for a run started on an earlier day pass its folder with ``--out``.
+Budget. Before anything runs the script prints its plan: every group of runs with its count
+and estimated time, from a cost model of measured run times (COST below: trainer start-up,
+seconds per training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one
+thread each). The full plan is kept under 2 hours that way; results.md records the real times
+and the 1-minute load average around each run (other jobs on the cores slow runs down).
+Resumable: a run whose JSON says ``complete`` (with the same run-defining config) is skipped, so
+rerunning the same command after a crash continues where it stopped; for a run started on an
+earlier day pass its folder with ``--out``.
 """
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -75,88 +103,252 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+for _path in (os.path.join(REPO, "records"), os.path.join(REPO, "bench"), os.path.join(REPO, "data")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+import compare  # noqa: E402  (records/compare.py: the reader of trainer logs, defined once)
+import shard_format  # noqa: E402  (data/shard_format.py)
+import small_scale_data  # noqa: E402
+import small_scale_stats as sst  # noqa: E402
 
-# Model shape (on top of --preset cpu_smoke, which also sets embed_lr 0.3, head_lr 0.02, no
-# momentum warmup). GPT-2's 50304-row head dominates at this width: 6.4M of the 7.2M matmul
-# weights, ~44M training FLOPs per position. seq_len 128 = the latent length L in every phase.
-MODEL = dict(n_layer=4, n_head=4, model_dim=128, seq_len=128)
+SAMPLE = os.path.join("data", "sample")  # the repository's real-text sample: the default corpus
 
+# Model shape (on top of --preset cpu_smoke: embed_lr 0.3, head_lr 0.02, no momentum warmup).
+# GPT-2's 50304-row head dominates at this width (3.2M of the 3.6M matmul weights); 64 wide keeps
+# ~70 runs with whole-val evals inside 2 hours on 2 cores. seq_len 128 = the latent length L.
+MODEL = dict(n_layer=4, n_head=2, model_dim=64, seq_len=128)
+
+_TST = ["--optimizer", "aurora", "--tst-mode"]
 # arm name -> (optimizer family whose tuned lr it uses, trainer flags)
 ARMS = {
     "adamw": ("adamw", ["--optimizer", "adamw", "--tst-frac", "0"]),
     "muon": ("muon", ["--optimizer", "muon", "--tst-frac", "0"]),
     "aurora": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0"]),
-    "aurora_tst": ("aurora", ["--optimizer", "aurora", "--tst-mode", "full", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
-    "aurora_tst_s2": ("aurora", ["--optimizer", "aurora", "--tst-mode", "full", "--tst-bag-size", "2", "--tst-frac", "0.3"]),
-    "aurora_tst_s8": ("aurora", ["--optimizer", "aurora", "--tst-mode", "full", "--tst-bag-size", "8", "--tst-frac", "0.3"]),
-    "aurora_tst_r0.2": ("aurora", ["--optimizer", "aurora", "--tst-mode", "full", "--tst-bag-size", "4", "--tst-frac", "0.2"]),
-    "aurora_tst_r0.4": ("aurora", ["--optimizer", "aurora", "--tst-mode", "full", "--tst-bag-size", "4", "--tst-frac", "0.4"]),
-    "aurora_tst_input": ("aurora", ["--optimizer", "aurora", "--tst-mode", "input", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
-    "aurora_tst_output": ("aurora", ["--optimizer", "aurora", "--tst-mode", "output", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
+    "aurora_tst": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
+    "aurora_tst_s2": ("aurora", _TST + ["full", "--tst-bag-size", "2", "--tst-frac", "0.3"]),
+    "aurora_tst_s8": ("aurora", _TST + ["full", "--tst-bag-size", "8", "--tst-frac", "0.3"]),
+    "aurora_tst_r0.2": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.2"]),
+    "aurora_tst_r0.4": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.4"]),
+    "aurora_tst_input": ("aurora", _TST + ["input", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
+    "aurora_tst_output": ("aurora", _TST + ["output", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
+    "aurora_eqtext": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0"]),
 }
-BASELINE, REFERENCE = "adamw", "aurora"  # deltas are given against both
+# equal-text control -> the TST arm whose phase-1 text (s * batch per step for round(r * N) steps) it reads
+EQTEXT = {"aurora_eqtext": "aurora_tst"}
+TST_VARIANTS = ["aurora_tst_s2", "aurora_tst_s8", "aurora_tst_r0.2", "aurora_tst_r0.4", "aurora_tst_input",
+                "aurora_tst_output"]
+# (arm a, arm b, at): paired a - b per (order, seed). "final": the two final val losses; "flops": a's
+# final val loss against b's val loss at a's total FLOPs (interpolated on b's val curve)
+COMPARISONS = ([("aurora", "adamw", "final"), ("muon", "adamw", "final"), ("aurora", "muon", "final"),
+                ("aurora_tst", "aurora", "final")]
+               + [(v, "aurora", "final") for v in TST_VARIANTS] + [(v, "aurora_tst", "final") for v in TST_VARIANTS]
+               + [("aurora_eqtext", "aurora", "final"), ("aurora_tst", "aurora_eqtext", "final"),
+                  ("aurora_tst", "aurora_eqtext", "flops")])
+BASELINE = "adamw"
 
-# optimizer family -> (lr flag, the no-TST arm whose seed 0 the sweep run doubles as)
+# optimizer family -> (lr flag, the no-TST arm whose (order 0, seed 0) run the sweep run doubles as)
 FAMILIES = {"adamw": ("--adamw-lr", "adamw"), "muon": ("--matrix-lr", "muon"), "aurora": ("--matrix-lr", "aurora")}
 
 MODES = {
     "full": dict(
-        arms=list(ARMS), seeds=2, steps=300, batch_tokens=1024, val_tokens=16384, val_every=60,
-        sweep={"adamw": [0.002, 0.004, 0.008], "muon": [0.025, 0.05, 0.1], "aurora": [0.025, 0.05, 0.1]},
-        sweep_extend=1, out=os.path.join("records", "cpu", "{date}_small_scale")),
+        arms=list(ARMS), orders=3, seeds=2, steps=300, batch_tokens=512, val_tokens=None, val_every=150,
+        sweep={"adamw": [0.001, 0.002, 0.004], "muon": [0.0125, 0.025, 0.05], "aurora": [0.0125, 0.025, 0.05]},
+        sweep_extend=1, recency_arm="adamw", out=os.path.join("records", "cpu", "{date}_small_scale")),
     "quick": dict(
-        arms=["adamw", "aurora", "aurora_tst"], seeds=2, steps=150, batch_tokens=512, val_tokens=4096,
-        val_every=50,
-        sweep={"adamw": [0.004, 0.008], "aurora": [0.05, 0.1]},
-        sweep_extend=0, out=os.path.join("bench", "out", "small_scale_quick")),
+        arms=["adamw", "aurora", "aurora_tst", "aurora_eqtext"], orders=2, seeds=1, steps=40, batch_tokens=256,
+        val_tokens=8192, val_every=20, sweep={"adamw": [0.004], "aurora": [0.05]},
+        sweep_extend=0, recency_arm="adamw", out=os.path.join("bench", "out", "small_scale_quick")),
 }
 
-VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+)ms")
-FIELD_RE = re.compile(r"(\w+):(\S+)")
+# Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
+# training FLOP + seconds per val (forward, 1/3 of a training position's) FLOP. From measured runs
+# (torch 2.13.0 CPU, float32, one thread per run, 2 runs at a time on a 2-core Xeon, load ~2):
+# records/cpu/2026-11-29_small_scale/timing.json, 4 x 128 wide, 1024 positions/step: 1.13 s per step
+# = 2.5e-11 s per training FLOP, ~20 s per run beyond its steps (start-up, six small evals). Side by
+# side under equal load, 64 wide ran 2.0x faster per step for 2.1x fewer FLOPs, and a val position
+# cost about a third of a training position: the same rate per FLOP. results.md reports measured/estimate.
+COST = dict(startup_s=20.0, s_per_train_flop=2.5e-11, s_per_val_flop=2.5e-11)
 
 
 # ----------------------------------------------------------------------------------------------
-# Running one training run
+# Planning the runs
 
 
-def trainer_argv(spec, run_dir, run_id, seed, extra):
-    """The trainer command line of one run (base flags of the mode, then the arm/lr ``extra``)."""
-    seqs = spec["batch_tokens"] // MODEL["seq_len"]  # one micro-batch when <= 16 sequences
+@dataclasses.dataclass
+class Job:
+    """One training run: its key, where its log goes, and the trainer command(s) that make it.
+
+    ``argvs`` is one command, or for the equal-text control two: the big-batch part (stops at
+    ``--max-steps`` with a checkpoint) and the rest (resumes from ``checkpoint`` into the same log).
+    """
+    key: tuple  # (arm, data-order kind, order, seed)
+    run_dir: str
+    run_id: str
+    argvs: list
+    checkpoint: str = ""
+
+
+def run_name(arm, kind, order, seed):
+    return f"{arm}_o{order}_seed{seed}" if kind == "mix" else f"{arm}_{kind}_o{order}_seed{seed}"
+
+
+def trainer_argv(spec, run_dir, run_id, seed, extra, train_files, val_every, batch_tokens=None):
+    """The trainer command line of one run (the mode's base flags, then the arm/lr ``extra``)."""
+    batch_tokens = batch_tokens or spec["batch_tokens"]
+    seqs = batch_tokens // MODEL["seq_len"]  # one micro-batch when <= 16 sequences
     argv = [sys.executable, spec["trainer"], "--preset", "cpu_smoke", "--device", "cpu", "--no-compile", "--no-bf16",
-            "--train-files", spec["train_files"], "--val-files", spec["val_files"],
-            "--num-iterations", str(spec["steps"]), "--batch-tokens", str(spec["batch_tokens"]),
-            "--micro-batch-seqs", str(seqs if seqs <= 16 else 16), "--val-tokens", str(spec["val_tokens"]),
-            "--val-every", str(spec["val_every"]), "--log-every", "5", "--seed", str(seed),
+            "--train-files", train_files, "--val-files", spec["val_files"],
+            "--num-iterations", str(spec["steps"]), "--batch-tokens", str(batch_tokens),
+            "--micro-batch-seqs", str(min(seqs, 16)), "--val-tokens", str(spec["val_tokens"]),
+            "--val-every", str(val_every), "--log-every", "5", "--seed", str(seed),
             "--log-dir", run_dir, "--run-id", run_id]
     for k, v in MODEL.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     return argv + list(extra) + spec["trainer_args"]
 
 
-def read_log(path):
-    """Parse a trainer log: ``dict(config, val=[{step, val_loss, train_time_ms, flops, tokens}], status)``."""
-    out = dict(config=None, val=[], status=None)
-    if not os.path.exists(path):
-        return out
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    try:  # step-like text inside the source snapshot must not count: start after the separator
-        lines = lines[lines.index("=" * 100) + 1:]
-    except ValueError:
-        pass
-    for ln in lines:
-        m = VAL_RE.match(ln)
-        if m:
-            fields = dict(FIELD_RE.findall(ln))
-            point = dict(step=int(m[1]), val_loss=float(m[3]), train_time_ms=float(m[4]),
-                         flops=float(fields.get("flops", "nan")), tokens=int(fields.get("tokens", "0")))
-            out["val"] = [p for p in out["val"] if p["step"] < point["step"]] + [point]
-        elif ln.startswith("config: {"):
-            out["config"] = json.loads(ln[len("config: "):])
-        elif ln.startswith("status:"):
-            out["status"] = ln[len("status:"):].split()[0]
-    return out
+def flag_value(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def eqtext_plan(spec, arm):
+    """The equal-text control's schedule: dict(bag_size s, switch k = round(r*N), big_batch s*B, flops_step).
+
+    ``flops_step`` is the step at which the control has spent the FLOPs of the whole TST run
+    (``N * B`` positions): ``N/s`` when that lies in its big-batch part, else ``N - k*(s-1)``.
+
+    Raises:
+        SystemExit: ``N/s`` is not a whole step (no val point could sit at equal FLOPs).
+    """
+    tst_flags = ARMS[EQTEXT[arm]][1]
+    s, r = int(flag_value(tst_flags, "--tst-bag-size")), float(flag_value(tst_flags, "--tst-frac"))
+    n = spec["steps"]
+    k = trainer_module().tst_switch_step(argparse.Namespace(tst_frac=r, num_iterations=n))
+    if n <= s * k and n % s:
+        raise SystemExit(f"--steps {n}: the equal-text control {arm} needs a multiple of {s} (its bag size) so that "
+                         f"a val point falls at equal FLOPs; e.g. --steps {n - n % s}, or leave {arm} out (--arms)")
+    return dict(bag_size=s, switch=k, big_batch=s * spec["batch_tokens"],
+                flops_step=n // s if n <= s * k else n - k * (s - 1))
+
+
+def val_every_of(spec, arm, seed):
+    """Val cadence of a run: the control's at equal FLOPs, dense for the recency arm's seed 0, else the mode's."""
+    if arm in EQTEXT:
+        return eqtext_plan(spec, arm)["flops_step"]
+    if arm == spec["recency_arm"] and seed == 0:
+        return max(1, spec["steps"] // 6)
+    return spec["val_every"]
+
+
+def make_job(spec, arm, kind, order, seed, lr_flags, run_dir=None, run_id=None):
+    """The Job of one run of ``arm`` on data order ``(kind, order)`` from init ``seed``."""
+    run_dir = run_dir or os.path.join(spec["out"], arm if kind == "mix" else f"recency_{kind}")
+    run_id = run_id or run_name(arm, kind, order, seed)
+    common = dict(train_files=spec["order_globs"][(kind, order)], val_every=val_every_of(spec, arm, seed))
+    extra = ARMS[arm][1] + list(lr_flags)
+    key = (arm, kind, order, seed)
+    if arm not in EQTEXT:
+        return Job(key, run_dir, run_id, [trainer_argv(spec, run_dir, run_id, seed, extra, **common)])
+    eq = eqtext_plan(spec, arm)
+    ck_dir = os.path.join(spec["out"], "data", "checkpoints")
+    ckpt = os.path.join(ck_dir, run_id, f"step_{eq['switch']:06d}.pt")
+    first = trainer_argv(spec, run_dir, run_id, seed, extra, batch_tokens=eq["big_batch"], **common) + [
+        "--max-steps", str(eq["switch"]), "--save-final", "--checkpoint-dir", ck_dir]
+    rest = trainer_argv(spec, run_dir, run_id, seed, extra, **common) + [
+        "--resume", ckpt, "--resume-force", "--checkpoint-dir", ck_dir]
+    return Job(key, run_dir, run_id, [first, rest], ckpt)
+
+
+def sweep_job(spec, fam, lr):
+    """The lr-sweep run of a family at ``lr``: its no-TST arm on mix order 0, seed 0."""
+    flag, arm = FAMILIES[fam]
+    return make_job(spec, arm, "mix", 0, 0, [flag, fmt_lr(lr)], os.path.join(spec["out"], "lr_sweep"),
+                    f"{fam}_lr{fmt_lr(lr)}_seed0")
+
+
+def arm_jobs(spec, lr_flags):
+    """Every arm x order x seed, then the recency arm's extra runs; ``lr_flags`` maps family -> lr flags.
+
+    The control's (two-part, longest) runs come first so that they do not finish last alone.
+    """
+    jobs = [make_job(spec, arm, "mix", order, seed, lr_flags[ARMS[arm][0]])
+            for arm in spec["arms"] for order in range(spec["orders"]) for seed in range(spec["seeds"])]
+    arm = spec["recency_arm"]
+    if arm:
+        if arm not in spec["arms"]:
+            jobs += [make_job(spec, arm, "mix", o, 0, lr_flags[ARMS[arm][0]]) for o in range(spec["orders"])]
+        jobs += [make_job(spec, arm, "docs", o, 0, lr_flags[ARMS[arm][0]]) for o in range(spec["orders"])]
+    return sorted(jobs, key=lambda j: -len(j.argvs))
+
+
+def families(spec):
+    """Optimizer families whose lr the planned arms (and the recency arm) need, in FAMILIES order."""
+    arms = set(spec["arms"]) | ({spec["recency_arm"]} if spec["recency_arm"] else set())
+    return [f for f in FAMILIES if any(ARMS[a][0] == f for a in arms)]
+
+
+def planned_jobs(spec, lr_of=None):
+    """``(sweep jobs, arm jobs)`` of the plan; arm lrs from ``lr_of`` {family: lr} (default: each grid's first)."""
+    fams = families(spec)
+    sweep = [sweep_job(spec, f, lr) for f in fams for lr in spec["sweep"][f]]
+    lr_of = lr_of or {f: spec["sweep"][f][0] for f in fams}
+    return sweep, arm_jobs(spec, {f: [FAMILIES[f][0], fmt_lr(lr_of[f])] for f in fams})
+
+
+def is_reused(spec, job):
+    """True for the (order 0, seed 0) run of a family's no-TST arm: the sweep run at the chosen lr."""
+    arm, kind, order, seed = job.key
+    return kind == "mix" and order == 0 and seed == 0 and FAMILIES.get(ARMS[arm][0], (None, None))[1] == arm
+
+
+def est_seconds(job):
+    """Estimated wall seconds of a Job from the COST model (start-up, training and val FLOPs)."""
+    tg, total, start = trainer_module(), 0.0, 0
+    for argv in job.argvs:
+        cfg, _ = tg.parse_config(argv[2:])
+        n = cfg.num_iterations
+        end = min(n, start + cfg.max_steps) if cfg.max_steps else n
+        flops = tg.model_flops_per_position(cfg)
+        switch = tg.tst_switch_step(cfg)
+        points = ({0} if start == 0 else set()) | {
+            t for t in range(start + 1, end + 1) if (cfg.val_every and t % cfg.val_every == 0) or t == n}
+        per_val = flops / 3 * cfg.val_tokens  # forward only
+        tst_val = per_val / (cfg.tst_bag_size if cfg.tst_mode != "output" else 1)
+        val = sum(per_val + (tst_val if max(t - 1, 0) < switch else 0.0) for t in points)
+        total += (COST["startup_s"] + COST["s_per_train_flop"] * flops * cfg.batch_tokens * (end - start)
+                  + COST["s_per_val_flop"] * val)
+        start = end
+    return total
+
+
+def print_plan(spec, parallel):
+    """Print every group of planned runs with its count and estimated time; return the estimate (s)."""
+    sweep, arms = planned_jobs(spec)
+    n_ext = spec["sweep_extend"] * len(families(spec))
+    groups = {}
+    for job in sweep:
+        groups.setdefault("lr sweep (mix order 0, seed 0)", []).append(job)
+    for job in arms:
+        arm, kind = job.key[:2]
+        if not is_reused(spec, job):
+            groups.setdefault(arm if kind == "mix" else f"recency: {arm} on {kind} orders", []).append(job)
+    print(f"plan: {'group':<38} {'runs':>4} {'est. each':>10} {'est. total':>11}")
+    total = 0.0
+    for name, jobs in groups.items():
+        each = [est_seconds(j) for j in jobs]
+        total += sum(each)
+        print(f"      {name:<38} {len(jobs):>4} {np.mean(each) / 60:>8.1f} m {sum(each) / 60:>9.1f} m")
+    ext = n_ext * est_seconds(sweep[0]) if sweep else 0.0
+    if n_ext:
+        print(f"      {'lr sweep extensions (at most)':<38} {n_ext:>4} {ext / n_ext / 60:>8.1f} m {ext / 60:>9.1f} m")
+    wall = (total + ext) / parallel
+    print(f"      estimated wall time with --jobs {parallel}: {wall / 60:.0f} min ({wall / 3600:.2f} h; "
+          f"cost model COST of measured runs on an idle 2-core CPU; other load makes it longer)", flush=True)
+    return wall
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the runs
 
 
 def expected_config(argv):
@@ -171,66 +363,103 @@ def expected_config(argv):
     return {k: getattr(cfg, k) for k in keys}
 
 
-def is_done(run_dir, run_id, argv):
-    """True if ``<run_dir>/<run_id>.json`` says complete and its log was made with the same config."""
-    js = os.path.join(run_dir, run_id + ".json")
-    if not os.path.exists(js):
-        return False
-    with open(js, encoding="utf-8") as f:
-        if json.load(f).get("status") != "complete":
-            return False
-    logged = read_log(os.path.join(run_dir, run_id + ".txt"))["config"] or {}
+def read_json(path):
+    """A run's JSON summary, or {} when missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def logged_config(run_dir, run_id):
+    path = os.path.join(run_dir, run_id + ".txt")
+    return compare.parse_log(path).config if os.path.exists(path) else {}
+
+
+def same_config(run_dir, run_id, argv, say=True):
+    """True if the run's log was made with the config of ``argv`` (else says what differs)."""
+    logged = logged_config(run_dir, run_id)
     diff = {k: (logged.get(k), v) for k, v in expected_config(argv).items() if logged.get(k, v) != v}
-    if diff:
-        print(f"  {run_id}: complete but made with other flags {diff}; training it again", flush=True)
+    if diff and say:
+        print(f"  {run_id}: made with other flags {diff}; training it again", flush=True)
     return not diff
 
 
-def train(argv, run_dir, run_id, ledger):
-    """Train one run as a subprocess unless already done; return its JSON summary (+ parsed log).
+def is_done(job):
+    """True if the Job's JSON says complete and its log was made with the same config."""
+    status = read_json(os.path.join(job.run_dir, job.run_id + ".json")).get("status")
+    return status == "complete" and same_config(job.run_dir, job.run_id, job.argvs[0])
+
+
+def handover_ready(job):
+    """True when the control's big-batch part is done (its checkpoint there) and only the rest is left."""
+    status = read_json(os.path.join(job.run_dir, job.run_id + ".json")).get("status")
+    return (len(job.argvs) > 1 and status == "stopped_early" and os.path.exists(job.checkpoint)
+            and same_config(job.run_dir, job.run_id, job.argvs[0], say=False))
+
+
+def train(job, ledger):
+    """Train one Job (each of its trainer commands in turn) unless already done; return its summary.
 
     Progress (val lines) is echoed; on failure the trainer's last stderr lines are printed and
-    the summary says ``status`` != ``complete``. ``ledger`` collects wall times of runs trained now.
+    the summary's ``status`` is not ``complete``. The control's checkpoint is removed when its
+    run ends either way.
     """
-    os.makedirs(run_dir, exist_ok=True)
-    js = os.path.join(run_dir, run_id + ".json")
-    if is_done(run_dir, run_id, argv):
-        print(f"  {run_id}: complete, skipped", flush=True)
+    os.makedirs(job.run_dir, exist_ok=True)
+    if is_done(job):
+        print(f"  {job.run_id}: complete, skipped", flush=True)
     else:
-        set_aside(run_dir, run_id)
-        env = dict(os.environ, **MALLOC_ENV)
-        if ledger.get("threads"):
-            env["OMP_NUM_THREADS"] = str(ledger["threads"])
-        print(f"  {run_id}: training ... ({shlex.join(argv)})" if ledger.get("verbose")
-              else f"  {run_id}: training ...", flush=True)
-        t0, load0 = time.time(), load_average()
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1)
-        for ln in proc.stdout:
-            if " val_loss:" in ln:
-                print("    " + ln.rstrip()[:110], flush=True)
-        err = proc.stderr.read()
-        rc = proc.wait()
-        wall = time.time() - t0
-        load1 = load_average()
-        record_timing(ledger, dict(run=os.path.relpath(os.path.join(run_dir, run_id), ledger["out"]), wall_s=round(wall, 1),
-                                   load_start=load0, load_end=load1, exit=rc,
-                                   finished=datetime.datetime.now().isoformat(timespec="seconds")))
-        print(f"  {run_id}: exit {rc}, {wall:.0f}s wall (1-min load average {load0:.1f} -> {load1:.1f})",
-              flush=True)
-        if rc != 0:
-            print("    " + "\n    ".join(err.strip().splitlines()[-5:]), flush=True)
-    summary = dict(status="missing")
-    if os.path.exists(js):
-        with open(js, encoding="utf-8") as f:
-            summary = json.load(f)
-    summary["log"] = read_log(os.path.join(run_dir, run_id + ".txt"))
-    summary["argv"] = argv
+        first = 1 if handover_ready(job) else 0
+        if first == 0:
+            set_aside(job.run_dir, job.run_id)
+        for part, argv in enumerate(job.argvs[first:], first):
+            if run_trainer(argv, job, part, ledger) != 0:
+                break
+        if job.checkpoint:
+            shutil.rmtree(os.path.dirname(job.checkpoint), ignore_errors=True)
+    return run_summary(job)
+
+
+def run_summary(job):
+    """The Job's JSON summary plus ``key`` and ``val`` (the val points of its log, via records/compare.py)."""
+    summary = read_json(os.path.join(job.run_dir, job.run_id + ".json")) or dict(status="missing")
+    log = os.path.join(job.run_dir, job.run_id + ".txt")
+    summary["val"] = compare.parse_log(log).val if os.path.exists(log) else []
+    summary["key"] = job.key
     return summary
 
 
+def run_trainer(argv, job, part, ledger):
+    """Run one trainer command as a subprocess, echo its val lines, record its time; return the exit code."""
+    env = dict(os.environ)
+    if ledger.get("threads"):
+        env["OMP_NUM_THREADS"] = str(ledger["threads"])
+    what = job.run_id + (f" (part {part + 1} of {len(job.argvs)})" if len(job.argvs) > 1 else "")
+    print(f"  {what}: training ... ({shlex.join(argv)})" if ledger.get("verbose") else f"  {what}: training ...",
+          flush=True)
+    t0, load0 = time.time(), load_average()
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+    for ln in proc.stdout:
+        if " val_loss:" in ln:
+            print("    " + ln.rstrip()[:110], flush=True)
+    err = proc.stderr.read()
+    rc = proc.wait()
+    wall, load1 = time.time() - t0, load_average()
+    name = os.path.relpath(os.path.join(job.run_dir, job.run_id), ledger["out"]) + (f"#{part + 1}" if part else "")
+    record_timing(ledger, dict(run=name, wall_s=round(wall, 1), est_s=round(est_seconds(
+        dataclasses.replace(job, argvs=[argv])), 1), load_start=load0, load_end=load1, exit=rc,
+        finished=datetime.datetime.now().isoformat(timespec="seconds")))
+    print(f"  {what}: exit {rc}, {wall:.0f}s wall (1-min load average {load0:.1f} -> {load1:.1f})", flush=True)
+    if rc != 0:
+        print("    " + "\n    ".join(err.strip().splitlines()[-5:]), flush=True)
+    return rc
+
+
 def record_timing(ledger, entry):
-    """Append one trained run's wall time and load to ``<out>/timing.json`` (kept across invocations)."""
+    """Append one trainer process's wall time and load to ``<out>/timing.json`` (kept across invocations)."""
     with ledger.get("lock") or contextlib.nullcontext():  # concurrent runs (--jobs) finish at any time
         return _record_timing(ledger, entry)
 
@@ -294,11 +523,19 @@ def snapshot_trainer(out):
     return os.path.join(code, "train_gpt.py"), digest
 
 
-def copy_run(src_dir, src_id, dst_dir, dst_id):
-    """Copy a finished run's log and JSON under another name (the sweep run reused as seed 0)."""
-    os.makedirs(dst_dir, exist_ok=True)
+def copy_run(src, dst):
+    """Copy a finished run's log and JSON under another name (the sweep run reused as order 0, seed 0)."""
+    os.makedirs(dst.run_dir, exist_ok=True)
     for ext in (".txt", ".json"):
-        shutil.copyfile(os.path.join(src_dir, src_id + ext), os.path.join(dst_dir, dst_id + ext))
+        shutil.copyfile(os.path.join(src.run_dir, src.run_id + ext), os.path.join(dst.run_dir, dst.run_id + ext))
+
+
+def run_all(jobs, ledger):
+    """Train ``jobs`` (Jobs) ``ledger['jobs']`` at a time; their summaries in the order given."""
+    if ledger.get("jobs", 1) <= 1 or len(jobs) <= 1:
+        return [train(j, ledger) for j in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=ledger["jobs"]) as pool:
+        return list(pool.map(lambda j: train(j, ledger), jobs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,35 +546,21 @@ def fmt_lr(lr):
     return f"{lr:.6g}"
 
 
-def run_all(jobs, ledger):
-    """Train ``jobs`` (a list of ``(argv, run_dir, run_id)``) ``ledger['jobs']`` at a time; summaries in order."""
-    if ledger.get("jobs", 1) <= 1 or len(jobs) <= 1:
-        return [train(*j, ledger) for j in jobs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=ledger["jobs"]) as pool:
-        return list(pool.map(lambda j: train(*j, ledger), jobs))
-
-
-def lr_sweep(spec, out, ledger):
-    """Per family: train the grid (seed 0, no TST), extend past an edge optimum, pick the best.
+def lr_sweep(spec, ledger):
+    """Per family: train the grid (mix order 0, seed 0, no TST), extend past an edge optimum, pick the best.
 
     Every family's grid is trained first (``--jobs`` runs at a time), then the extensions, one
-    round per ``sweep_extend``. Returns ``{family: dict(flag, chosen, rows=[(lr, final val loss or
-    None, train_time_ms)], edge)}``.
+    round per ``sweep_extend``. Returns ``{family: dict(flag, chosen, edge, rows=[(lr, final val
+    loss or None, train_time_ms, run id)])}``.
     """
-    sweep_dir = os.path.join(out, "lr_sweep")
-    fams = [f for f in spec["sweep"] if any(ARMS[a][0] == f for a in spec["arms"])]
+    fams = families(spec)
     rows = {fam: {} for fam in fams}
 
-    def job(fam, lr):
-        flag, arm = FAMILIES[fam]
-        rid = f"{fam}_lr{fmt_lr(lr)}_seed0"
-        return trainer_argv(spec, sweep_dir, rid, 0, ARMS[arm][1] + [flag, fmt_lr(lr)]), sweep_dir, rid
-
     def run(pairs):
-        jobs = [job(f, lr) for f, lr in pairs]
-        for (fam, lr), (_, _, rid), s in zip(pairs, jobs, run_all(jobs, ledger)):
+        jobs = [sweep_job(spec, f, lr) for f, lr in pairs]
+        for (fam, lr), job, s in zip(pairs, jobs, run_all(jobs, ledger)):
             ok = s.get("status") == "complete" and math.isfinite(s.get("final_val_loss", math.nan))
-            rows[fam][lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), rid)
+            rows[fam][lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), job.run_id)
 
     def best_of(fam):
         lrs = sorted(rows[fam])
@@ -361,11 +584,10 @@ def lr_sweep(spec, out, ledger):
     for fam in fams:
         lrs, best = best_of(fam)
         if rows[fam][best][0] is None:
-            raise SystemExit(f"lr sweep {fam}: every run failed; see the logs in {sweep_dir}")
-        flag = FAMILIES[fam][0]
-        result[fam] = dict(flag=flag, chosen=best, edge=best in (lrs[0], lrs[-1]) and len(lrs) > 1,
+            raise SystemExit(f"lr sweep {fam}: every run failed; see the logs in {os.path.join(spec['out'], 'lr_sweep')}")
+        result[fam] = dict(flag=FAMILIES[fam][0], chosen=best, edge=best in (lrs[0], lrs[-1]) and len(lrs) > 1,
                            rows=[(lr,) + rows[fam][lr] for lr in lrs])
-        print(f"  -> {fam}: {flag} {fmt_lr(best)} (final val loss {rows[fam][best][0]:.4f})", flush=True)
+        print(f"  -> {fam}: {FAMILIES[fam][0]} {fmt_lr(best)} (final val loss {rows[fam][best][0]:.4f})", flush=True)
     return result
 
 
@@ -373,58 +595,373 @@ def lr_sweep(spec, out, ledger):
 # Analysis
 
 
-def crossing(xs, ys, target):
-    """First x where the piecewise-linear curve (xs, ys) reaches ``target`` or below; None if never."""
-    if len(ys) and ys[0] <= target:
-        return xs[0]
-    for i in range(1, len(ys)):
-        if ys[i] <= target:
-            return xs[i - 1] + (ys[i - 1] - target) / (ys[i - 1] - ys[i]) * (xs[i] - xs[i - 1])
-    return None
+def complete(summary):
+    return (summary.get("status") == "complete" and bool(summary.get("val"))
+            and math.isfinite(summary.get("final_val_loss", math.nan)))
 
 
-def arm_stats(runs):
-    """Seed statistics and the seed-mean val curve of one arm's complete runs."""
-    done = [r for r in runs if r.get("status") == "complete" and r["log"]["val"]]
-    out = dict(n=len(done), n_runs=len(runs), finals=[r["final_val_loss"] for r in done])
-    if not done:
-        return out
-    out["mean"] = float(np.mean(out["finals"]))
-    out["std"] = float(np.std(out["finals"], ddof=1)) if len(done) > 1 else math.nan
-    steps = [p["step"] for p in done[0]["log"]["val"]]
-    same = all([p["step"] for p in r["log"]["val"]] == steps for r in done)
-    curves = [r["log"]["val"] for r in done] if same else [done[0]["log"]["val"]]
-    out["curve"] = dict(step=steps,
-                        loss=np.mean([[p["val_loss"] for p in c] for c in curves], axis=0).tolist(),
-                        flops=np.mean([[p["flops"] for p in c] for c in curves], axis=0).tolist(),
-                        time_ms=np.mean([[p["train_time_ms"] for p in c] for c in curves], axis=0).tolist())
-    out["train_time_ms"] = float(np.mean([r["train_time_ms"] for r in done]))
-    out["flops"] = float(np.mean([r["flops"] for r in done]))
-    out["raw_tokens"] = int(np.mean([r["raw_tokens"] for r in done]))
-    out["seed_curves"] = [([p["step"] for p in r["log"]["val"]], [p["val_loss"] for p in r["log"]["val"]])
-                          for r in done]
+def finals(results, arm, kind="mix"):
+    """``{(order, seed): final val loss}`` of the complete runs of ``arm`` on ``kind`` orders."""
+    return {(o, s): r["final_val_loss"] for (a, k, o, s), r in results.items() if a == arm and k == kind and complete(r)}
+
+
+def values_at_flops(results, arm, ref):
+    """``{(order, seed): val loss of arm at the total FLOPs of ref's run of that key}``, linear in FLOPs.
+
+    Keys where either run is incomplete or the FLOPs lie outside ``arm``'s val curve are absent.
+    """
+    out = {}
+    for (a, k, o, s), r in results.items():
+        other = results.get((ref, k, o, s))
+        if a == arm and k == "mix" and complete(r) and other and complete(other):
+            v = sst.value_at([p["flops"] for p in r["val"]], [p["val_loss"] for p in r["val"]], other["flops"])
+            if v is not None:
+                out[(o, s)] = v
     return out
 
 
-def corpus_tokens(pattern, flag):
-    """Tokens in the shards of a glob (validated by the trainer's own header check); SystemExit naming ``flag``."""
+def describe(a, b, at):
+    """What is held equal in a comparison (its column in results.md)."""
+    if at == "flops":
+        return f"equal FLOPs: {b}'s val loss at {a}'s total FLOPs (mid-run, lr not decayed)"
+    if EQTEXT.get(b) == a or EQTEXT.get(a) == b:
+        return "equal text: the same tokens at every step; the control costs more FLOPs"
+    if a in EQTEXT or b in EQTEXT:
+        return "equal steps; the control reads TST's phase-1 text at more FLOPs"
+    return "equal FLOPs: same steps and positions per step"
+
+
+def comparisons(spec, results):
+    """Paired differences of COMPARISONS whose two arms were both planned; pairs left out are named."""
+    keys = [(o, s) for o in range(spec["orders"]) for s in range(spec["seeds"])]
+    rows = []
+    for a, b, at in COMPARISONS:
+        if a not in spec["arms"] or b not in spec["arms"]:
+            continue
+        va = finals(results, a)
+        vb = finals(results, b) if at == "final" else values_at_flops(results, b, a)
+        res = sst.paired_difference(va, vb)
+        left_out = [(k, "no complete run of " + " nor ".join(x for x, v in ((a, va), (b, vb)) if k not in v))
+                    for k in keys if k not in res["keys"]]
+        for (o, s), why in left_out:
+            print(f"WARNING: {a} vs {b} ({at}): pair (order {o}, seed {s}) left out: {why}", flush=True)
+        rows.append(dict(res, a=a, b=b, at=at, what=describe(a, b, at), left_out=left_out))
+    return rows
+
+
+def mean_curve(runs):
+    """Mean val curve of runs over the val steps they all have: dict(step, loss, flops, time_ms) lists."""
+    common = sorted(set.intersection(*[{p["step"] for p in r["val"]} for r in runs]))
+    pts = [{p["step"]: p for p in r["val"]} for r in runs]
+    mean = lambda key: [float(np.mean([pt[t][key] for pt in pts])) for t in common]  # noqa: E731
+    return dict(step=common, loss=mean("val_loss"), flops=mean("flops"), time_ms=mean("train_time_ms"))
+
+
+def arm_stats(results, arm, corpus):
+    """Final val loss over the arm's (order, seed) runs (mix orders), its mean curve, time, FLOPs, text read."""
+    runs = {(o, s): r for (a, k, o, s), r in sorted(results.items()) if a == arm and k == "mix"}
+    done = [r for r in runs.values() if complete(r)]
+    out = dict(sst.spread([r["final_val_loss"] for r in done]), n_runs=len(runs),
+               finals={f"o{o}s{s}": r["final_val_loss"] for (o, s), r in runs.items() if complete(r)})
+    if done:
+        out.update(curve=mean_curve(done), train_time_ms=float(np.mean([r["train_time_ms"] for r in done])),
+                   flops=float(np.mean([r["flops"] for r in done])),
+                   raw_tokens=int(np.mean([r["raw_tokens"] for r in done])))
+        out["epochs"] = out["raw_tokens"] / corpus
+    return out
+
+
+def recency(spec, results):
+    """The recency arm's seed-0 runs per order kind: ``{kind: dict(curves={order: (steps, losses)}, spread)}``."""
+    out = {}
+    for kind in ("docs", "mix"):
+        runs = {o: r for (a, k, o, s), r in sorted(results.items())
+                if a == spec["recency_arm"] and k == kind and s == 0 and complete(r)}
+        out[kind] = dict(curves={o: ([p["step"] for p in r["val"]], [p["val_loss"] for p in r["val"]])
+                                 for o, r in runs.items()},
+                         finals={o: r["final_val_loss"] for o, r in runs.items()},
+                         spread=sst.spread([r["final_val_loss"] for r in runs.values()]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def recency_plot(rec, arm, path):
+    """Val curves of the recency arm over the data orders: docs orders (left) and mix orders (right)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110, sharey=True)
+    titles = dict(docs="before: whole documents, shuffled (in-order stream)",
+                  mix="after: i.i.d.-like mix of seq_len chunks")
+    finite = [v for kind in rec for _, ys in rec[kind]["curves"].values() for v in ys[1:]]
+    for ax, kind in zip(axes, ("docs", "mix")):
+        for order, (steps, losses) in sorted(rec[kind]["curves"].items()):
+            ax.plot(steps, losses, marker="o", ms=3, label=f"order {order}")
+        sp = rec[kind]["spread"]
+        ax.set_title(f"{titles[kind]}\nfinal val loss over orders: std {sp['std']:.4f}, range {sp['range']:.4f}",
+                     fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"val loss ({arm}, seed 0, whole val shard)")
+    if finite:  # leave out the step-0 value (~10.8) so that the differences are visible
+        axes[0].set_ylim(min(finite) - 0.05, max(finite) + 0.05)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def own_plot(stats, arms, path, x, target):
+    """Fallback plot (matplotlib) of every arm's mean val curve, when compare.py is unavailable."""
+    plt = pyplot()
+    key, label = dict(flops=("flops", "training FLOPs"), time=("time_ms", "train time (ms)"))[x]
+    fig, ax = plt.subplots(figsize=(10, 6), dpi=110)
+    for name in arms:
+        c = stats.get(name, {}).get("curve")
+        if c:
+            ax.plot(c[key], c["loss"], marker="o", ms=3, label=name)
+    if target:
+        ax.axhline(target, color="black", ls="--", lw=1, label=f"adamw mean final {target:.4f}")
+    ax.set_xlabel(label)
+    ax.set_ylabel("val loss (mean over data orders and seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def make_plots(out, arms, stats, target):
+    """val loss vs FLOPs and vs train time via records/compare.py (one arm folder = one group)."""
+    plots, compare_text = [], ""
+    folders = [os.path.join(out, a) for a in arms if stats.get(a, {}).get("n")]
+    tool = os.path.join(REPO, "records", "compare.py")
+    for x in ("flops", "time"):
+        path = os.path.join(out, f"val_loss_vs_{x}.png")
+        what = f"val loss vs {'training FLOPs' if x == 'flops' else 'train time'}, every run"
+        ok = False
+        if folders:
+            cmd = [sys.executable, tool, *folders, "--plot", path, "--x", x]
+            if target is not None:
+                cmd += ["--target", f"{target:.4f}"]
+            try:
+                p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+                ok = p.returncode == 0 and os.path.exists(path)
+                if ok and x == "flops":
+                    compare_text = p.stdout
+                if not ok:
+                    print(f"compare.py failed (exit {p.returncode}): {p.stderr.strip()[-300:]}", flush=True)
+            except (OSError, subprocess.SubprocessError) as e:
+                print(f"compare.py failed: {e}", flush=True)
+        if ok:
+            what += " (records/compare.py; dashed line: adamw mean final loss)"
+        else:
+            own_plot(stats, arms, path, x, target)
+            what += " (means, drawn by small_scale.py: records/compare.py was unavailable or failed)"
+        plots.append((path, what))
+    return plots, compare_text
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def num(x, fmt):
+    return "-" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def settings_of(arm, sweep):
+    fam, flags = ARMS[arm]
+    text = " ".join(flags).replace("--optimizer ", "").replace("--", "")
+    if arm in EQTEXT:
+        text += f" + {EQTEXT[arm]}'s phase-1 text as a bigger batch"
+    lr = sweep.get(fam)
+    return text + (f" {lr['flag'][2:]} {fmt_lr(lr['chosen'])}" if lr else "")
+
+
+def header_lines(spec, stats, corpus):
+    """The title and the setup bullets of results.md."""
+    base = stats.get(BASELINE, stats.get(spec["arms"][0], {}))
+    flops_step = base.get("flops", math.nan) / max(spec["steps"], 1)
+    keys = spec["orders"] * spec["seeds"]
+    L = [f"# Small-scale benchmark: TST and Aurora on real text, paired over data orders and seeds "
+         f"({spec['mode']} mode)", ""]
+    if spec["mode"] == "quick":
+        L += ["**Quick mode checks the pipeline; its runs are far too short (and its val set too small) "
+              "to be evidence for or against any method. The full mode is the benchmark.**", ""]
+    return L + [
+        f"Made by `{spec['command']}` on {spec['date']}: {spec['machine']}. Trainer: `code/train_gpt.py` "
+        f"(snapshot of the repo's at the start, sha256 {spec['trainer_sha256']}..., not kept in git: every log "
+        "holds its source, `python records/verify.py LOG --extract DIR` writes it out).", "",
+        f"* Model: {MODEL['n_layer']} layers x {MODEL['model_dim']} wide ({MODEL['n_head']} heads), seq_len "
+        f"{MODEL['seq_len']}, vocab 50304 (GPT-2), {spec['batch_tokens']} positions/step, {spec['steps']} steps, "
+        f"{num(flops_step, '.3g')} FLOPs/step (every arm but the control); `--preset cpu_smoke` otherwise: lr "
+        "flat, then linear decay to 0 over the last 40% of steps, no warmup; float32, no compile.",
+        f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`mix`: "
+        f"{MODEL['seq_len']}-token chunks shuffled by the order's seed, `data/`), x {spec['seeds']} init seeds = "
+        f"{keys} runs per arm. Val loss on {spec['val_tokens']:,} tokens of `{spec['val_files']}` "
+        f"({'the whole val shard' if spec['val_tokens'] == spec['val_total'] - 1 else 'not the whole val shard'}).",
+        "* lr: block-matrix lr tuned per optimizer family by the sweep below (mix order 0, seed 0, no TST); "
+        "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke` preset's.",
+        *[f"* {c}, the equal-text control of {t}: plain Aurora with {eqtext_plan(spec, c)['bag_size']}x the "
+          f"batch for the first {eqtext_plan(spec, c)['switch']} steps, so it reads exactly {t}'s tokens at every "
+          "step, at that many times the FLOPs there." for c, t in EQTEXT.items() if c in spec["arms"]],
+        "* Comparisons are paired per (order, seed): mean difference, 95% t-interval, paired t-test p "
+        "(`scipy.stats.ttest_rel`); lower loss is better; *better*/*worse* only where the interval excludes 0, "
+        "else *no measurable difference*.", ""]
+
+
+def arm_table(spec, sweep, stats):
+    L = ["| arm | settings | final val loss (mean ± std, n) | train time | FLOPs | text tokens read | repeats data |",
+         "|---|---|---|---|---|---|---|"]
+    for arm in spec["arms"]:
+        s = stats.get(arm, {})
+        if not s.get("n"):
+            L.append(f"| {arm} | {settings_of(arm, sweep)} | no complete run ({s.get('n_runs', 0)} tried) | | | | |")
+            continue
+        rep = ("yes" if s["epochs"] > 1 else "no") + f" ({s['epochs']:.2f} epochs)"
+        L.append(f"| {arm} | {settings_of(arm, sweep)} | {s['mean']:.4f} ± {num(s['std'], '.4f')} (n={s['n']}) | "
+                 f"{s['train_time_ms'] / 1000:.0f} s | {s['flops']:.3g} | {s['raw_tokens']:,} | {rep} |")
+    return L + [""]
+
+
+def comparison_table(rows):
+    L = ["## Paired comparisons (a - b of the final val loss per data order and seed)", "",
+         "| a vs b | held equal | pairs | mean a - b | 95% interval | p | verdict |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        left = f" ({len(r['left_out'])} left out)" if r["left_out"] else ""
+        L.append(f"| {r['a']} vs {r['b']} | {r['what']} | {r['n']}{left} | {num(r['mean'], '+.4f')} | "
+                 f"[{num(r['ci'][0], '+.4f')}, {num(r['ci'][1], '+.4f')}] | {num(r['p'], '.3g')} | "
+                 f"{'**' + r['verdict'] + '**' if r['verdict'] in (sst.BETTER, sst.WORSE) else r['verdict']} |")
+    gone = [f"{r['a']} vs {r['b']} ({r['at']}): order {o} seed {s}: {why}" for r in rows for (o, s), why in r["left_out"]]
+    if gone:
+        L += ["", "Pairs left out (a run failed or is missing):", ""] + [f"* {g}" for g in gone]
+    return L + [""]
+
+
+def recency_lines(spec, rec):
+    arm = spec["recency_arm"]
+    L = [f"## Recency: {arm}, seed 0, over the data orders", "",
+         "Before: `docs` orders (whole documents shuffled, each read in one piece: the in-order stream with only "
+         "the document order changed). After: the benchmark's `mix` orders. Plot: `recency.png`.", "",
+         "| data orders | final val loss per order | mean | std | range |", "|---|---|---|---|---|"]
+    for kind in ("docs", "mix"):
+        r = rec[kind]
+        per = ", ".join(f"o{o}: {v:.4f}" for o, v in sorted(r["finals"].items())) or "no complete run"
+        sp = r["spread"]
+        L.append(f"| {kind} | {per} | {num(sp['mean'], '.4f')} | {num(sp['std'], '.4f')} | {num(sp['range'], '.4f')} |")
+    return L + [""]
+
+
+def detail_lines(spec, stats):
+    """Per-run final losses and the mean val curves."""
+    keys = [(o, s) for o in range(spec["orders"]) for s in range(spec["seeds"])]
+    L = ["## Final val loss per run", "", "| arm | " + " | ".join(f"o{o} s{s}" for o, s in keys) + " |",
+         "|---|" + "---|" * len(keys)]
+    for arm in spec["arms"]:
+        f = stats.get(arm, {}).get("finals", {})
+        L.append(f"| {arm} | " + " | ".join(num(f.get(f"o{o}s{s}"), ".4f") for o, s in keys) + " |")
+    curves = {a: dict(zip(stats[a]["curve"]["step"], stats[a]["curve"]["loss"]))
+              for a in spec["arms"] if stats.get(a, {}).get("curve")}
+    steps = sorted(set().union(*curves.values())) if curves else []
+    L += ["", "Mean val loss over each arm's runs at the val steps they all have:", "",
+          "| arm | " + " | ".join(str(t) for t in steps) + " |", "|---|" + "---|" * len(steps)]
+    for arm, c in curves.items():
+        L.append(f"| {arm} | " + " | ".join(num(c.get(t), ".3f") for t in steps) + " |")
+    return L + [""]
+
+
+def sweep_lines(spec, sweep):
+    L = ["## LR sweep (mix order 0, seed 0, no TST, final val loss; chosen = lowest)", "",
+         "| family | flag | lr | final val loss | train time | |", "|---|---|---|---|---|---|"]
+    for fam, sw in sweep.items():
+        for lr, loss, t, _ in sw["rows"]:
+            mark = "**chosen**" + (" (edge of grid)" if sw["edge"] else "") if lr == sw["chosen"] else ""
+            L.append(f"| {fam} | `{sw['flag']}` | {fmt_lr(lr)} | {num(loss, '.4f')} | "
+                     f"{'-' if t is None else f'{t / 1000:.0f} s'} | {mark} |")
+    reused = [FAMILIES[f][1] for f in sweep if FAMILIES[f][1] in spec["arms"]]
+    if reused:
+        L += ["", f"Order 0, seed 0 of {', '.join(reused)} is the sweep run at the chosen lr (same flags; its log, "
+                  "copied from `lr_sweep/`, keeps the sweep's run id)."]
+    return L + [""]
+
+
+def timing_lines(timing):
+    tr, inv = timing["runs"], timing["invocations"]
+    loads = [max(r["load_start"], r["load_end"]) for r in tr]
+    est = [r for r in tr if r.get("est_s")]
+    ratio = sum(r["wall_s"] for r in est) / sum(r["est_s"] for r in est) if est else math.nan
+    return ["## Timing (from `timing.json`, all invocations on this folder)", "",
+            f"* {len(tr)} trainer processes, {sum(r['wall_s'] for r in tr) / 60:.1f} min of trainer wall time "
+            f"(incl. start-up and val), {num(ratio, '.2f')} x the cost model's estimate; {len(inv)} invocation(s) "
+            f"of this script, {sum(i['wall_s'] for i in inv) / 60:.1f} min in all "
+            f"(the last: {inv[-1]['wall_s'] / 60:.1f} min).",
+            f"* 1-min load average at the start/end of the runs: median {num(np.median(loads) if loads else None, '.1f')}, "
+            f"max {num(max(loads, default=math.nan), '.1f')}; {sum(x > 2.5 for x in loads)} of {len(tr)} runs saw > "
+            "2.5 (other jobs on the 2 cores slow a run down: train times carry that noise, FLOPs do not).", ""]
+
+
+def report(spec, sweep, stats, rows, rec, corpus, timing, plots, compare_text):
+    """The markdown of results.md (printed too)."""
+    L = header_lines(spec, stats, corpus) + arm_table(spec, sweep, stats) + comparison_table(rows)
+    if spec["recency_arm"]:
+        L += recency_lines(spec, rec)
+    L += detail_lines(spec, stats) + sweep_lines(spec, sweep)
+    L += ["## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots] + [""]
+    L += timing_lines(timing)
+    if compare_text:
+        L += ["## `records/compare.py` on the arm folders", "", "```", compare_text.rstrip(), "```"]
+    return "\n".join(L) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and checks
+
+
+def trainer_module():
+    """The working tree's train_gpt, imported once (its config parser and FLOP count)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import train_gpt
+    return train_gpt
+
+
+def shard_tokens(pattern, flag):
+    """Tokens in the shards of a glob (relative to the repo root), each validated; SystemExit naming ``flag``."""
     import glob
-    tg = trainer_module()
     files = sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(REPO, pattern)))
     if not files:
         raise SystemExit(f"{flag} {pattern!r}: no shard found (relative to {REPO}); check the glob")
     try:
-        return sum(tg.read_shard_header(f) for f in files)
-    except tg.DataError as e:
+        return sum(shard_format.read_header(f) for f in files)
+    except shard_format.ShardError as e:
         raise SystemExit(f"{flag}: {e}") from None
 
 
-def trainer_module():
-    """The working tree's train_gpt, imported once (its config parser and shard check)."""
-    if "train_gpt" not in sys.modules:
-        sys.path.insert(0, REPO)
-    import train_gpt
-    return train_gpt
+def prepare_data(spec, write):
+    """Count the corpus and val tokens, fix ``val_tokens``, and name (``write``: also write) the data orders."""
+    spec["corpus"] = shard_tokens(spec["train_files"], "--train-files")
+    spec["val_total"] = shard_tokens(spec["val_files"], "--val-files")
+    if spec["val_tokens"] is None:
+        spec["val_tokens"] = spec["val_total"] - 1  # the whole shard: the last token is only a label
+    if not 1 <= spec["val_tokens"] <= spec["val_total"] - 1:
+        raise SystemExit(f"--val-tokens {spec['val_tokens']}: the val shards hold {spec['val_total']} tokens; "
+                         f"use 1 to {spec['val_total'] - 1} (the default is the whole shard)")
+    kinds = ["mix"] + (["docs"] if spec["recency_arm"] else [])
+    pattern = spec["train_files"] if os.path.isabs(spec["train_files"]) else os.path.join(REPO, spec["train_files"])
+    try:
+        spec["order_globs"] = small_scale_data.build_orders(pattern, os.path.join(spec["out"], "data"), kinds,
+                                                            spec["orders"], MODEL["seq_len"], write)
+    except small_scale_data.OrderError as e:
+        raise SystemExit(str(e)) from None
 
 
 def parse_list(text, flag, kind):
@@ -447,218 +984,24 @@ def parse_list(text, flag, kind):
 
 
 def check_commands(spec):
-    """Parse every planned trainer command with the trainer's own parser before anything runs.
+    """Parse every planned trainer command (every sweep lr) with the trainer's own parser before anything runs.
 
     A bad value (e.g. from ``--trainer-args``) stops here with the trainer's one-line message
-    instead of failing every run of a sweep one by one.
+    instead of failing every run one by one.
     """
     import io
     tg = trainer_module()
-    spec = dict(spec, trainer=os.path.join(REPO, "train_gpt.py"))
-    for arm in spec["arms"]:
-        fam, flags = ARMS[arm]
-        for lr in spec["sweep"][fam]:
-            argv = trainer_argv(spec, "/nonexistent", "check", 0, flags + [FAMILIES[fam][0], fmt_lr(lr)])
+    sweep, arms = planned_jobs(spec)
+    for job in sweep + arms:
+        for argv in job.argvs:
             err = io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):
                     tg.parse_config(argv[2:])
             except (tg.ConfigError, SystemExit) as e:
                 msg = str(e) if isinstance(e, tg.ConfigError) else err.getvalue().strip().splitlines()[-1]
-                raise SystemExit(f"arm {arm} (lr {fmt_lr(lr)}): the trainer rejects its command: {msg} "
+                raise SystemExit(f"run {job.run_id}: the trainer rejects its command: {msg} "
                                  "(set by this script's flags or --trainer-args)") from None
-
-
-def analyse(stats, corpus):
-    """Add deltas, verdicts, time/FLOPs-to-baseline ratios and data repetition to each arm's stats."""
-    base = stats.get(BASELINE, {})
-    variances = [s["std"] ** 2 for s in stats.values() if s.get("n", 0) > 1]
-    dofs = [s["n"] - 1 for s in stats.values() if s.get("n", 0) > 1]
-    pooled = math.sqrt(sum(v * d for v, d in zip(variances, dofs)) / sum(dofs)) if dofs else math.nan
-    noise = dict(pooled_std=pooled, dof=sum(dofs), max_std=max((math.sqrt(v) for v in variances), default=math.nan),
-                 threshold=2 * pooled)
-    target = base.get("mean")
-    for name, s in stats.items():
-        if not s.get("n"):
-            continue
-        for ref in (BASELINE, REFERENCE):
-            r = stats.get(ref, {})
-            if r.get("n") and name != ref:
-                d = s["mean"] - r["mean"]
-                word = ("no measurable difference" if not abs(d) >= noise["threshold"]
-                        else "better" if d < 0 else "worse")
-                s[f"delta_{ref}"] = (d, word)
-        if target is not None and base.get("n"):
-            c = s["curve"]
-            f_hit = crossing(c["flops"], c["loss"], target)
-            t_hit = crossing(c["time_ms"], c["loss"], target)
-            s["flops_to_base"] = None if f_hit is None else f_hit / base["curve"]["flops"][-1]
-            s["time_to_base"] = None if t_hit is None else t_hit / base["curve"]["time_ms"][-1]
-            s["seeds_reaching_base"] = sum(crossing(st, ls, target) is not None for st, ls in s["seed_curves"])
-        s["epochs"] = s["raw_tokens"] / corpus if corpus else math.nan
-    return noise
-
-
-# ----------------------------------------------------------------------------------------------
-# Report
-
-
-def fmt_ratio(x):
-    return "not reached" if x is None else f"{x:.2f}x"
-
-
-def fmt_delta(v):
-    if v is None:
-        return "-"
-    d, word = v
-    return f"{d:+.4f} ({'n.m.d.' if word.startswith('no') else word})"
-
-
-def report(spec, sweep, stats, noise, corpus, timing, plots, compare_text):
-    """The markdown of results.md (printed too)."""
-    base = stats.get(BASELINE, {})
-    shape = (f"{MODEL['n_layer']} layers x {MODEL['model_dim']} wide ({MODEL['n_head']} heads), seq_len "
-             f"{MODEL['seq_len']}, vocab 50304 (GPT-2), {spec['batch_tokens']} positions/step, {spec['steps']} steps")
-    L = [f"# Small-scale equal-FLOP benchmark: TST and Aurora on real text ({spec['mode']} mode)", ""]
-    if spec["mode"] == "quick":
-        L += ["**Quick mode checks the pipeline; its runs are far too short (and its val set too small) "
-              "to be evidence for or against any method. The full mode is the benchmark.**", ""]
-    L += [
-         f"Made by `{spec['command']}` on {spec['date']}: {spec['machine']}. Trainer: `code/train_gpt.py` "
-         f"(snapshot of the repo's at the start, sha256 {spec['trainer_sha256']}..., not kept in git: every "
-         "log holds its source, `python records/verify.py LOG --extract DIR` writes it out).", "",
-         f"* Model: {shape}; every arm the same steps and FLOPs per step "
-         f"({base.get('flops', math.nan) / max(spec['steps'], 1):.3g} FLOPs/step, "
-         f"{base.get('flops', math.nan):.3g} in all); `--preset cpu_smoke` otherwise: lr flat, then linear decay "
-         f"to 0 over the last 40% of steps, no warmup; float32, no compile.",
-         f"* Data: `{spec['train_files']}` ({corpus:,} train tokens), val loss on the first "
-         f"{spec['val_tokens']:,} tokens of `{spec['val_files']}`, every {spec['val_every']} steps.",
-         "* lr: block-matrix lr tuned per optimizer family by the sweep below (seed 0, no TST); "
-         "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke` preset's, "
-         "unchanged in every arm. TST arms use aurora's tuned `--matrix-lr`.",
-         f"* Noise: seed-to-seed std of the final val loss, pooled over arms: **{noise['pooled_std']:.4f}** "
-         f"({noise['dof']} dof; largest single-arm std {noise['max_std']:.4f}). A difference below "
-         f"2 x pooled std = {noise['threshold']:.4f} is called *no measurable difference* (n.m.d.).",
-         f"* \"to adamw loss\": FLOPs and train time (validation excluded) at which the arm's seed-mean val "
-         f"curve first reaches the adamw baseline's mean final val loss ({base.get('mean', math.nan):.4f}), as a "
-         f"ratio to the baseline's (linear interpolation between val points; < 1 = faster).", "",
-         "| arm | settings | final val loss (mean ± std, n) | Δ vs adamw | Δ vs aurora | FLOPs to adamw loss "
-         "| train time to adamw loss | train time (full run) | text tokens read | repeats data |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in spec["arms"]:
-        s = stats.get(name, {})
-        fam, flags = ARMS[name]
-        lr = sweep.get(fam)
-        settings = " ".join(flags).replace("--optimizer ", "").replace("--", "")
-        if lr:
-            settings += f" {lr['flag'][2:]} {fmt_lr(lr['chosen'])}"
-        if not s.get("n"):
-            L.append(f"| {name} | {settings} | no complete run ({s.get('n_runs', 0)} tried) | | | | | | | |")
-            continue
-        std = "n/a" if math.isnan(s["std"]) else f"{s['std']:.4f}"
-        rep = "yes ({:.2f} epochs)".format(s["epochs"]) if s["epochs"] > 1 else "no ({:.2f} epochs)".format(s["epochs"])
-        L.append(f"| {name} | {settings} | {s['mean']:.4f} ± {std} (n={s['n']}) | "
-                 f"{fmt_delta(s.get('delta_' + BASELINE)) if name != BASELINE else '—'} | "
-                 f"{fmt_delta(s.get('delta_' + REFERENCE)) if name != REFERENCE else '—'} | "
-                 f"{fmt_ratio(s.get('flops_to_base'))} ({s.get('seeds_reaching_base', 0)}/{s['n']} seeds) | "
-                 f"{fmt_ratio(s.get('time_to_base'))} | "
-                 f"{s['train_time_ms'] / 1000:.0f} s | {s['raw_tokens']:,} | {rep} |")
-    steps = next((stats[n]["curve"]["step"] for n in spec["arms"] if stats.get(n, {}).get("n")), [])
-    L += ["", "Seed-mean val loss at each val point (step):", "",
-          "| arm | " + " | ".join(str(x) for x in steps) + " |", "|---|" + "---|" * len(steps)]
-    for name in spec["arms"]:
-        c = stats.get(name, {}).get("curve")
-        if c and c["step"] == steps:
-            L.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in c["loss"]) + " |")
-    L += ["", "Per-seed final val losses: " + "; ".join(
-        f"{n}: " + ", ".join(f"{x:.4f}" for x in stats[n]["finals"]) for n in spec["arms"] if stats.get(n, {}).get("n")), ""]
-    L += ["## LR sweep (seed 0, no TST, final val loss; chosen = lowest)", "",
-          "| family | flag | lr | final val loss | train time | |", "|---|---|---|---|---|---|"]
-    for fam, sw in sweep.items():
-        for lr, loss, t, rid in sw["rows"]:
-            mark = "**chosen**" + (" (edge of grid)" if sw["edge"] else "") if lr == sw["chosen"] else ""
-            L.append(f"| {fam} | `{sw['flag']}` | {fmt_lr(lr)} | {'failed' if loss is None else f'{loss:.4f}'} | "
-                     f"{'-' if t is None else f'{t / 1000:.0f} s'} | {mark} |")
-    reused = [FAMILIES[f][1] for f in sweep if FAMILIES[f][1] in spec["arms"]]
-    if reused:
-        L += ["", f"Seed 0 of {', '.join(reused)} is the sweep run at the chosen lr (same flags; its log, "
-                  "copied from `lr_sweep/`, keeps the sweep's run id)."]
-    L += ["", "## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots]
-    tr, inv = timing["runs"], timing["invocations"]
-    loads = [max(r["load_start"], r["load_end"]) for r in tr]
-    L += ["", "## Timing (from `timing.json`, all invocations on this folder)", "",
-          f"* {len(tr)} runs trained, {sum(r['wall_s'] for r in tr) / 60:.1f} min of trainer wall time "
-          f"(incl. startup and val), mean {np.mean([r['wall_s'] for r in tr]) if tr else math.nan:.0f} s per run; "
-          f"{len(inv)} invocation(s) of this script, {sum(i['wall_s'] for i in inv) / 60:.1f} min in all "
-          f"(the last: {inv[-1]['wall_s'] / 60:.1f} min).",
-          f"* 1-min load average at the start/end of the runs: median {np.median(loads) if loads else math.nan:.1f}, "
-          f"max {max(loads, default=math.nan):.1f}; {sum(x > 2.5 for x in loads)} of {len(tr)} runs saw > 2.5 "
-          "(other jobs on the 2 cores slow a run down: train times, and so the train-time ratios, carry that "
-          "noise; the FLOPs ratios do not)."]
-    if compare_text:
-        L += ["", "## `records/compare.py` on the arm folders", "", "```", compare_text.rstrip(), "```"]
-    return "\n".join(L) + "\n"
-
-
-def own_plot(stats, arms, path, x, target):
-    """Fallback plot (matplotlib) of every arm's seed-mean val curve, when compare.py is unavailable."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    key, label = dict(flops=("flops", "training FLOPs"), time=("time_ms", "train time (ms)"))[x]
-    fig, ax = plt.subplots(figsize=(10, 6), dpi=110)
-    lo, hi = math.inf, -math.inf
-    for name in arms:
-        c = stats.get(name, {}).get("curve")
-        if c:
-            ax.plot(c[key], c["loss"], marker="o", ms=3, label=name)
-            lo, hi = min(lo, min(c["loss"])), max(hi, c["loss"][1] if len(c["loss"]) > 1 else c["loss"][0])
-    if target:
-        ax.axhline(target, color="black", ls="--", lw=1, label=f"adamw mean final {target:.4f}")
-    if math.isfinite(lo):
-        ax.set_ylim(lo - 0.05, hi + 0.05)
-    ax.set_xlabel(label)
-    ax.set_ylabel("val loss (seed mean)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def make_plots(out, arms, stats, target):
-    """val loss vs FLOPs and vs train time via records/compare.py (one arm folder = one group)."""
-    plots, compare_text = [], ""
-    folders = [os.path.join(out, a) for a in arms if stats.get(a, {}).get("n")]
-    tool = os.path.join(REPO, "records", "compare.py")
-    for x in ("flops", "time"):
-        path = os.path.join(out, f"val_loss_vs_{x}.png")
-        what = f"val loss vs {'training FLOPs' if x == 'flops' else 'train time'}, every run"
-        ok = False
-        if os.path.exists(tool) and folders:
-            cmd = [sys.executable, tool, *folders, "--plot", path, "--x", x]
-            if target is not None:
-                cmd += ["--target", f"{target:.4f}"]
-            try:
-                p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-                ok = p.returncode == 0 and os.path.exists(path)
-                if ok and x == "flops":
-                    compare_text = p.stdout
-                if not ok:
-                    print(f"compare.py failed (exit {p.returncode}): {p.stderr.strip()[-300:]}", flush=True)
-            except (OSError, subprocess.SubprocessError) as e:
-                print(f"compare.py failed: {e}", flush=True)
-        if ok:
-            what += " (records/compare.py; dashed line: adamw mean final loss)"
-        else:
-            own_plot(stats, arms, path, x, target)
-            what += " (seed means, drawn by small_scale.py: records/compare.py was unavailable or failed)"
-        plots.append((path, what))
-    return plots, compare_text
-
-
-# ----------------------------------------------------------------------------------------------
-# Main
 
 
 def machine_line():
@@ -680,20 +1023,25 @@ def machine_line():
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--quick", action="store_true", help="the <= 20 min subset (3 arms, short sweep, smaller runs)")
-    ap.add_argument("--seeds", type=int, default=None, help="seeds per arm (default: 2)")
+    ap.add_argument("--quick", action="store_true", help="the pipeline check (4 arms, 2 orders x 1 seed, tiny runs)")
+    ap.add_argument("--orders", type=int, default=None, help="data orders per arm (default: 3)")
+    ap.add_argument("--seeds", type=int, default=None, help="init seeds per arm and order (default: 2)")
     ap.add_argument("--arms", default=None, help=f"comma list of arms (default: the mode's); from {', '.join(ARMS)}")
+    ap.add_argument("--recency-arm", default=None,
+                    help="arm also trained on docs orders for the recency check, or 'none' (default: adamw)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the mode's)")
     ap.add_argument("--batch-tokens", type=int, default=None, help="latent positions per step (default: the mode's)")
-    ap.add_argument("--val-tokens", type=int, default=None, help="val tokens per eval (default: the mode's)")
+    ap.add_argument("--val-tokens", type=int, default=None,
+                    help="val tokens per eval (default: the whole val shard; quick: 8192)")
     ap.add_argument("--val-every", type=int, default=None, help="val every this many steps (default: the mode's)")
     ap.add_argument("--adamw-lrs", default=None, help="comma list: the adamw sweep grid of --adamw-lr")
     ap.add_argument("--muon-lrs", default=None, help="comma list: the muon sweep grid of --matrix-lr")
     ap.add_argument("--aurora-lrs", default=None, help="comma list: the aurora sweep grid of --matrix-lr")
     ap.add_argument("--sweep-extend", type=int, default=None,
                     help="extend the grid by a factor 2 past an edge optimum at most this many times")
-    ap.add_argument("--train-files", default="../shared/data/realtext/*_train_*.bin", help="train shards (glob)")
-    ap.add_argument("--val-files", default="../shared/data/realtext/*_val_*.bin", help="val shards (glob)")
+    ap.add_argument("--train-files", default=os.path.join(SAMPLE, "*_train_*.bin"),
+                    help="the corpus: train shards (glob) that the data orders are made from")
+    ap.add_argument("--val-files", default=os.path.join(SAMPLE, "*_val_*.bin"), help="val shards (glob)")
     ap.add_argument("--out", default=None, help="output folder (default: records/cpu/<today>_small_scale, "
                                                 "quick: bench/out/small_scale_quick); reuse it to resume")
     ap.add_argument("--trainer-args", default="", help="extra flags appended to every trainer command (quoted)")
@@ -705,111 +1053,146 @@ def parse_args(argv=None):
                     help="trainer processes at a time (each on --threads threads); 2 x 1 thread keeps both cores "
                          "of an otherwise idle 2-core machine busy. Timings of concurrent runs include their "
                          "contention for memory bandwidth, the same for every arm")
-    ap.add_argument("--dry-run", action="store_true", help="print the run plan and the commands, train nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, train nothing")
     ap.add_argument("--verbose", action="store_true", help="print every trainer command line")
     return ap.parse_args(argv)
+
+
+def build_spec(args, argv):
+    """The run specification from the mode and the flags; every flag checked (SystemExit, one message)."""
+    mode = "quick" if args.quick else "full"
+    spec = dict(MODES[mode], mode=mode, sweep=dict(MODES[mode]["sweep"]))
+    for k in ("orders", "seeds", "steps", "batch_tokens", "val_tokens", "val_every", "sweep_extend", "recency_arm"):
+        if getattr(args, k) is not None:
+            spec[k] = getattr(args, k)
+    spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
+    spec["recency_arm"] = None if spec["recency_arm"] == "none" else spec["recency_arm"]
+    bad = [a for a in spec["arms"] + [spec["recency_arm"] or "adamw"] if a not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms/--recency-arm: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    for fam in FAMILIES:
+        given = getattr(args, f"{fam}_lrs")
+        if given is not None:
+            spec["sweep"][fam] = parse_list(given, f"--{fam}-lrs", float)
+        elif fam not in spec["sweep"]:
+            spec["sweep"][fam] = MODES["full"]["sweep"][fam]
+    for flag, key, low in (("--orders", "orders", 1), ("--seeds", "seeds", 1), ("--steps", "steps", 1),
+                           ("--batch-tokens", "batch_tokens", 1), ("--val-every", "val_every", 1),
+                           ("--sweep-extend", "sweep_extend", 0)):
+        if spec[key] < low:
+            raise SystemExit(f"{flag} must be >= {low} (got {spec[key]})")
+    if spec["val_tokens"] is not None and spec["val_tokens"] < 1:
+        raise SystemExit(f"--val-tokens must be >= 1 (got {spec['val_tokens']}); leave it out for the whole val shard")
+    if args.jobs < 1 or args.threads < 0:
+        raise SystemExit(f"--jobs must be >= 1 and --threads >= 0 (got --jobs {args.jobs}, --threads {args.threads})")
+    check_batch(spec["batch_tokens"], "")
+    try:
+        spec["trainer_args"] = shlex.split(args.trainer_args)
+    except ValueError as e:
+        raise SystemExit(f"--trainer-args {args.trainer_args!r}: {e}; quote it as one shell word") from None
+    date = datetime.date.today().isoformat()
+    out = args.out or spec["out"].format(date=date)
+    out = out if os.path.isabs(out) else os.path.join(REPO, out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out {out}: exists and is not a folder; name a folder")
+    spec.update(out=out, train_files=args.train_files, val_files=args.val_files, date=date,
+                trainer=os.path.join(REPO, "train_gpt.py"),
+                machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
+                + (f", {args.jobs} runs at a time" if args.jobs > 1 else ""),
+                command="python bench/small_scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
+    for arm in [a for a in spec["arms"] if a in EQTEXT]:
+        eq = eqtext_plan(spec, arm)  # --steps that leave no val point at equal FLOPs stop here
+        check_batch(eq["big_batch"], f" ({arm} trains {eq['bag_size']} x that in its first {eq['switch']} steps)")
+    return spec
+
+
+def check_batch(batch_tokens, why):
+    """A batch the trainer can split: whole sequences, one micro-batch up to 16 sequences, else multiples of 16."""
+    seqs = batch_tokens // MODEL["seq_len"]
+    if batch_tokens % MODEL["seq_len"] or (seqs > 16 and seqs % 16):
+        raise SystemExit(f"--batch-tokens: {batch_tokens}{why} must be a multiple of seq_len {MODEL['seq_len']} "
+                         f"(and of 16 x {MODEL['seq_len']} above 16 sequences)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def analyse_and_report(spec, sweep, results, timing_of):
+    """Statistics, plots, results.md and results.json of a finished (or partly failed) benchmark."""
+    out = spec["out"]
+    stats = {arm: arm_stats(results, arm, spec["corpus"]) for arm in spec["arms"]}
+    rows = comparisons(spec, results)
+    rec = recency(spec, results) if spec["recency_arm"] else {}
+    if rec:
+        recency_plot(rec, spec["recency_arm"], os.path.join(out, "recency.png"))
+    target = stats.get(BASELINE, {}).get("mean")
+    target = target if target is not None and math.isfinite(target) else None
+    plots, compare_text = make_plots(out, spec["arms"], stats, target)
+    if rec:
+        plots.append((os.path.join(out, "recency.png"), f"val curves of {spec['recency_arm']} (seed 0) over the "
+                                                        "data orders: docs orders vs mix orders"))
+    timing = timing_of()
+    md = report(spec, sweep, stats, rows, rec, spec["corpus"], timing, plots, compare_text)
+    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(md)
+    for r in rows:
+        r.update(keys=[list(k) for k in r["keys"]], diffs=r["diffs"].tolist(),
+                 excluded=[[list(k), why] for k, why in r["excluded"]], left_out=[[list(k), why] for k, why in r["left_out"]])
+    for kind in rec.values():
+        kind["curves"] = {str(o): c for o, c in kind["curves"].items()}
+        kind["finals"] = {str(o): v for o, v in kind["finals"].items()}
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(dict(spec={k: v for k, v in spec.items() if k != "order_globs"}, model=MODEL, sweep=sweep,
+                       arms=stats, comparisons=rows, recency=rec, timing=timing), f, indent=1, default=str)
+    return md
 
 
 def main(argv=None):
     t_start = time.time()
     args = parse_args(argv)
-    mode = "quick" if args.quick else "full"
-    spec = dict(MODES[mode], mode=mode)
-    date = datetime.date.today().isoformat()
-    for k in ("seeds", "steps", "batch_tokens", "val_tokens", "val_every", "sweep_extend"):
-        if getattr(args, k) is not None:
-            spec[k] = getattr(args, k)
-    spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
-    bad = [a for a in spec["arms"] if a not in ARMS]
-    if bad:
-        raise SystemExit(f"--arms: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
-    spec["sweep"] = dict(spec["sweep"])
-    for fam in FAMILIES:
-        given = getattr(args, f"{fam}_lrs")
-        if given is not None:
-            spec["sweep"][fam] = parse_list(given, f"--{fam}-lrs", float)
-        elif fam not in spec["sweep"] and any(ARMS[a][0] == fam for a in spec["arms"]):
-            spec["sweep"][fam] = MODES["full"]["sweep"][fam]
-    for flag, key, low in (("--seeds", "seeds", 1), ("--steps", "steps", 1), ("--batch-tokens", "batch_tokens", 1),
-                           ("--val-tokens", "val_tokens", 1), ("--val-every", "val_every", 1),
-                           ("--sweep-extend", "sweep_extend", 0)):
-        if spec[key] < low:
-            raise SystemExit(f"{flag} must be >= {low} (got {spec[key]})")
-    if args.jobs < 1 or args.threads < 0:
-        raise SystemExit(f"--jobs must be >= 1 and --threads >= 0 (got --jobs {args.jobs}, --threads {args.threads})")
-    seqs = spec["batch_tokens"] // MODEL["seq_len"]
-    if spec["batch_tokens"] % MODEL["seq_len"] or (seqs > 16 and seqs % 16):
-        raise SystemExit(f"--batch-tokens must be a multiple of seq_len {MODEL['seq_len']} "
-                         f"(and of 16 x {MODEL['seq_len']} above 16 sequences)")
-    try:
-        trainer_args = shlex.split(args.trainer_args)
-    except ValueError as e:
-        raise SystemExit(f"--trainer-args {args.trainer_args!r}: {e}; quote it as one shell word") from None
-    spec.update(train_files=args.train_files, val_files=args.val_files, date=date,
-                machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
-                + (f", {args.jobs} runs at a time" if args.jobs > 1 else ""),
-                trainer_args=trainer_args,
-                command="python bench/small_scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
-    out = args.out or spec["out"].format(date=date)
-    out = out if os.path.isabs(out) else os.path.join(REPO, out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out {out}: exists and is not a folder; name a folder")
-    corpus = corpus_tokens(spec["train_files"], "--train-files")
-    corpus_tokens(spec["val_files"], "--val-files")
+    spec = build_spec(args, argv)
+    prepare_data(spec, write=False)  # names the data orders; creates nothing yet
     check_commands(spec)
-    n_sweep = sum(len(v) for f, v in spec["sweep"].items() if any(ARMS[a][0] == f for a in spec["arms"]))
-    n_arm = len(spec["arms"]) * spec["seeds"] - sum(1 for f in spec["sweep"] if FAMILIES[f][1] in spec["arms"])
-    print(f"small_scale ({mode}): {len(spec['arms'])} arms x {spec['seeds']} seeds, {spec['steps']} steps x "
-          f"{spec['batch_tokens']} positions; {n_sweep} sweep runs + {n_arm} arm runs (+ sweep extensions); "
-          f"output {out}", flush=True)
+    print(f"small_scale ({spec['mode']}): {len(spec['arms'])} arms x {spec['orders']} data orders x {spec['seeds']} "
+          f"seeds, {spec['steps']} steps x {spec['batch_tokens']} positions, val on {spec['val_tokens']:,} tokens; "
+          f"output {spec['out']}", flush=True)
+    print_plan(spec, args.jobs)
     if args.dry_run:  # creates nothing: a later real run must snapshot the code of its own time
-        spec["trainer"] = os.path.join(REPO, "train_gpt.py")
-        for a in spec["arms"]:
-            print(shlex.join(trainer_argv(spec, os.path.join(out, a), f"{a}_seed0", 0, ARMS[a][1] + ["<lr>"])))
+        for job in arm_jobs(spec, {f: [FAMILIES[f][0], "<lr>"] for f in families(spec)}):
+            if job.key[2:] == (0, 0):
+                print("\n".join(shlex.join(a) for a in job.argvs))
         return 0
     try:
-        os.makedirs(out, exist_ok=True)
+        os.makedirs(spec["out"], exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"--out {out}: cannot create it ({e.strerror}); name a writable folder") from None
-    spec["trainer"], spec["trainer_sha256"] = snapshot_trainer(out)
-    ledger = dict(verbose=args.verbose, threads=args.threads, out=out, jobs=args.jobs, lock=threading.Lock())
+        raise SystemExit(f"--out {spec['out']}: cannot create it ({e.strerror}); name a writable folder") from None
+    spec["trainer"], spec["trainer_sha256"] = snapshot_trainer(spec["out"])
+    try:
+        prepare_data(spec, write=True)
+    except OSError as e:
+        raise SystemExit(f"--out {spec['out']}: cannot write the data orders there ({e.strerror}); "
+                         "free some space or name another folder") from None
+    ledger = dict(verbose=args.verbose, threads=args.threads, out=spec["out"], jobs=args.jobs, lock=threading.Lock())
 
-    sweep = lr_sweep(spec, out, ledger)
-    jobs, owner = [], []
-    for name in spec["arms"]:
-        fam, flags = ARMS[name]
-        lr = sweep[fam]
-        print(f"arm {name}: {' '.join(flags)} {lr['flag']} {fmt_lr(lr['chosen'])}", flush=True)
-        arm_dir = os.path.join(out, name)
-        for seed in range(spec["seeds"]):
-            rid = f"{name}_seed{seed}"
-            argv_ = trainer_argv(spec, arm_dir, rid, seed, flags + [lr["flag"], fmt_lr(lr["chosen"])])
-            if seed == 0 and FAMILIES[fam][1] == name and not is_done(arm_dir, rid, argv_):
-                src = next(r[3] for r in lr["rows"] if r[0] == lr["chosen"])
-                copy_run(os.path.join(out, "lr_sweep"), src, arm_dir, rid)
-                print(f"  {rid}: = lr_sweep/{src} (same flags), copied", flush=True)
-            jobs.append((argv_, arm_dir, rid))
-            owner.append(name)
-    runs = {name: [] for name in spec["arms"]}
-    for name, summary in zip(owner, run_all(jobs, ledger)):
-        runs[name].append(summary)
+    sweep = lr_sweep(spec, ledger)
+    jobs = arm_jobs(spec, {fam: [sw["flag"], fmt_lr(sw["chosen"])] for fam, sw in sweep.items()})
+    for job in jobs:
+        if is_reused(spec, job) and not is_done(job):
+            fam = ARMS[job.key[0]][0]
+            copy_run(sweep_job(spec, fam, sweep[fam]["chosen"]), job)
+            print(f"  {job.run_id}: = lr_sweep/{fam}_lr{fmt_lr(sweep[fam]['chosen'])}_seed0 (same flags), copied",
+                  flush=True)
+    results = {job.key: s for job, s in zip(jobs, run_all(jobs, ledger))}
 
-    stats = {name: arm_stats(rs) for name, rs in runs.items()}
-    noise = analyse(stats, corpus)
-    target = stats.get(BASELINE, {}).get("mean")
-    plots, compare_text = make_plots(out, spec["arms"], stats, target)
-    timing = record_timing(ledger, dict(invocation=dict(
-        started=datetime.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
-        wall_s=round(time.time() - t_start, 1), command=spec["command"])))
-    md = report(spec, sweep, stats, noise, corpus, timing, plots, compare_text)
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
-        f.write(md)
-    strip = lambda s: {k: v for k, v in s.items() if k not in ("argv",)}
-    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(dict(spec=spec, model=MODEL, corpus_tokens=corpus, noise=noise, sweep=sweep,
-                       arms={k: strip(v) for k, v in stats.items()}, timing=timing), f, indent=1, default=str)
+    def timing_of():
+        return record_timing(ledger, dict(invocation=dict(
+            started=datetime.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
+            wall_s=round(time.time() - t_start, 1), command=spec["command"])))
+    md = analyse_and_report(spec, sweep, results, timing_of)
     print("\n" + md)
-    print(f"results: {os.path.join(out, 'results.md')}; this invocation {(time.time() - t_start) / 60:.1f} min", flush=True)
+    print(f"results: {os.path.join(spec['out'], 'results.md')}; this invocation {(time.time() - t_start) / 60:.1f} min",
+          flush=True)
     return 0
 
 
