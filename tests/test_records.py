@@ -1,8 +1,10 @@
-"""records/compare.py and records/verify.py on real logs: ours (made here) and modded-nanogpt's.
+"""records/compare.py and records/verify.py on real logs of ours and on modded-nanogpt-shaped logs.
 
-One short real run (cpu_smoke, 6 steps) is made once per session from a copy of the trainer
-taken at the start, so that edits to the working tree during the session cannot make the
-snapshot and the "working tree" disagree; verify compares against that copy (``--repo``).
+One short real run (cpu_smoke, 6 steps, on the repository's data/sample shards) is made once per
+session from a copy of the trainer taken at the start, so that edits to the working tree during
+the session cannot make the snapshot and the "working tree" disagree; verify compares against
+that copy (``--repo``). The modded-nanogpt-shaped logs are written here (``peer_logs``): invented
+names, code and values in the shape of that repository's record logs.
 """
 import glob
 import hashlib
@@ -14,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
@@ -21,21 +24,18 @@ from scipy import stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join(REPO, "records")
-PEER = os.path.join(REPO, "..", "shared", "peer_logs")
-DATA = "../shared/data/realtext"  # relative to the repo root, where runs are launched
+DATA = "data/sample"  # relative to the repo root, where runs are launched
 sys.path.insert(0, RECORDS)
 
 import compare  # noqa: E402
+import train_gpt  # noqa: E402
 import verify  # noqa: E402
-
-ENV = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000")
-UNET = "2024-12-08_UNetValueEmbedsTweaks__2024-12-08_UNetValueEmbedsTweaks"
 
 
 def run_tool(script, *args):
     """Run records/<script> as a user would (from the repo root); returns the CompletedProcess."""
     return subprocess.run([sys.executable, os.path.join(RECORDS, script), *map(str, args)],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +44,13 @@ def fresh(tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
     tree = root / "tree"
     tree.mkdir()
-    for name in ("train_gpt.py", "aurora_opt.py"):
+    for name in train_gpt.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
            "--num-iterations", "6", "--val-every", "3", "--val-tokens", "2048",
            "--device", "cpu", "--no-compile", "--log-dir", str(root / "logs"), "--run-id", "fresh"]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(root / "logs" / "fresh.json") as f:
         summary = json.load(f)
@@ -71,7 +71,7 @@ def after_snapshot(text):
     """Our log's lines from the first environment line on, found without compare.py's parser."""
     lines = text.split("\n")
     for i, ln in enumerate(lines):
-        if ln.startswith("python: ") and lines[i - 1] == "=" * 100:
+        if ln.startswith("python: ") and lines[i - 1] == compare.SEPARATOR:
             return lines[i:]
     raise AssertionError("no environment line after a separator")
 
@@ -164,7 +164,7 @@ def test_modded_log_with_code_above_separator(tmp_path):
              "step:10/20 train_loss:4.0000 train_time:900ms step_avg:90.00ms\n",
              "step:20/20 val_loss:3.2750 train_time:1800ms step_avg:90.00ms\n",
              "peak memory allocated: 100 MiB reserved: 120 MiB\n"]
-    write_text(tmp_path / "m.txt", "".join(code + ["=" * 100 + "\n", "Running pytorch\n"] + steps))
+    write_text(tmp_path / "m.txt", "".join(code + [compare.SEPARATOR + "\n", "Running pytorch\n"] + steps))
     run = compare.parse_log(str(tmp_path / "m.txt"))
     assert run.fmt == "modded" and run.complete
     assert [p["step"] for p in run.val] == [0, 20] and run.final["val_loss"] == 3.2750
@@ -172,62 +172,128 @@ def test_modded_log_with_code_above_separator(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# modded-nanogpt's real logs
+# Logs of the modded-nanogpt shape, written here: invented names, code and values
+
+# A made-up training script as such logs carry it above the separator, with a line inside
+# that looks like a step line (the parser must not read it).
+MODDED_CODE = '''import os
+import time
+
+import torch
+
+
+def report(step, total, loss, elapsed_ms):
+    """Print one progress line, e.g.
+step:3/3 val_loss:1.2345 train_time:30ms step_avg:10.00ms
+    """
+    avg = elapsed_ms / max(step, 1)
+    print(f"step:{step}/{total} val_loss:{loss:.4f} train_time:{elapsed_ms:.0f}ms step_avg:{avg:.2f}ms")
+'''
+# group (the file-name part before the last "__"): runs, steps N, val every M steps, mean final val loss
+PEER_GROUPS = {
+    "2025-02-10_FastRun__2025-02-10_FastRun": (12, 600, 125, 3.2755),  # clearly below 3.28
+    "2025-03-21_OneRun__2025-03-21_OneRun": (1, 800, 200, 3.2790),
+    "2025-04-02_Tweak__2025-04-02_Tweak": (3, 500, 100, 3.2800),
+}
+FAST, ONE, TWEAK = PEER_GROUPS
+
+
+def modded_run_text(rng, n, every, final):
+    """One run's log: code, separator, environment, step lines (train every step, val every
+    ``every`` and at ``n``), peak memory. ``final`` is the last val loss (4 decimals)."""
+    step_ms = rng.uniform(55.0, 65.0)
+    elapsed = np.concatenate([[0.0], np.cumsum(rng.normal(step_ms, 2.0, n).clip(min=1.0))])  # ms after step k
+    lines = [MODDED_CODE, compare.SEPARATOR, "env: python 3.12.3 torch 2.6.0 world_size 8",
+             f"step:0/{n} val_loss:{rng.normal(10.83, 0.002):.4f} train_time:0ms step_avg:nanms"]
+    for k in range(1, n + 1):
+        ms = int(elapsed[k])
+        curve = final + (10.83 - final) * (1 - k / n) ** 3  # falls from ~10.8 to the final value
+        lines.append(f"step:{k}/{n} train_loss:{curve + rng.normal(0, 0.05):.4f} train_time:{ms}ms "
+                     f"step_avg:{ms / k:.2f}ms")
+        if k == n:
+            lines.append(f"step:{k}/{n} val_loss:{final:.4f} train_time:{ms}ms step_avg:{ms / k:.2f}ms")
+        elif k % every == 0:
+            lines.append(f"step:{k}/{n} val_loss:{curve + rng.normal(0, 0.003):.4f} train_time:{ms}ms "
+                         f"step_avg:{ms / k:.2f}ms")
+    lines.append(f"peak memory allocated: {int(rng.integers(20000, 30000))} MiB "
+                 f"reserved: {int(rng.integers(30000, 40000))} MiB")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def peer_logs(tmp_path_factory):
+    """A folder of modded-nanogpt-shaped logs named ``<date>_<Name>__<date>_<Name>__<uuid>.txt``
+    (``PEER_GROUPS``); returns dict(dir=folder, files={group: sorted paths})."""
+    folder = tmp_path_factory.mktemp("peer_logs")
+    rng = np.random.default_rng(20250210)
+    files = {}
+    for group, (runs, n, every, mean) in PEER_GROUPS.items():
+        for final in np.round(rng.normal(mean, 0.0012, runs), 4):
+            path = folder / f"{group}__{uuid.UUID(bytes=rng.bytes(16), version=4)}.txt"
+            write_text(path, modded_run_text(rng, n, every, float(final)))
+            files.setdefault(group, []).append(str(path))
+    return dict(dir=str(folder), files={g: sorted(f) for g, f in files.items()})
 
 
 def grep_final(path):
-    """Final val loss and train time of a peer log by a plain reading: its last 'val_loss:' line."""
+    """(step, N, val loss, train time ms) of a log's final val line by a plain reading: the last
+    line with 'val_loss:' in it."""
     with open(path) as f:
         last = [ln for ln in f if "val_loss:" in ln][-1]
     m = re.match(r"step:(\d+)/(\d+) val_loss:([\d.]+) train_time:(\d+)ms", last)
     return int(m[1]), int(m[2]), float(m[3]), int(m[4])
 
 
-def test_peer_logs_grouped_by_prefix():
-    runs = compare.collect([PEER], group_by="prefix")
+def test_peer_logs_grouped_by_prefix(peer_logs):
+    runs = compare.collect([peer_logs["dir"]], group_by="prefix")
     rows = {r["group"]: r for r in compare.group_stats(runs)}
-    assert {g: r["runs"] for g, r in rows.items()} == {
-        "2024-11-03_UntieEmbed__2024-11-03_UntieEmbed": 1, UNET: 12,
-        "2026-07-13_PrefixTokenPrediction__baseline-1375": 10,
-        "2026-07-13_PrefixTokenPrediction__baseline-1390-8x": 2}
+    assert {g: r["runs"] for g, r in rows.items()} == {FAST: 12, ONE: 1, TWEAK: 3}
     assert all(not r["incomplete"] for r in rows.values())
 
-    files = sorted(glob.glob(os.path.join(PEER, UNET + "__*.txt")))
-    assert len(files) == 12
-    expected = {os.path.basename(f)[:-4]: grep_final(f) for f in files}
-    for r in runs:
-        if r.group == UNET:
+    for group, (_, n, every, _) in PEER_GROUPS.items():
+        expected = {os.path.basename(f)[:-4]: grep_final(f) for f in peer_logs["files"][group]}
+        mine = [r for r in runs if r.group == group]
+        assert sorted(r.name for r in mine) == sorted(expected)
+        for r in mine:
             step, total, loss, ms = expected[r.name]
             assert (r.final["step"], r.total_steps, r.final["val_loss"], r.final["train_time_ms"]) == \
-                (step, total, loss, ms) and step == total == 1480
-    losses = [v[2] for v in expected.values()]
-    row = rows[UNET]
-    assert row["steps"] == 1480
-    assert row["mean_val_loss"] == pytest.approx(np.mean(losses), abs=1e-12)
-    assert row["std_val_loss"] == pytest.approx(np.std(losses, ddof=1), rel=1e-9)
-    assert row["mean_train_time_ms"] == pytest.approx(np.mean([v[3] for v in expected.values()]))
-    assert row["p_value"] < 0.01 and row["tokens"] is None and row["flops"] is None
-    untie = rows["2024-11-03_UntieEmbed__2024-11-03_UntieEmbed"]
-    assert (untie["mean_val_loss"], untie["mean_train_time_ms"], untie["steps"]) == (3.2762, 648063, 4578)
+                (step, total, loss, ms) and step == total == n
+            assert [p["step"] for p in r.val] == sorted({*range(0, n, every), n}) and len(r.train) == n
+        losses = [v[2] for v in expected.values()]
+        row = rows[group]
+        assert row["steps"] == n and row["tokens"] is None and row["flops"] is None
+        assert row["mean_val_loss"] == pytest.approx(np.mean(losses), abs=1e-12)
+        assert row["mean_train_time_ms"] == pytest.approx(np.mean([v[3] for v in expected.values()]))
+        if len(losses) > 1:
+            assert row["std_val_loss"] == pytest.approx(np.std(losses, ddof=1), rel=1e-9)
+            assert row["p_value"] == pytest.approx(stats.ttest_1samp(losses, 3.28, alternative="less").pvalue,
+                                                   rel=1e-9)
+    assert rows[FAST]["p_value"] < 0.01 and rows[TWEAK]["p_value"] > 0.01
+    one = rows[ONE]
+    assert math.isnan(one["p_value"]) and math.isnan(one["std_val_loss"])
+    _, _, loss, ms = grep_final(peer_logs["files"][ONE][0])
+    assert (one["mean_val_loss"], one["mean_train_time_ms"], one["steps"]) == (loss, ms, 800)
 
 
-def test_truncated_peer_log_is_incomplete(tmp_path):
-    src = sorted(glob.glob(os.path.join(PEER, UNET + "__*.txt")))[:2]
+def test_truncated_peer_log_is_incomplete(peer_logs, tmp_path):
+    src = peer_logs["files"][FAST][:2]
+    _, n, every, _ = PEER_GROUPS[FAST]
     shutil.copyfile(src[0], tmp_path / os.path.basename(src[0]))
     with open(src[1]) as f:
         lines = f.readlines()
     last_val = max(i for i, ln in enumerate(lines) if "val_loss:" in ln)
     (tmp_path / os.path.basename(src[1])).write_text("".join(lines[:last_val - 3]))
     [row] = compare.group_stats(compare.collect([str(tmp_path)]))
+    before_last = (n - 1) // every * every  # the val line before the final one: step 500 of 600
     assert row["runs"] == 1 and len(row["incomplete"]) == 1
-    assert "step 1375 of 1480" in row["incomplete"][0]  # the val line before the last one
+    assert f"step {before_last} of {n}" in row["incomplete"][0]
     assert row["mean_val_loss"] == grep_final(src[0])[2]
     # cut in the middle of the final val line's number: that partial line must not count
     text = "".join(lines)
-    partial = text[:text.index("step:1480/1480 val_loss:") + len("step:1480/1480 val_loss:3.2")]
+    partial = text[:text.index(f"step:{n}/{n} val_loss:") + len(f"step:{n}/{n} val_loss:3.2")]
     (tmp_path / "partial.txt").write_text(partial)
     run = compare.parse_log(str(tmp_path / "partial.txt"))
-    assert not run.complete and run.final["step"] == 1375
+    assert not run.complete and run.final["step"] == before_last and run.train[-1]["step"] == n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,19 +420,20 @@ def test_unreadable_entries_are_listed_and_the_rest_compared(tmp_path, monkeypat
     assert runs["r1"].reason == "unreadable: Permission denied" and runs["r0"].complete
 
 
-def test_json_output_keys_and_values():
-    proc = run_tool("compare.py", "--json", "--group-by", "prefix", PEER)
+def test_json_output_keys_and_values(peer_logs):
+    proc = run_tool("compare.py", "--json", "--group-by", "prefix", peer_logs["dir"])
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     for key in ("group", "runs", "mean_val_loss", "std_val_loss", "p_value", "mean_train_time_ms", "steps",
                 "incomplete", "tokens", "flops"):
         assert all(key in r for r in rows), key
     by = {r["group"]: r for r in rows}
-    assert by[UNET]["runs"] == 12 and by[UNET]["steps"] == 1480
-    assert by["2024-11-03_UntieEmbed__2024-11-03_UntieEmbed"]["p_value"] is None  # nan -> null
+    assert by[FAST]["runs"] == 12 and by[FAST]["steps"] == PEER_GROUPS[FAST][1]
+    assert by[FAST]["mean_val_loss"] == pytest.approx(np.mean([grep_final(f)[2] for f in peer_logs["files"][FAST]]))
+    assert by[ONE]["p_value"] is None and by[ONE]["std_val_loss"] is None  # nan -> null
     # the table holds the same numbers
-    table = run_tool("compare.py", "--group-by", "prefix", PEER).stdout
-    assert f"{by[UNET]['mean_val_loss']:.4f}" in table and UNET in table
+    table = run_tool("compare.py", "--group-by", "prefix", peer_logs["dir"]).stdout
+    assert re.search(rf"^{FAST}\s+12\s+.*{by[FAST]['mean_val_loss']:.4f}", table, re.M), table
 
 
 def test_folder_and_file_grouping(fresh, tmp_path):
@@ -382,17 +449,20 @@ def test_folder_and_file_grouping(fresh, tmp_path):
 # plot
 
 
-def test_plot_writes_a_png(fresh, tmp_path):
+def test_plot_writes_a_png(fresh, peer_logs, tmp_path):
     out = tmp_path / "curves.png"
-    proc = run_tool("compare.py", "--group-by", "prefix", "--plot", out, PEER, fresh["log"])
+    proc = run_tool("compare.py", "--group-by", "prefix", "--plot", out, peer_logs["dir"], fresh["log"])
     assert proc.returncode == 0, proc.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
-    # by tokens: the modded-nanogpt runs have none and are skipped with a note, ours is drawn
+    # by tokens: the modded-nanogpt-shaped runs have none and are skipped with a note, ours is drawn
     out2 = tmp_path / "tokens.png"
-    proc = run_tool("compare.py", "--group-by", "prefix", "--plot", out2, "--x", "tokens", PEER, fresh["log"])
+    proc = run_tool("compare.py", "--group-by", "prefix", "--plot", out2, "--x", "tokens", peer_logs["dir"],
+                    fresh["log"])
     assert proc.returncode == 0 and out2.stat().st_size > 20_000
-    assert proc.stderr.count("plot: skipped") == 25 and "skipped fresh" not in proc.stderr
+    n_peer = sum(len(f) for f in peer_logs["files"].values())
+    assert proc.stderr.count("plot: skipped") == n_peer == 16 and "skipped fresh" not in proc.stderr
+    assert proc.stderr.count("its val lines have no tokens values") == n_peer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,7 +508,7 @@ def test_verify_extract_is_byte_identical(fresh, tmp_path):
     out = tmp_path / "extracted"
     proc = run_tool("verify.py", fresh["log"], "--extract", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("train_gpt.py", "aurora_opt.py"):
+    for name in train_gpt.SOURCE_FILES:
         got, want = (out / name).read_bytes(), open(os.path.join(fresh["tree"], name), "rb").read()
         assert got == want, name
         header = [ln for ln in read_text(fresh["log"]).splitlines() if ln.startswith(f"### file {name} ")][0]
@@ -450,7 +520,7 @@ def test_verify_extract_undoes_the_newline_added_to_a_file_without_one():
     a, b = "x = 1\ny = 2", "print('hi')\n"
     log = [f"### file train_gpt.py lines=2 sha256={hashlib.sha256(a.encode()).hexdigest()}\n", "x = 1\n", "y = 2\n",
            f"### file aurora_opt.py lines=1 sha256={hashlib.sha256(b.encode()).hexdigest()}\n", b,
-           "=" * 100 + "\n", "python: 3\n"]
+           compare.SEPARATOR + "\n", "python: 3\n"]
     sources, problems, rest = verify.extract(log)
     assert sources == {"train_gpt.py": a, "aurora_opt.py": b} and problems == [] and rest == 5
     assert verify.first_difference("f.py", "a\nb\nc\n", "a\nB\nc\n") == \
