@@ -1,0 +1,235 @@
+"""records/verify.py --rerun: which logged numbers a rerun recomputes, and how closely it must match.
+
+One tiny real run (8 steps, val only at steps 0 and 8, one torch thread) is made once per
+session from a copy of the trainer, so edits to the working tree during the session cannot
+make the snapshot and the "working tree" (``--repo``) disagree. Each test edits a copy of its
+log the way a forged record would and checks what verify says.
+"""
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, loss_lines, subprocess_env, tiny_args
+
+sys.path.insert(0, os.path.join(REPO, "records"))
+import verify  # noqa: E402
+
+
+SEPARATOR = "\n" + "=" * 100 + "\n"
+
+
+def run_verify(tiny, log, *args, threads="1"):
+    """``records/verify.py LOG --repo <the run's code> ARGS`` from the repo root, as a user runs it."""
+    env = dict(subprocess_env(), OMP_NUM_THREADS=threads)
+    return subprocess.run([sys.executable, os.path.join(REPO, "records", "verify.py"), str(log),
+                           "--repo", str(tiny["tree"]), *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """dict(log, tree, text, val) of a complete 8-step run: its log path, the folder with the code
+    it ran, the log's text and its final val loss as printed."""
+    tree = tmp_path_factory.mktemp("tiny")
+    for name in ("train_gpt.py", "aurora_opt.py"):
+        shutil.copyfile(os.path.join(REPO, name), tree / name)
+    cmd = [sys.executable, str(tree / "train_gpt.py"),
+           *tiny_args(tree, "--val-every", "0", "--device", "cpu", "--no-compile", "--run-id", "tiny")]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = tree / "logs" / "tiny.txt"
+    text = log.read_text()
+    assert sorted(loss_lines(text, "val_loss")) == [0, 8] and "torch threads: 1" in text
+    return dict(log=log, tree=tree, text=text, val=re.search(r"^step:8/8 val_loss:(\S+) ", text, re.M)[1])
+
+
+def edited(tiny, tmp_path, name, *subs):
+    """A copy of the tiny log with each ``(pattern, replacement)`` applied once to the part after
+    the source snapshot (each must match), as a forged record would be made."""
+    code, run = tiny["text"].split(SEPARATOR, 1)
+    for pattern, repl in subs:
+        run, n = re.subn(pattern, repl, run, count=1, flags=re.M)
+        assert n == 1, pattern
+    path = tmp_path / name
+    path.write_text(code + SEPARATOR + run)
+    return path
+
+
+FINAL_STEP = r"^(step:8/8 val_loss:)\S+"
+FINAL_SUMMARY = r"^(summary: final_val_loss:)\S+"
+
+
+# ----------------------------------------------------------------------------------------------
+# val losses and the summary (a full rerun recomputes them)
+
+def test_full_rerun_of_an_unedited_log_recomputes_val_and_summary(tiny):
+    proc = run_verify(tiny, tiny["log"], "--rerun", 8, threads="2")  # the logged thread count wins
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "(OMP_NUM_THREADS=1)" in out and "same CPU model" in out and "thread count (1)" in out
+    assert "exact match expected (tol 0.0001 = print rounding)" in out
+    assert "covers steps 0..8 of 8, the whole run" in out
+    assert f"val_loss at step 8: logged {tiny['val']}, rerun {tiny['val']}, diff 0.00e+00: reproduced" in out
+    assert f"summary final_val_loss: logged {tiny['val']}, rerun {tiny['val']}" in out
+    assert "summary counts equal (steps:8, raw_tokens:" in out and out.strip().endswith("OK")
+
+
+@pytest.mark.parametrize("where", ["step line and summary", "step line", "summary"])
+def test_full_rerun_fails_an_edited_final_val_loss(tiny, tmp_path, where):
+    subs = {"step line and summary": [(FINAL_STEP, r"\g<1>3.2000"), (FINAL_SUMMARY, r"\g<1>3.2000")],
+            "step line": [(FINAL_STEP, r"\g<1>3.2000")], "summary": [(FINAL_SUMMARY, r"\g<1>3.2000")]}[where]
+    proc = run_verify(tiny, edited(tiny, tmp_path, "forged.txt", *subs), "--rerun", 8)
+    out = proc.stdout
+    assert proc.returncode == 1 and out.strip().endswith("FAILED"), out + proc.stderr
+    step_val = "3.2000" if "step" in where else tiny["val"]
+    summary_val = "3.2000" if "summary" in where else tiny["val"]
+    assert f"val_loss at step 8: logged {step_val}, rerun {tiny['val']}" in out
+    assert (f"val_loss at step 8: logged {step_val}, rerun {tiny['val']}, diff 0.00e+00: reproduced" in out) == \
+        (where == "summary")
+    assert f"summary final_val_loss: logged {summary_val}, rerun {tiny['val']}" in out
+    assert ("NOT reproduced (tol 1.00e-04)" in out.split("summary final_val_loss")[1]) == ("summary" in where)
+    assert "train losses reproduced" in out  # the train losses were not touched
+
+
+def test_full_rerun_fails_edited_summary_counts(tiny, tmp_path):
+    raw = int(re.search(r" raw_tokens:(\d+)", tiny["text"])[1])
+    bad = edited(tiny, tmp_path, "counts.txt", (r"( raw_tokens:)\d+", rf"\g<1>{raw * 2}"),
+                 (r"^(summary: .* flops:)\S+", r"\g<1>9.999e+20"))
+    proc = run_verify(tiny, bad, "--rerun", 8)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"raw_tokens logged {raw * 2} vs rerun {raw}" in proc.stdout
+    assert "flops logged 9.999e+20 vs rerun" in proc.stdout and "steps logged" not in proc.stdout
+
+
+def test_partial_rerun_checks_the_val_points_it_covers_and_says_what_it_cannot(tiny, tmp_path):
+    # the final val loss is out of reach of a 2-step rerun: it passes, and says so
+    forged = edited(tiny, tmp_path, "forged.txt", (FINAL_STEP, r"\g<1>3.2000"), (FINAL_SUMMARY, r"\g<1>3.2000"))
+    proc = run_verify(tiny, forged, "--rerun", 2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    flat = " ".join(proc.stdout.split())
+    assert "covers steps 0..2 of 8 only: a partial rerun cannot check the val losses after step 2 (so not " \
+           "the final val loss at step 8, the number a record stands on), the train losses after step 2, " \
+           "or the summary line; no rerun can check train_time" in flat
+    assert "summary final_val_loss" not in proc.stdout
+    # the step-0 val loss is in reach: an edit there fails, naming the step and both values
+    step0 = re.search(r"^step:0/8 val_loss:(\S+) ", tiny["text"], re.M)[1]
+    bad = edited(tiny, tmp_path, "step0.txt", (r"^(step:0/8 val_loss:)\S+", r"\g<1>9.0000"))
+    proc = run_verify(tiny, bad, "--rerun", 2)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"val_loss at step 0: logged 9.0000, rerun {step0}" in proc.stdout and "NOT reproduced" in proc.stdout
+
+
+def test_rerun_is_capped_at_the_logged_steps(tiny):
+    proc = run_verify(tiny, tiny["log"], "--rerun", 20)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--max-steps 8 " in proc.stdout and "covers steps 0..8 of 8, the whole run" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# machine cases: same CPU, another CPU / thread count, GPU log
+
+def test_another_cpu_model_gets_the_drift_tolerance_and_still_fails_an_edit_of_0_01(tiny, tmp_path):
+    cpu = (r"^cpu: .*?  cores:", "cpu: Some Other CPU  cores:")
+    proc = run_verify(tiny, edited(tiny, tmp_path, "other_cpu.txt", cpu), "--rerun", 8)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "different CPU model (Some Other CPU vs " in proc.stdout
+    assert f"tol(step) = min(0.0001 + {verify.DRIFT_PER_STEP:g} x step, {verify.DRIFT_CAP:g})" in proc.stdout
+    step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", tiny["text"], re.M)[1])
+    bad = edited(tiny, tmp_path, "other_cpu_edit.txt", cpu,
+                 (r"^(step:8/8 train_loss:)\S+", rf"\g<1>{step8 + 0.01:.4f}"))
+    proc = run_verify(tiny, bad, "--rerun", 8)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(rf"^\s+8\s+{step8 + 0.01:.4f}\s+{step8:.4f}\s+1.00e-02  > tol$", proc.stdout, re.M)
+
+
+def test_gpu_log_shows_losses_without_judging_them_unless_tol_is_given(tiny, tmp_path):
+    step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", tiny["text"], re.M)[1])
+    gpu = edited(tiny, tmp_path, "gpu.txt", (r"device: cpu ", "device: cuda:0 "),
+                 (r"^cpu: .*$", "gpus: 1 x NVIDIA H200"),
+                 (r"^(step:8/8 train_loss:)\S+", rf"\g<1>{step8 + 0.05:.4f}"))
+    proc = run_verify(tiny, gpu, "--rerun", 8)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPU log (1 x NVIDIA H200): a CPU rerun cannot reproduce its losses" in proc.stdout
+    assert "train losses shown, not judged" in proc.stdout and "summary counts equal" in proc.stdout
+    proc = run_verify(tiny, gpu, "--rerun", 8, "--tol", "0.01")
+    assert proc.returncode == 1 and "--tol 0.01 given instead" in proc.stdout, proc.stdout + proc.stderr
+    assert "train losses NOT reproduced within 0.01" in proc.stdout
+
+
+def machine(cpu="Intel(R) Xeon(R) Processor", threads=1, world=1, device="cpu", gpus=None):
+    return dict(device=device, world=world, cpu=cpu, threads=threads, gpus=gpus)
+
+
+@pytest.mark.parametrize("logged, here, case", [
+    ([machine()], machine(), "same"),
+    ([machine(threads=1)], machine(threads=2), "thread count (1 vs 2)"),
+    ([machine()], machine(cpu="AMD EPYC"), "CPU model (Intel(R) Xeon(R) Processor vs AMD EPYC)"),
+    ([machine(world=2)], machine(), "process count (2 vs 1)"),
+    ([machine(cpu=None, threads=None)], machine(), "CPU model (not recorded in the log)"),
+    ([machine(), machine(cpu="AMD EPYC")], machine(), "CPU model (AMD EPYC vs Intel(R) Xeon(R) Processor)"),
+    ([], machine(), "machine (the log records none)"),
+    ([machine(device="cuda", cpu=None, threads=None, gpus="8 x NVIDIA B200")], machine(), "gpu"),
+])
+def test_judgement_names_the_case_and_its_tolerance(logged, here, case):
+    text, tol = verify.judgement(logged, here)
+    if case == "same":
+        assert text.startswith("same CPU model") and tol(0) == tol(10 ** 6) == verify.PRINT_TOL
+    elif case == "gpu":
+        assert text.startswith("GPU log (8 x NVIDIA B200)") and tol is None
+    else:
+        assert text.startswith("different ") and case in text and tol == verify.DRIFT
+    text, tol = verify.judgement(logged, here, tol=0.02)  # --tol replaces the tolerance, not the case
+    assert "--tol 0.02 given instead" in text and tol(0) == tol(10 ** 6) == 0.02
+
+
+def test_drift_tolerance_grows_with_the_step_and_keeps_an_edit_of_0_01_failing():
+    tol = verify.DRIFT
+    steps = range(0, 100_000, 7)
+    assert tol(0) == verify.PRINT_TOL and all(tol(a) <= tol(b) for a, b in zip(steps, steps[1:]))
+    # worst case: the runs drift tol(s) apart in one direction and the edit goes the other way
+    assert all(0.01 - tol(s) > tol(s) for s in steps)
+    assert verify.same_loss(7.2512, 7.2512 + 0.9 * tol(40), tol(40))
+    assert not verify.same_loss(7.2512, 7.2512 + 0.01 - tol(40), tol(40))
+
+
+def test_machines_reads_every_start_of_a_log():
+    lines = ["world_size: 1  device: cpu  compile: False  bf16: False\n",
+             "cpu: Intel(R) Xeon(R) Processor  cores: 2  torch threads: 1\n",
+             "step:1/8 train_loss:10.8258 train_time:1ms step_avg:1.00ms\n",
+             "world_size: 8  device: cuda:0  compile: True  bf16: True\n", "gpus: 8 x NVIDIA B200\n"]
+    assert verify.machines(lines) == [machine(), machine(device="cuda", world=8, cpu=None, threads=None,
+                                                      gpus="8 x NVIDIA B200")]
+
+
+# ----------------------------------------------------------------------------------------------
+# the snapshot's file list comes from the logged code, not from a copy in verify.py
+
+def test_snapshot_names_come_from_the_logged_train_gpt():
+    listing = 'SOURCE_FILES = ("train_gpt.py", "aurora_opt.py", "extra.py")\n'
+    assert verify.snapshot_names({"train_gpt.py": listing}, ["train_gpt.py", "aurora_opt.py"]) == \
+        ["train_gpt.py", "aurora_opt.py", "extra.py"]
+    # no readable list: the headers' files (and the entry point) are all that is known
+    assert verify.snapshot_names({"train_gpt.py": "x = (\n"}, ["train_gpt.py", "a.py"]) == ["train_gpt.py", "a.py"]
+    assert verify.snapshot_names({}, ["aurora_opt.py"]) == ["train_gpt.py", "aurora_opt.py"]
+
+
+def test_a_file_the_logged_code_snapshots_but_the_log_lacks_is_missing():
+    code = 'SOURCE_FILES = ("train_gpt.py", "aurora_opt.py", "extra.py")\n'
+    b = "print('hi')\n"
+    log = [f"### file train_gpt.py lines=1 sha256={hashlib.sha256(code.encode()).hexdigest()}\n", code,
+           f"### file aurora_opt.py lines=1 sha256={hashlib.sha256(b.encode()).hexdigest()}\n", b,
+           "=" * 100 + "\n", "python: 3\n"]
+    sources, problems, rest = verify.extract(log)
+    assert set(sources) == {"train_gpt.py", "aurora_opt.py"} and rest == 4
+    assert problems == ["extra.py: missing from the snapshot"]
+
+
+def test_threads_below_one_is_an_argument_error(tiny):
+    proc = run_verify(tiny, tiny["log"], "--rerun", 1, "--threads", 0)
+    assert proc.returncode == 2 and "--threads must be >= 1 (got 0)" in proc.stderr and "rerun:" not in proc.stdout
