@@ -88,6 +88,7 @@ try:  # a broken trainer must not stop the environment and device checks from re
 except Exception as _e:  # noqa: BLE001
     T, TRAINER_IMPORT_ERROR = None, f"import train_gpt failed: {type(_e).__name__}: {_e}"
 
+SEPARATOR = T.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
 SCHEMA = "gpu_check-1"
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA datasheets (SXM parts);
