@@ -20,8 +20,10 @@ Grouping (``--group-by``):
           falls back to ``auto``.
   folder  every file is grouped by the name of the folder it lies in.
 Runs of one group must have measured the same thing: where their logged configs differ in a
-field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), the group
-is split into ``<group> [field=value ...]``, with a warning naming the fields.
+field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), or their
+``data train:`` / ``data val:`` lines name other data (other fingerprints; other paths to the
+same shards do not count), the group is split into ``<group> [field=value ... val data <id>]``,
+with a warning naming what differs.
 modded-nanogpt logs have no config line and are grouped as given.
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
@@ -52,6 +54,7 @@ at all could be read.
 import argparse
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -63,6 +66,7 @@ SEPARATOR = "=" * 100  # the line between the source snapshot and the run (same 
 HEADER_RE = re.compile(r"^### file (?P<name>\S+) lines=(?P<lines>\d+) sha256=(?P<sha>[0-9a-f]{64})\s*$")
 STEP_RE = re.compile(r"^step:(?P<step>\d+)/(?P<total>\d+)\s+(?P<rest>.*?)\s*$")
 FIELD_RE = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_]*):(?P<value>\S*)$")
+DATA_RE = re.compile(r"^data (?P<kind>train|val): .* tokens:\d+ bytes:\d+ fingerprint:(?P<fp>[0-9a-f]+)$")
 # Lines that only our trainer writes: they mark a log as "ours" even without the snapshot.
 OURS_MARKERS = ("status:", "summary:", "config: {")
 
@@ -164,6 +168,7 @@ class Run:
     reason: str = ""             # why it is incomplete
     summary: dict = dataclasses.field(default_factory=dict)
     config: dict = dataclasses.field(default_factory=dict)
+    data: list = dataclasses.field(default_factory=list)  # per start: {"train": [fingerprint, ...], "val": [...]}
     group: str = ""
 
     @property
@@ -219,7 +224,14 @@ def parse_lines(lines, path="", group=""):
 
     status_reason = ""
     last_train = None  # nearest preceding train line: gives tokens/FLOPs to the val lines
+    in_data = False  # every start (a resume too) logs its data files as one block of lines
     for ln in body:
+        m = DATA_RE.match(ln)
+        if m and not in_data:
+            run.data.append({"train": [], "val": []})
+        if m:
+            run.data[-1][m["kind"]].append(m["fp"])
+        in_data = bool(m)
         parsed = parse_step_line(ln)
         if parsed:
             step, total, f = parsed
@@ -361,14 +373,50 @@ def run_defining(config, operational):
     return {k: v for k, v in config.items() if k not in operational and k != "seed"}
 
 
+DATA_KINDS = ("train data", "val data")
+
+
+def data_identity(run):
+    """``{"train data": key, "val data": key}``: what data the run read, by content, not by path.
+
+    A key is the tuple, over the run's starts (a resume logs its data again), of the ordered
+    fingerprints of that start's ``data <kind>:`` lines, equal consecutive starts merged; None
+    when the log has no data line. Two runs read the same data when their keys are equal: the
+    comparison ``--resume`` makes between a checkpoint and a restart.
+    """
+    out = {}
+    for kind in DATA_KINDS:
+        starts = [tuple(d[kind.split()[0]]) for d in run.data]
+        out[kind] = tuple(x for i, x in enumerate(starts) if i == 0 or x != starts[i - 1]) or None
+    return out
+
+
+def data_labels(keys):
+    """Short distinct names of ``data_identity`` keys: the fingerprint of a run's single shard, else
+    a sha256 of its ordered fingerprints; 8 hex digits unless those would name two keys alike."""
+    def name(key, n):
+        if key is None:
+            return "<missing>"
+        if len(key) == 1 and len(key[0]) == 1:
+            return key[0][0][:n]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:n]
+    for n in (8, 64):
+        names = {k: name(k, n) for k in keys}
+        if len(set(names.values())) == len(names):
+            break
+    return names
+
+
 def split_mixed_groups(runs, warn=None):
-    """Split every group whose runs differ in a run-defining config field; renames ``run.group``.
+    """Split every group whose runs differ in a run-defining config field or in their data; renames ``run.group``.
 
     The runs of a group ``g`` that differ in fields ``f1, f2`` go to groups named
-    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); complete runs
-    without a config line (modded-nanogpt logs) mixed with ours go to ``g [no config line]``.
-    Each split is reported through ``warn(message)``, naming the fields. Runs without a config
-    line alone are grouped as given. Returns the list of ``(group, fields)`` that were split.
+    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs that read
+    other data (``data_identity``; paths alone do not count) add ``train data <id>`` or
+    ``val data <id>`` (``data_labels``). Complete runs without a config line (modded-nanogpt
+    logs) mixed with ours go to ``g [no config line]``. Each split is reported through
+    ``warn(message)``, naming the fields. Runs without a config line alone are grouped as given.
+    Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``).
     """
     operational = None
     split = []
@@ -382,6 +430,9 @@ def split_mixed_groups(runs, warn=None):
         defs = {id(r): run_defining(r.config, operational) for r in configured}
         keys = sorted({k for d in defs.values() for k in d})
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
+        data = {id(r): data_identity(r) for r in configured}
+        labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in DATA_KINDS}
+        differ += [kind for kind in DATA_KINDS if len(labels[kind]) > 1]
         bare = any(r.complete and not r.config for r in members)
         if not differ and not bare:
             continue
@@ -389,7 +440,8 @@ def split_mixed_groups(runs, warn=None):
             if not r.config:
                 r.group = f"{g} [no config line]"
             elif differ:
-                r.group = g + " [" + " ".join(f"{k}={defs[id(r)].get(k, '<missing>')}" for k in differ) + "]"
+                r.group = g + " [" + " ".join(f"{k} {labels[k][data[id(r)][k]]}" if k in DATA_KINDS else
+                                              f"{k}={defs[id(r)].get(k, '<missing>')}" for k in differ) + "]"
         split.append((g, differ))
         if warn:
             why = f"differ in {', '.join(differ)}" if differ else "mix logs with and without a config line"

@@ -892,6 +892,84 @@ def test_unknown_missing_and_several_fields_split_too(tmp_path):
     assert {r.group for r in compare.collect([str(plain)], warn=warnings.append)} == {"plain"} and len(warnings) == 2
 
 
+def with_data(src, dst, kind, edit, repeat=False):
+    """Copy a log of records/cpu, changing its ``data <kind>:`` lines: ``edit(index, path, fingerprint)``
+    returns the new ``(path, fingerprint)``. ``repeat``: also log the data block again before the
+    status line, as a resumed run does at its second start."""
+    lines = read_text(src).splitlines(keepends=True)
+    block = []
+    for i, ln in enumerate(lines):
+        m = re.match(r"^data (train|val): (.*) (tokens:\d+ bytes:\d+) fingerprint:([0-9a-f]{16})\n$", ln)
+        if m and m[1] == kind:
+            path, fp = edit(len([b for b in block if b.startswith(f"data {kind}:")]), m[2], m[4])
+            lines[i] = f"data {kind}: {path} {m[3]} fingerprint:{fp}\n"
+        if m:
+            block.append(lines[i])
+    assert block, src
+    if repeat:
+        end = next(i for i, ln in enumerate(lines) if ln.startswith("status:"))
+        lines[end:end] = ["resume: from checkpoints/x/step_60.pt at step 60\n"] + block
+    write_text(dst, "".join(lines))
+
+
+def logged_fingerprints(path, kind):
+    """The fingerprints of a log's ``data <kind>:`` lines, by a plain reading."""
+    return [ln.rsplit("fingerprint:", 1)[1].strip() for ln in read_text(path).splitlines()
+            if ln.startswith(f"data {kind}: ")]
+
+
+def test_runs_that_read_other_data_are_not_pooled(tmp_path):
+    src = {seed: os.path.join(TST, f"tst_seed{seed}.txt") for seed in (0, 1)}
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    for seed in (0, 1):
+        shutil.copyfile(src[seed], grp / f"s{seed}.txt")
+    # the same shards under other paths, and a resumed run that logged the same data twice: one experiment
+    with_data(src[1], grp / "moved.txt", "train", lambda i, path, fp: (f"/mnt/other place/t{i}.bin", fp))
+    with_data(src[0], grp / "resumed.txt", "val", lambda i, path, fp: (path, fp), repeat=True)
+    warnings = []
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    assert warnings == [] and {r.group for r in runs} == {"grp"} and len(runs) == 4
+    assert compare.data_identity(runs[1])["val data"] == compare.data_identity(runs[2])["val data"]
+    finals = {r.name: r.final["val_loss"] for r in runs}
+    # other val tokens: measured on something else
+    [val_fp] = logged_fingerprints(src[1], "val")
+    with_data(src[1], grp / "other_val.txt", "val", lambda i, path, fp: (path, "1a2b3c4d5e6f7a8b"))
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    [w] = warnings
+    same, other = f"grp [val data {val_fp[:8]}]", "grp [val data 1a2b3c4d]"
+    assert "group grp: its runs differ in val data" in w and f"split into {same}, {other}" in w
+    rows = {r["group"]: r for r in compare.group_stats(runs)}
+    assert set(rows) == {same, other} and rows[other]["runs"] == 1
+    assert rows[same]["val_losses"] == [finals[n] for n in ("moved", "resumed", "s0", "s1")]
+    # one train shard of three with other contents; with a config difference too
+    train = tmp_path / "train"
+    train.mkdir()
+    shutil.copyfile(src[0], train / "a.txt")
+    with_data(src[1], train / "b.txt", "train", lambda i, path, fp: (path, "0" * 16 if i == 1 else fp))
+    with_config(train / "b.txt", train / "c.txt", val_tokens=4096)
+    groups = {r.name: r.group for r in compare.collect([str(train)], warn=warnings.append)}
+    assert "its runs differ in val_tokens, train data" in warnings[-1]
+    labels = {n: re.fullmatch(r"train \[val_tokens=(\d+) train data ([0-9a-f]{8})\]", g).groups()
+              for n, g in groups.items()}
+    assert labels["a"][0] == labels["b"][0] == "16384" and labels["c"][0] == "4096"
+    assert labels["a"][1] != labels["b"][1] == labels["c"][1]
+    # a resume onto other val data (--resume-force) is not the same data either
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    shutil.copyfile(src[0], forced / "a.txt")
+    with_data(src[1], forced / "b.txt", "val", lambda i, path, fp: (path, fp), repeat=True)
+    lines = read_text(forced / "b.txt").splitlines(keepends=True)
+    last = max(i for i, ln in enumerate(lines) if ln.startswith("data val: "))
+    lines[last] = lines[last].replace(val_fp, "f" * 16)
+    write_text(forced / "b.txt", "".join(lines))
+    assert len({r.group for r in compare.collect([str(forced)], warn=warnings.append)}) == 2
+    # through the command line: the warning on stderr
+    proc = run_tool("compare.py", grp)
+    assert proc.returncode == 0 and "compare.py: warning: group grp: its runs differ in val data" in proc.stderr
+    assert re.search(rf"^{re.escape(other)}\s+1\s", proc.stdout, re.M), proc.stdout
+
+
 # ----------------------------------------------------------------------------------------------
 # plot: mean curve with its band, fitted range
 
