@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
 
@@ -64,6 +65,10 @@ class Config:
     seq_len: int = _f(1024, "latent positions per sequence (L)")
     logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c); 0 disables")
     rope_base: float = _f(10000.0, "rotary embedding base")
+    doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
+                               "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
+    window: int = _f(0, "sliding attention window in latent positions: query q sees keys q-window+1..q "
+                        "(0 = no window, full causal)")
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch")
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)")
@@ -281,7 +286,7 @@ class TrainLoader:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: a plain GPT (RMSNorm, RoPE, QK-norm, causal SDPA, ReLU^2 MLP, untied head, soft-capped logits)
+# Model: a plain GPT (RMSNorm, RoPE, QK-norm, causal attention, ReLU^2 MLP, untied head, soft-capped logits)
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim."""
@@ -311,6 +316,95 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
+# Attention masks: causal, optionally within a document and within a sliding window. Both come
+# from the modded-nanogpt record history: record #12 (2024-11-19, "FlexAttention": 64K-token
+# flat sequences, document masks, a sliding window) and #13 (2024-11-24, window warmup). One
+# mask definition, ``mask_mod``, serves both paths: FlexAttention's block mask on CUDA, and on
+# CPU (no FlexAttention backward there) the same mask as a boolean matrix for SDPA.
+
+def document_ids(tokens):
+    """Document index of every position: the number of ``<|endoftext|>`` tokens at or before it.
+
+    Args:
+        tokens: int64 ``[..., T]`` (e.g. ``[T]`` or ``[B, T]``). Each document starts *with*
+            its EOT (50256), so the EOT belongs to the document it opens.
+
+    Returns:
+        int64 ``[..., T]``, non-decreasing along the last dim; equal ids = same document.
+    """
+    return (tokens == EOT_TOKEN).cumsum(dim=-1)
+
+
+def latent_document_ids(inputs):
+    """Document of each latent position of model inputs ``[B, L, k]`` -> int64 ``[B, L]``.
+
+    k = 1 (plain tokens): the token's document. k = s (TST phase-1 bags): the document of the
+    bag's *last* token, counted over the raw tokens, so an EOT anywhere in a bag starts the new
+    document at that bag. Windows count latent positions, so attention cost per position is
+    the same in both phases (docs/METHODS.md, TST and attention masks).
+    """
+    B, L, k = inputs.shape
+    return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
+
+
+def mask_mod(doc_ids, window):
+    """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
+
+    Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and (if ``window`` > 0)
+    ``q - k < window``. ``doc_ids`` int64 ``[B, T]``; index arguments are int tensors that
+    broadcast (FlexAttention calls it on scalars, ``attention_mask`` on whole index grids).
+    """
+    def allowed(b, h, q, k):
+        ok = (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
+        return ok & (q - k < window) if window > 0 else ok
+    return allowed
+
+
+def attention_mask(doc_ids, window):
+    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``.
+
+    ``mask[..., q, k]`` is True where query q may attend key k (``k <= q``, same document,
+    ``q - k < window``; ``window`` 0 = no window). Every row allows at least its diagonal.
+    """
+    ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
+    B, T = ids.shape
+    pos = torch.arange(T, device=ids.device)
+    batch = torch.arange(B, device=ids.device)[:, None, None]
+    mask = mask_mod(ids, window)(batch, None, pos[:, None], pos[None, :])
+    return mask if doc_ids.ndim == 2 else mask[0]
+
+
+def build_attention_mask(doc_ids, window, flex, block_size=128):
+    """The mask one forward shares across layers, for ``attend``.
+
+    Args:
+        doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
+        window: latent positions a query sees (0 = no window).
+        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph);
+            False: bool ``[B, 1, T, T]`` for SDPA (broadcast over heads).
+        block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
+    """
+    if flex:
+        B, T = doc_ids.shape
+        return create_block_mask(mask_mod(doc_ids, window), B, None, T, T, device=doc_ids.device,
+                                 BLOCK_SIZE=block_size)
+    return attention_mask(doc_ids, window)[:, None]
+
+
+def attend(q, k, v, mask=None):
+    """Attention ``softmax(q k^T / sqrt(head_dim)) v`` under a mask; q, k, v ``[B, H, T, head_dim]``.
+
+    ``mask`` None: plain causal SDPA (``is_causal=True``, the model without --doc-mask or
+    --window); a ``BlockMask``: FlexAttention (q and k cast to v's dtype, bf16 under autocast);
+    a bool tensor: SDPA with that mask. Returns ``[B, H, T, head_dim]`` in v's dtype.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, BlockMask):
+        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _linear(d_in, d_out, zero=False):
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
@@ -331,14 +425,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = _linear(d, d, zero=True)
         self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
+        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal)."""
         B, L, _ = x.shape
         q = self.q(x).view(B, L, self.n_head, self.head_dim)
         k = self.k(x).view(B, L, self.n_head, self.head_dim)
         v = self.v(x).view(B, L, self.n_head, self.head_dim)
         q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -357,8 +451,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn, self.mlp = CausalSelfAttention(cfg), MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(rms_norm(x))
+    def forward(self, x, mask=None):
+        x = x + self.attn(rms_norm(x), mask)
         return x + self.mlp(rms_norm(x))
 
 
@@ -370,6 +464,10 @@ class GPT(nn.Module):
     with -100 = ignore. Returns float32 logits ``[B, L, vocab_size]`` without targets, else
     the float32 scalar *sum* over valid (position, label) pairs of ``logsumexp(z) - z[y]``
     (the caller divides by the global number of valid labels, see ``accumulate_gradients``).
+
+    Attention is plain causal unless ``--doc-mask`` or ``--window`` is set; then every layer
+    shares one mask built from the inputs' documents (``latent_document_ids``): a FlexAttention
+    block mask on CUDA (fused only when the model is compiled), a boolean matrix on CPU.
     """
 
     def __init__(self, cfg):
@@ -379,12 +477,24 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
 
+    def mask_for(self, inputs):
+        """The mask of a forward on ``inputs`` ``[B, L, k]`` (see ``build_attention_mask``), or None."""
+        cfg = self.cfg
+        if not cfg.doc_mask and cfg.window == 0:
+            return None
+        if cfg.doc_mask:
+            doc_ids = latent_document_ids(inputs)
+        else:  # one document: only causality and the window
+            doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
+        return build_attention_mask(doc_ids, cfg.window, flex=inputs.is_cuda)
+
     def forward(self, inputs, targets=None):
+        mask = self.mask_for(inputs)
         x = self.embed(inputs)  # [B, L, k, d]
         x = bag_mean(x) if inputs.size(-1) > 1 else x.squeeze(2)
         x = rms_norm(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         logits = upcast(self.lm_head(rms_norm(x)))
         c = self.cfg.logit_softcap
         if c > 0:
@@ -1088,6 +1198,7 @@ def validate_config(cfg):
     need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
     need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
     need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
     need(cfg.warmup_steps <= cfg.num_iterations,
          f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
     if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
