@@ -1394,9 +1394,10 @@ def check_resume(state, cfg, data):
     Raises:
         ConfigError: any difference without --resume-force, or a different model shape at all.
     """
-    saved = state["config"]
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {getattr(cfg, k)!r}"
-             for k in RUN_DEFINING if saved.get(k) != getattr(cfg, k)]
+    # a field newer than the checkpoint counts as its default there (what that trainer computed)
+    saved = {**{f.name: f.default for f in fields(Config)}, **state["config"]}
+    diffs = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
+             for k in RUN_DEFINING if saved[k] != getattr(cfg, k)]
     shape = [d for d in diffs if d.split(":")[0] in SHAPE_FIELDS]
     if shape:
         raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
