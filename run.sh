@@ -18,8 +18,6 @@ fi
 n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$n_gpus" -eq 0 ]; then
     preset=cpu_smoke; nproc=0
-    # glibc would return each freed 100 MB logits buffer to the OS; reusing them halves CPU step time
-    export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000
 else
     # the global batch (512 sequences) splits evenly over 1, 2, 4 or 8 processes
     nproc=1

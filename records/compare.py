@@ -7,7 +7,7 @@ does not know.
 
     python records/compare.py records/2026-01-01_MyRecord          # a folder = one group of runs
     python records/compare.py A_DIR B_DIR --baseline A_DIR          # B against A: Welch, CI, ratios
-    python records/compare.py --group-by prefix ../shared/peer_logs # <group>__<run id>.txt names
+    python records/compare.py --group-by prefix MODDED_LOGS        # <group>__<run id>.txt names
     python records/compare.py --json DIR                            # the tables as JSON
     python records/compare.py --markdown DIR...                     # the tables as Markdown
     python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
@@ -15,8 +15,8 @@ does not know.
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
           a file given directly is a group of its own (named by its file stem).
-  prefix  every file is grouped by its file-name part before the last ``__`` (the peer_logs
-          naming ``<record folder>__<run subfolder>__<run id>.txt``); a name without ``__``
+  prefix  every file is grouped by its file-name part before the last ``__`` (copied modded-nanogpt
+          record logs: ``<record folder>__<run subfolder>__<run id>.txt``); a name without ``__``
           falls back to ``auto``.
   folder  every file is grouped by the name of the folder it lies in.
 Runs of one group must have measured the same thing: where their logged configs differ in a
@@ -963,7 +963,7 @@ def main(argv=None):
     ap.add_argument("paths", nargs="+", help="log files, or folders of .txt logs")
     ap.add_argument("--group-by", choices=("auto", "prefix", "folder"), default="auto",
                     help="auto: a folder is one group, a file its own group; prefix: by the file-name part "
-                         "before the last '__' (peer_logs naming); folder: by the folder a file lies in")
+                         "before the last '__' (names of copied modded-nanogpt record logs); folder: by the folder a file lies in")
     ap.add_argument("--target", type=finite_float, default=3.28,
                     help="val loss to beat (one-sided t-test, time to target)")
     ap.add_argument("--baseline", metavar="GROUP",

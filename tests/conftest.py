@@ -13,10 +13,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 sys.path.insert(0, REPO)
 
-# glibc returns big freed blocks to the OS; reusing them instead halves CPU step time.
-FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
-
-
 def sample_args():
     """--train-files / --val-files of the repository's real-text sample."""
     return ["--train-files", os.path.join(SAMPLE_DIR, "*_train_*.bin"),
@@ -32,7 +28,7 @@ def tiny_args(tmp_path, *extra):
 
 
 def subprocess_env():
-    env = dict(os.environ, **FAST_MALLOC)
+    env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
