@@ -419,6 +419,8 @@ def train(job, ledger):
                 break
         if job.checkpoint:
             shutil.rmtree(os.path.dirname(job.checkpoint), ignore_errors=True)
+            with contextlib.suppress(OSError):  # the shared checkpoints folder too, once empty
+                os.rmdir(os.path.dirname(os.path.dirname(job.checkpoint)))
     return run_summary(job)
 
 
@@ -695,25 +697,27 @@ def pyplot():
     return plt
 
 
-def recency_plot(rec, arm, path):
+def recency_plot(rec, arm, path, val_what):
     """Val curves of the recency arm over the data orders: docs orders (left) and mix orders (right)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110, sharey=True)
     titles = dict(docs="before: whole documents, shuffled (in-order stream)",
                   mix="after: i.i.d.-like mix of seq_len chunks")
-    finite = [v for kind in rec for _, ys in rec[kind]["curves"].values() for v in ys[1:]]
+    later = [v for kind in rec for _, ys in rec[kind]["curves"].values() for v in ys[1:]]
+    first = [ys[0] for kind in rec for _, ys in rec[kind]["curves"].values()]
+    cut = bool(later) and min(first) > max(later) + 0.05  # the step-0 points lie above the frame
     for ax, kind in zip(axes, ("docs", "mix")):
         for order, (steps, losses) in sorted(rec[kind]["curves"].items()):
             ax.plot(steps, losses, marker="o", ms=3, label=f"order {order}")
         sp = rec[kind]["spread"]
         ax.set_title(f"{titles[kind]}\nfinal val loss over orders: std {sp['std']:.4f}, range {sp['range']:.4f}",
                      fontsize=10)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" + (f" (step 0, val loss {min(first):.1f}, is above the frame)" if cut else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel(f"val loss ({arm}, seed 0, whole val shard)")
-    if finite:  # leave out the step-0 value (~10.8) so that the differences are visible
-        axes[0].set_ylim(min(finite) - 0.05, max(finite) + 0.05)
+    axes[0].set_ylabel(f"val loss ({arm}, seed 0, {val_what})")
+    if later:  # frame the points after step 0 (~10.8 at init) so that the differences are visible
+        axes[0].set_ylim(min(later) - 0.05, max(later) + 0.05)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -787,6 +791,11 @@ def settings_of(arm, sweep):
     return text + (f" {lr['flag'][2:]} {fmt_lr(lr['chosen'])}" if lr else "")
 
 
+def val_what(spec):
+    whole = spec["val_tokens"] == spec["val_total"] - 1
+    return "the whole val shard" if whole else f"the first {spec['val_tokens']:,} val tokens"
+
+
 def header_lines(spec, stats, corpus):
     """The title and the setup bullets of results.md."""
     base = stats.get(BASELINE, stats.get(spec["arms"][0], {}))
@@ -808,7 +817,7 @@ def header_lines(spec, stats, corpus):
         f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`mix`: "
         f"{MODEL['seq_len']}-token chunks shuffled by the order's seed, `data/`), x {spec['seeds']} init seeds = "
         f"{keys} runs per arm. Val loss on {spec['val_tokens']:,} tokens of `{spec['val_files']}` "
-        f"({'the whole val shard' if spec['val_tokens'] == spec['val_total'] - 1 else 'not the whole val shard'}).",
+        f"({val_what(spec)}).",
         "* lr: block-matrix lr tuned per optimizer family by the sweep below (mix order 0, seed 0, no TST); "
         "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke` preset's.",
         *[f"* {c}, the equal-text control of {t}: plain Aurora with {eqtext_plan(spec, c)['bag_size']}x the "
@@ -1125,7 +1134,7 @@ def analyse_and_report(spec, sweep, results, timing_of):
     rows = comparisons(spec, results)
     rec = recency(spec, results) if spec["recency_arm"] else {}
     if rec:
-        recency_plot(rec, spec["recency_arm"], os.path.join(out, "recency.png"))
+        recency_plot(rec, spec["recency_arm"], os.path.join(out, "recency.png"), val_what(spec))
     target = stats.get(BASELINE, {}).get("mean")
     target = target if target is not None and math.isfinite(target) else None
     plots, compare_text = make_plots(out, spec["arms"], stats, target)
@@ -1180,6 +1189,7 @@ def main(argv=None):
     for job in jobs:
         if is_reused(spec, job) and not is_done(job):
             fam = ARMS[job.key[0]][0]
+            set_aside(job.run_dir, job.run_id)
             copy_run(sweep_job(spec, fam, sweep[fam]["chosen"]), job)
             print(f"  {job.run_id}: = lr_sweep/{fam}_lr{fmt_lr(sweep[fam]['chosen'])}_seed0 (same flags), copied",
                   flush=True)
