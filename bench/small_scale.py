@@ -306,7 +306,12 @@ def is_reused(spec, job):
 
 def est_seconds(job):
     """Estimated wall seconds of a Job from the COST model (start-up, training and val FLOPs)."""
-    tg, total, start = trainer_module(), 0.0, 0
+    return sum(est_parts(job))
+
+
+def est_parts(job):
+    """Estimated wall seconds of each trainer command of a Job (a list, one per ``job.argvs``)."""
+    tg, parts, start = trainer_module(), [], 0
     for argv in job.argvs:
         cfg, _ = tg.parse_config(argv[2:])
         n = cfg.num_iterations
@@ -318,10 +323,10 @@ def est_seconds(job):
         per_val = flops / 3 * cfg.val_tokens  # forward only
         tst_val = per_val / (cfg.tst_bag_size if cfg.tst_mode != "output" else 1)
         val = sum(per_val + (tst_val if max(t - 1, 0) < switch else 0.0) for t in points)
-        total += (COST["startup_s"] + COST["s_per_train_flop"] * flops * cfg.batch_tokens * (end - start)
-                  + COST["s_per_val_flop"] * val)
+        parts.append(COST["startup_s"] + COST["s_per_train_flop"] * flops * cfg.batch_tokens * (end - start)
+                     + COST["s_per_val_flop"] * val)
         start = end
-    return total
+    return parts
 
 
 def print_plan(spec, parallel):
@@ -454,9 +459,9 @@ def run_trainer(argv, job, part, ledger):
     rc = proc.wait()
     wall, load1 = time.time() - t0, load_average()
     name = os.path.relpath(os.path.join(job.run_dir, job.run_id), ledger["out"]) + (f"#{part + 1}" if part else "")
-    record_timing(ledger, dict(run=name, wall_s=round(wall, 1), est_s=round(est_seconds(
-        dataclasses.replace(job, argvs=[argv])), 1), load_start=load0, load_end=load1, exit=rc,
-        finished=datetime.datetime.now().isoformat(timespec="seconds")))
+    record_timing(ledger, dict(run=name, wall_s=round(wall, 1), est_s=round(est_parts(job)[part], 1),
+                               load_start=load0, load_end=load1, exit=rc,
+                               finished=datetime.datetime.now().isoformat(timespec="seconds")))
     print(f"  {what}: exit {rc}, {wall:.0f}s wall (1-min load average {load0:.1f} -> {load1:.1f})", flush=True)
     if rc != 0:
         print("    " + "\n    ".join(err.strip().splitlines()[-5:]), flush=True)

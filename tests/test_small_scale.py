@@ -294,13 +294,13 @@ def test_cost_estimate_counts_every_val_point(ss, tmp_path, monkeypatch):
     f = tg.model_flops_per_position(cfg)
     assert ss.est_seconds(ss.make_job(spec, "aurora", "mix", 0, 1, [])) == pytest.approx(1 + f * 300 * 512)
     control = ss.make_job(spec, "aurora_eqtext", "mix", 0, 1, [])
-    assert ss.est_seconds(control) == pytest.approx(2 + f * (90 * 2048 + 210 * 512))
+    assert ss.est_parts(control) == pytest.approx([1 + f * 90 * 2048, 1 + f * 210 * 512])
     monkeypatch.setattr(ss, "COST", dict(startup_s=0.0, s_per_train_flop=0.0, s_per_val_flop=1.0))
     val = f / 3 * 1000
     assert ss.est_seconds(ss.make_job(spec, "aurora", "mix", 0, 1, [])) == pytest.approx(3 * val)  # 0, 150, 300
     # TST: step 0 is in phase 1 and also scores the TST objective (1000 / 4 latent positions)
     assert ss.est_seconds(ss.make_job(spec, "aurora_tst", "mix", 0, 1, [])) == pytest.approx(3 * val + val / 4)
-    assert ss.est_seconds(control) == pytest.approx(5 * val)  # 0, 75, 150, 225, 300
+    assert ss.est_parts(control) == pytest.approx([2 * val, 3 * val])  # 0, 75 | 150, 225, 300
     adamw0 = ss.make_job(spec, "adamw", "mix", 0, 0, [])  # the recency arm's seed 0: every 50 steps
     assert ss.est_seconds(adamw0) == pytest.approx(7 * val)
 
