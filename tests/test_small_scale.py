@@ -401,3 +401,19 @@ def test_bad_arguments_stop_before_anything_runs(tmp_path, args, says):
     res = run_script(tmp_path, *args)
     assert res.returncode != 0 and says in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_run_summary_reads_the_log_and_json(ss, tmp_path):
+    job = ss.Job(("aurora", "mix", 1, 0), str(tmp_path), "r", [["x"]])
+    assert ss.run_summary(job) == dict(status="missing", val=[], key=("aurora", "mix", 1, 0))
+    (tmp_path / "r.txt").write_text("\n".join([
+        ss.compare.SEPARATOR,
+        'config: {"seed": 0}',
+        "step:0/4 val_loss:10.8000 train_time:0ms step_avg:0.00ms phase:2 tokens:0 positions:0 flops:0.000e+00",
+        "step:4/4 train_loss:8.0000 train_time:40ms step_avg:10.00ms phase:2 tokens:512 positions:512 flops:4.0e+09",
+        "step:4/4 val_loss:8.1000 train_time:40ms step_avg:10.00ms phase:2 tokens:512 positions:512 flops:4.0e+09",
+        "status:complete"]) + "\n")
+    (tmp_path / "r.json").write_text(json.dumps(dict(status="complete", final_val_loss=8.1, flops=4e9)))
+    got = ss.run_summary(job)
+    assert got["status"] == "complete" and ss.complete(got)
+    assert [(p["step"], p["val_loss"], p["flops"]) for p in got["val"]] == [(0, 10.8, 0.0), (4, 8.1, 4e9)]
