@@ -1170,6 +1170,8 @@ def validate_config(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, float):
             need(math.isfinite(value), f"{_flag(f.name)} must be finite (got {value})")
+        if isinstance(value, int) and not isinstance(value, bool):  # sizes, counts, seeds: int32 is plenty
+            need(value < 2**31, f"{_flag(f.name)} must be < 2**31 (got {value})")
     for name in ("n_layer", "n_head", "model_dim", "mlp_ratio", "seq_len", "batch_tokens",
                  "micro_batch_seqs", "num_iterations", "val_tokens", "vocab_size", "log_every"):
         need(getattr(cfg, name) >= 1, f"{_flag(name)} must be >= 1 (got {getattr(cfg, name)})")
@@ -1332,10 +1334,11 @@ def save_checkpoint(state, path):
             f.write(outer.getbuffer())
         os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ConfigError(f"--checkpoint-dir: cannot write {path} ({e.strerror}; the checkpoint is ~{need_mb} MB); "
                           f"free space there or choose another --checkpoint-dir") from None
+    finally:  # a failed write, or a signal during it, leaves no temporary file
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_checkpoint(path):
@@ -1543,10 +1546,9 @@ class RunLog:
             if not os.path.isdir(cfg.log_dir):
                 os.makedirs(cfg.log_dir)
             if resume and os.path.exists(path):
-                self.file = open(path, "a", encoding="utf-8")
                 if os.path.exists(json_path):
-                    with open(json_path, encoding="utf-8") as f:
-                        self.summary = json.load(f)
+                    self.summary = self._read_summary(json_path)
+                self.file = open(path, "a", encoding="utf-8")
             else:
                 self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
                 self.is_new = True
@@ -1566,6 +1568,19 @@ class RunLog:
                 self.file.close()
                 os.remove(path)
                 raise
+
+    @staticmethod
+    def _read_summary(json_path):
+        """The JSON summary of the run being resumed. Raises ConfigError when it is not valid JSON."""
+        try:
+            with open(json_path, encoding="utf-8") as f:
+                summary = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--resume: {json_path} is not valid JSON ({e}); restore it, or move it away "
+                              f"to start a new summary") from None
+        if not isinstance(summary, dict):
+            raise ConfigError(f"--resume: {json_path} is not a run summary; restore it, or move it away")
+        return summary
 
     def _write(self, text):
         try:
@@ -1708,16 +1723,21 @@ def compiled_graphs():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def compile_failure(err):
-    """One line for a torch.compile toolchain failure (no working C++ compiler, ...), else None."""
-    names = set()
+def known_failure(err):
+    """One line for a failure of the machine rather than of the code, else None: a torch.compile
+    toolchain failure (no working C++ compiler, ...) or running out of memory."""
+    names, texts = set(), []
     while err is not None:
         names.add(type(err).__name__)
+        texts.append(str(err))
         err = err.__cause__ or err.__context__
     if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
         kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
         return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
                 f"(and Triton on CUDA) or run with --no-compile")
+    if names & {"OutOfMemoryError", "MemoryError"} or any("can't allocate memory" in t for t in texts):
+        return ("out of memory (" + texts[0].splitlines()[0][:120] + "); lower --micro-batch-seqs (the "
+                "accumulation grows to keep the batch) or the model size (--model-dim, --mlp-ratio, --n-layer)")
     return None
 
 
@@ -1782,8 +1802,8 @@ def main(argv=None):
         reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
         print(f"train_gpt.py: {reason}", file=sys.stderr)
         code = 130
-    except BaseException as e:  # a compile toolchain failure gets one line; anything else keeps its traceback
-        message = compile_failure(e)
+    except BaseException as e:  # a toolchain or memory failure gets one line; anything else keeps its traceback
+        message = known_failure(e)
         if message is None:
             if log is not None:
                 log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")

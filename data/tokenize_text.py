@@ -45,6 +45,7 @@ or empty glob in ``--check``, 2 on bad arguments, 130 when interrupted.
 import argparse
 import collections
 import contextlib
+import ctypes
 import glob
 import hashlib
 import itertools
@@ -323,8 +324,20 @@ def _worker_died(processes):
 
 
 def _ignore_sigint():
-    """Worker initializer: Ctrl-C is the main process's to handle (it removes the temporary shards)."""
+    """Worker initializer: Ctrl-C and SIGTERM are the main process's to handle (it removes the
+    temporary shards and stops the workers); a worker whose main process dies dies too (Linux)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux/glibc: orphans end when their queue closes
+        pass
+
+
+def _raise_interrupt(signum, frame):
+    """SIGTERM (a scheduler, ``timeout``, ``docker stop``) stops the run like Ctrl-C: nothing written."""
+    raise KeyboardInterrupt
 
 
 def encode_stream(docs, workers):
@@ -569,6 +582,7 @@ def main(argv=None):
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.split_key is not None and args.val_docs is not None:
         parser.error("--split-key and --val-docs both choose the val documents; give one of them")
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         written = tokenize_to_shards(args.inputs, args.output_dir, args.prefix, args.shard_size, args.val_docs,
                                      parse_filters(args.filter), args.workers, args.overwrite,

@@ -519,6 +519,11 @@ def encode_ordinary(self, text):
     if "FAULT-HERE" in text and multiprocessing.parent_process() is not None:
         with open(os.environ["FAULT_LOG"], "w") as f:  # what the output folder held at that moment
             f.write("\\n".join(sorted(os.listdir(os.environ["FAULT_OUT"]))))
+        if os.environ["FAULT"] == "term":  # a scheduler stops the main process
+            with open(os.environ["FAULT_LOG"] + ".pid", "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getppid(), signal.SIGTERM)
+            return _encode(self, text)
         if os.environ["FAULT"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("simulated tokenizer bug")
@@ -527,11 +532,8 @@ tiktoken.core.Encoding.encode_ordinary = encode_ordinary
 """
 
 
-@pytest.mark.parametrize("fault,message", [
-    ("kill", "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"),
-    ("raise", "error: {src}:1801: the tokenizer failed on this document: RuntimeError: simulated tokenizer bug"),
-], ids=["killed", "raises"])
-def test_worker_that_dies_or_fails_stops_the_run_with_one_line(tmp_path, no_torch, fault, message):
+def run_faulty_tool(tmp_path, no_torch, fault):
+    """The tokenizer on ~3.5 MB of jsonl whose document 1801 triggers ``fault`` in a worker: (proc, stderr, src)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_FAULTY_WORKER)
@@ -551,13 +553,36 @@ def test_worker_that_dies_or_fails_stops_the_run_with_one_line(tmp_path, no_torc
     except subprocess.TimeoutExpired:  # a hang: end the tool and its workers, then fail
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail("the tokenizer did not stop after its worker died")
+        pytest.fail(f"the tokenizer did not stop after the fault {fault!r}")
+    return proc, stderr, src
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("kill", "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"),
+    ("raise", "error: {src}:1801: the tokenizer failed on this document: RuntimeError: simulated tokenizer bug"),
+], ids=["killed", "raises"])
+def test_worker_that_dies_or_fails_stops_the_run_with_one_line(tmp_path, no_torch, fault, message):
+    proc, stderr, src = run_faulty_tool(tmp_path, no_torch, fault)
+    out, log = tmp_path / "out", tmp_path / "seen.txt"
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [message.format(src=src)], stderr
     assert any(".tmp" in name for name in log.read_text().split()), "no shard was being written: test too small"
     assert os.listdir(out) == []  # no *.bin and no *.tmp<pid> left
+
+
+def test_sigterm_stops_like_ctrl_c_and_takes_the_workers_along(tmp_path, no_torch):
+    proc, stderr, _ = run_faulty_tool(tmp_path, no_torch, "term")
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted: no shard written, temporary files removed" in stderr
+    assert os.listdir(tmp_path / "out") == []
+    worker = int((tmp_path / "seen.txt.pid").read_text())
+    deadline = time.time() + 20
+    while time.time() < deadline and os.path.exists(f"/proc/{worker}") and \
+            "zombie" not in open(f"/proc/{worker}/status").read():
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{worker}") or "zombie" in open(f"/proc/{worker}/status").read()
 
 
 def test_uint16_refusal_from_worker_processes_via_cli(tmp_path, no_torch):

@@ -162,3 +162,40 @@ def test_compile_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
     assert len(errors) == 1 and "no working C++ compiler" in errors[0] and "--no-compile" in errors[0], \
         out.stderr[-3000:]
     assert read_log(tmp_path / "logs", "c").splitlines()[-1].startswith("status:incomplete")
+
+
+# ---------------------------------------------------------------------------------------------
+# found by a bad-input review
+
+
+def test_a_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def interrupted_replace(src, dst):
+        assert os.path.exists(src)  # the temporary file was fully written
+        raise T.StopRequested("interrupted by SIGINT")
+    monkeypatch.setattr(T.os, "replace", interrupted_replace)
+    state = {"w": T.torch.zeros(1000)}
+    with pytest.raises(T.StopRequested):
+        T.save_checkpoint(state, str(tmp_path / "ckpt" / "step_000002.pt"))
+    assert os.listdir(tmp_path / "ckpt") == []
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--window", "--n-layer", "--vocab-size", "--num-iterations"])
+def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag):
+    with pytest.raises(T.ConfigError, match=f"^{flag} must be < 2\\*\\*31"):
+        T.parse_config([flag, str(2**64)])
+
+
+def test_out_of_memory_is_one_line_naming_the_flags_to_lower():
+    err = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 123 bytes.")
+    line = T.known_failure(err)
+    assert line.startswith("out of memory (") and "--micro-batch-seqs" in line and "\n" not in line
+    assert T.known_failure(ValueError("something else")) is None
+
+
+def test_a_damaged_summary_on_resume_is_named(tmp_path, capsys):
+    assert T.main(tiny_args(tmp_path, "--run-id", "j", "--max-steps", "2", "--save-final")) == 0
+    (tmp_path / "logs" / "j.json").write_text('{"run_id": "j", "stat')
+    assert T.main(tiny_args(tmp_path, "--run-id", "j", "--resume", "auto", "--max-steps", "1")) == 2
+    err = capsys.readouterr().err
+    assert "j.json is not valid JSON" in err and "--resume" in err
