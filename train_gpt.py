@@ -1385,7 +1385,8 @@ def find_latest_checkpoint(checkpoint_dir, run_id=""):
     runs = sorted({os.path.dirname(p) for _, p in found})
     if len(runs) > 1:
         raise ConfigError(f"--resume auto: checkpoints of {len(runs)} runs under {where!r} "
-                          f"({', '.join(os.path.basename(r) for r in runs)}); name one with --run-id")
+                          f"({', '.join(os.path.relpath(r, where) for r in runs)}); "
+                          + ("keep one folder of step_*.pt files there" if run_id else "name one with --run-id"))
     return max(found)[1]
 
 

@@ -199,3 +199,11 @@ def test_a_damaged_summary_on_resume_is_named(tmp_path, capsys):
     assert T.main(tiny_args(tmp_path, "--run-id", "j", "--resume", "auto", "--max-steps", "1")) == 2
     err = capsys.readouterr().err
     assert "j.json is not valid JSON" in err and "--resume" in err
+
+
+def test_resume_auto_names_nested_copies_of_one_run_by_their_paths(tmp_path):
+    for sub in ("a", os.path.join("a", "a")):  # `cp -r` onto an existing folder nests the copy
+        (tmp_path / "ckpt" / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ckpt" / sub / "step_000002.pt").write_bytes(b"x")
+    with pytest.raises(T.ConfigError, match=r"2 runs under .*\(\., a\); keep one folder of step_\*\.pt files"):
+        T.find_latest_checkpoint(str(tmp_path / "ckpt"), "a")
