@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -196,6 +197,29 @@ def test_drift_tolerance_grows_with_the_step_and_keeps_an_edit_of_0_01_failing()
     assert all(0.01 - tol(s) > tol(s) for s in steps)
     assert verify.same_loss(7.2512, 7.2512 + 0.9 * tol(40), tol(40))
     assert not verify.same_loss(7.2512, 7.2512 + 0.01 - tol(40), tol(40))
+    last = tol.last_train_step
+    assert tol.judges_train(last) and not tol.judges_train(last + 1)
+    assert tol(last) <= verify.DRIFT_CAP < tol(last) + 1e-4
+
+
+def points(*rows):
+    """A stand-in for compare.Run with train points ``(step, train_loss)``."""
+    return SimpleNamespace(train=[dict(step=s, train_loss=x, tokens=s, flops=s) for s, x in rows])
+
+
+def test_train_losses_past_the_drift_cap_are_shown_not_judged():
+    last = verify.DRIFT.last_train_step
+    logged = points((last, 7.0), (last + 10, 7.0))
+    ok, report = verify.compare_train(logged, points((last, 7.003), (last + 10, 7.05)), last + 10, verify.DRIFT)
+    assert ok, report
+    assert report[-1].endswith(f"(1 step(s) compared, 1 after step {last} shown, not judged)")
+    assert report[2].endswith("5.00e-02  (not judged)")
+    ok, report = verify.compare_train(logged, points((last, 7.01), (last + 10, 7.0)), last + 10, verify.DRIFT)
+    assert not ok and report[1].endswith("1.00e-02  > tol") and "train losses NOT reproduced" in report[-1]
+    ok, report = verify.compare_train(logged, points((last, 7.0), (last + 10, 7.0)), last + 10, None)
+    assert ok and report[-1] == "rerun: train losses shown, not judged (2 step(s))"
+    ok, report = verify.compare_train(logged, points((last, 7.0)), last + 10, verify.Tolerance(0.1))
+    assert not ok and "missing" in report[2]
 
 
 def test_machines_reads_every_start_of_a_log():
