@@ -78,10 +78,11 @@ How to run (from the repo root)
 Budget. Before anything runs the script prints its plan: every group of runs with its count
 and estimated time, from a cost model of measured run times (COST below: trainer start-up,
 seconds per training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one
-thread each). Full mode on data/sample: at most 78 trainings (9 sweep runs + at most 3 extensions,
-66 arm runs of which 3 are sweep runs, 3 recency runs; a control run costs ~1.8 runs), estimated 98 min;
-quick mode: 12 trainer processes, ~3 min. results.md records the real times, the ratio to the
-estimate and the 1-minute load average around each run (other jobs on the cores slow runs down).
+thread each). Full mode on data/sample: at most 78 trainings (9 sweep runs + at most 3
+extensions, 66 arm runs of which 3 are sweep runs, 3 recency runs; a control run costs ~1.8
+runs), estimated 110 min (on a 1.02M-token corpus with 100k val tokens: 134 min); quick mode:
+12 trainer processes, ~3 min. results.md records the real times, the ratio to the estimate and
+the 1-minute load average around each run (other jobs on the cores slow runs down).
 Resumable: a run whose JSON says ``complete`` (with the same run-defining config) is skipped, so
 rerunning the same command after a crash continues where it stopped; for a run started on an
 earlier day pass its folder with ``--out``.
@@ -168,9 +169,10 @@ MODES = {
 # records/cpu/2026-11-29_small_scale/timing.json, 4 x 128 wide, 1024 positions/step: 1.13 s per step
 # = 2.5e-11 s per training FLOP; ~42 s per run beyond its steps, ~36 s of it six 16k-token evals at that
 # rate per FLOP, so ~6 s of start-up (20 s allows for a busier start). Side by side under equal load,
-# 64 wide ran 2.0x faster per step for 2.1x fewer FLOPs, and a val position cost about a third of a
-# training position: the same rate per FLOP. results.md reports the measured time / this estimate.
-COST = dict(startup_s=20.0, s_per_train_flop=2.5e-11, s_per_val_flop=2.5e-11)
+# 64 wide ran 2.0x faster per step for 2.1x fewer FLOPs. A val position of this shape cost 0.48 of a
+# training position in the same adamw run (512 positions/step, the whole 63k-token val shard 7 times),
+# not the 1/3 of its FLOPs: 1.45x the rate per FLOP. results.md reports measured time / this estimate.
+COST = dict(startup_s=20.0, s_per_train_flop=2.5e-11, s_per_val_flop=3.6e-11)
 
 
 # ----------------------------------------------------------------------------------------------
