@@ -13,8 +13,8 @@ and the optimizer differ:
   muon           Muon on the block matrices, no TST
   aurora         Aurora on the block matrices, no TST
   aurora_tst     Aurora + TST full, s=4, r=0.3
-  aurora_tst_s2 / _s8      s in {2, 8}, r=0.3
-  aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4
+  aurora_tst_s2 / _s8      s in {2, 8}, r=0.3      (full mode: s8 only; s2 with --arms)
+  aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4    (full mode: r0.2 only; r0.4 with --arms)
   aurora_tst_input / _output  the two ablation modes (--tst-mode input/output), s=4, r=0.3
   aurora_eqtext  the equal-text control of aurora_tst: plain Aurora (no bags) with s=4 times the
                  batch for the first r=0.3 of the steps, then the normal batch
@@ -49,8 +49,9 @@ the run ends.
 
 The recency check (``--recency-arm``, default adamw): the arm also trains at seed 0 on
 ``docs`` orders of the corpus -- whole documents shuffled, each read in one piece, i.e. the
-in-order stream with only the document order changed -- with val points every ``N/6`` steps (as
-its seed-0 ``mix`` runs). ``recency.png`` shows its val curves over the orders before (docs) and
+in-order stream with only the document order changed -- with val points every ``N/4`` steps (as
+its seed-0 ``mix`` runs; other runs val at the start and the end only, the control also at equal
+FLOPs: every val is a pass over the whole val shard, about half the cost of a run). ``recency.png`` shows its val curves over the orders before (docs) and
 after (mix), and results.md the spread (std, range) of its final val loss over orders, before
 and after.
 
@@ -59,7 +60,8 @@ The lr of the block matrices is tuned per optimizer family first, by a small swe
 factor-2 step, ``--sweep-extend`` times): ``--adamw-lr`` for adamw, ``--matrix-lr`` for muon
 and for aurora (every other aurora arm uses aurora's). The Adam lrs of the embedding, head and
 scalars stay at the ``cpu_smoke`` preset values. The sweep run at the chosen lr *is* (order 0,
-seed 0) of that arm (same flags): it is copied into the arm's folder instead of trained twice.
+seed 0) of that arm (same flags): it is copied into the arm's folder instead of trained twice
+(not for the recency arm, whose seed-0 runs val more often).
 
 Output: ``results.md`` (+ ``results.json``), one folder of logs per arm
 (``<out>/<arm>/<arm>_o<order>_seed<k>.txt`` + ``.json``, the trainer's own), ``lr_sweep/``,
@@ -154,25 +156,26 @@ FAMILIES = {"adamw": ("--adamw-lr", "adamw"), "muon": ("--matrix-lr", "muon"), "
 
 MODES = {
     "full": dict(
-        arms=list(ARMS), orders=3, seeds=2, steps=300, batch_tokens=512, val_tokens=None, val_every=150,
+        # 9 arms x 3 orders x 2 seeds at 256 positions per step: the plan fits in 2 h on 2 cores
+        arms=[a for a in ARMS if a not in ("aurora_tst_s2", "aurora_tst_r0.4")], orders=3, seeds=2, steps=300,
+        batch_tokens=256, val_tokens=None, val_every=None,
         sweep={"adamw": [0.001, 0.002, 0.004], "muon": [0.0125, 0.025, 0.05], "aurora": [0.0125, 0.025, 0.05]},
         sweep_extend=1, recency_arm="adamw", out=os.path.join("records", "cpu", "{date}_small_scale")),
     "quick": dict(
         arms=["adamw", "aurora", "aurora_tst", "aurora_eqtext"], orders=2, seeds=1, steps=40, batch_tokens=256,
-        val_tokens=8192, val_every=20, sweep={"adamw": [0.004], "aurora": [0.05]},
+        val_tokens=8192, val_every=None, sweep={"adamw": [0.004], "aurora": [0.05]},
         sweep_extend=0, recency_arm="adamw", out=os.path.join("bench", "out", "small_scale_quick")),
 }
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
-# training FLOP + seconds per val (forward, 1/3 of a training position's) FLOP. From measured runs
-# (torch 2.13.0 CPU, float32, one thread per run, 2 runs at a time on a 2-core Xeon, load ~2):
-# records/cpu/2026-11-29_small_scale/timing.json, 4 x 128 wide, 1024 positions/step: 1.13 s per step
-# = 2.5e-11 s per training FLOP; ~42 s per run beyond its steps, ~36 s of it six 16k-token evals at that
-# rate per FLOP, so ~6 s of start-up (20 s allows for a busier start). Side by side under equal load,
-# 64 wide ran 2.0x faster per step for 2.1x fewer FLOPs. A val position of this shape cost 0.48 of a
-# training position in the same adamw run (512 positions/step, the whole 63k-token val shard 7 times),
-# not the 1/3 of its FLOPs: 1.45x the rate per FLOP. results.md reports measured time / this estimate.
-COST = dict(startup_s=20.0, s_per_train_flop=2.5e-11, s_per_val_flop=3.6e-11)
+# training FLOP + seconds per val (forward) FLOP, measured on a 2-core AMD EPYC (torch 2.13.0 CPU,
+# float32, one thread, another job's trainer on the cores) at the MODEL shape: 0.62 s per 512-position
+# adamw step (1.21 ms a position, 5.8e-11 s per training FLOP), 38.6 s per eval of the 63,483-token
+# val shard (0.61 ms a position: half a training position, not the third of its FLOPs, since the
+# 50304-wide softmax dominates at this width), 8 s start-up. Two runs at a time on two cores each ran
+# as fast as one alone in the earlier 4 x 128 benchmark (records/cpu/2026-11-29_small_scale).
+# results.md reports the measured time / this estimate of every run.
+COST = dict(startup_s=8.0, s_per_train_flop=5.8e-11, s_per_val_flop=8.75e-11)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,19 +240,23 @@ def eqtext_plan(spec, arm):
 
 
 def val_every_of(spec, arm, seed):
-    """Val cadence of a run: the control's at equal FLOPs, dense for the recency arm's seed 0, else the mode's."""
+    """Val cadence of a run: the control's at equal FLOPs, N/4 for the recency arm's seed 0, else the mode's.
+
+    (The control's second part only vals at the end, or at equal FLOPs when that lies there.)
+    """
     if arm in EQTEXT:
         return eqtext_plan(spec, arm)["flops_step"]
     if arm == spec["recency_arm"] and seed == 0:
-        return max(1, spec["steps"] // 6)
+        return max(1, spec["steps"] // 4)
     return spec["val_every"]
 
 
-def make_job(spec, arm, kind, order, seed, lr_flags, run_dir=None, run_id=None):
+def make_job(spec, arm, kind, order, seed, lr_flags, run_dir=None, run_id=None, val_every=None):
     """The Job of one run of ``arm`` on data order ``(kind, order)`` from init ``seed``."""
     run_dir = run_dir or os.path.join(spec["out"], arm if kind == "mix" else f"recency_{kind}")
     run_id = run_id or run_name(arm, kind, order, seed)
-    common = dict(train_files=spec["order_globs"][(kind, order)], val_every=val_every_of(spec, arm, seed))
+    common = dict(train_files=spec["order_globs"][(kind, order)],
+                  val_every=val_every or val_every_of(spec, arm, seed))
     extra = ARMS[arm][1] + list(lr_flags)
     key = (arm, kind, order, seed)
     if arm not in EQTEXT:
@@ -259,16 +266,18 @@ def make_job(spec, arm, kind, order, seed, lr_flags, run_dir=None, run_id=None):
     ckpt = os.path.join(ck_dir, run_id, f"step_{eq['switch']:06d}.pt")
     first = trainer_argv(spec, run_dir, run_id, seed, extra, batch_tokens=eq["big_batch"], **common) + [
         "--max-steps", str(eq["switch"]), "--save-final", "--checkpoint-dir", ck_dir]
+    if eq["flops_step"] <= eq["switch"]:  # the equal-FLOPs val point is in the first part: then only the end
+        common["val_every"] = spec["steps"]
     rest = trainer_argv(spec, run_dir, run_id, seed, extra, **common) + [
         "--resume", ckpt, "--resume-force", "--checkpoint-dir", ck_dir]
     return Job(key, run_dir, run_id, [first, rest], ckpt)
 
 
 def sweep_job(spec, fam, lr):
-    """The lr-sweep run of a family at ``lr``: its no-TST arm on mix order 0, seed 0."""
+    """The lr-sweep run of a family at ``lr``: its no-TST arm on mix order 0, seed 0, the mode's val cadence."""
     flag, arm = FAMILIES[fam]
     return make_job(spec, arm, "mix", 0, 0, [flag, fmt_lr(lr)], os.path.join(spec["out"], "lr_sweep"),
-                    f"{fam}_lr{fmt_lr(lr)}_seed0")
+                    f"{fam}_lr{fmt_lr(lr)}_seed0", val_every=spec["val_every"])
 
 
 def arm_jobs(spec, lr_flags):
@@ -301,9 +310,13 @@ def planned_jobs(spec, lr_of=None):
 
 
 def is_reused(spec, job):
-    """True for the (order 0, seed 0) run of a family's no-TST arm: the sweep run at the chosen lr."""
+    """True for the (order 0, seed 0) run of a family's no-TST arm: the sweep run at the chosen lr.
+
+    Not for the recency arm, whose seed-0 runs val more often than the sweep's.
+    """
     arm, kind, order, seed = job.key
-    return kind == "mix" and order == 0 and seed == 0 and FAMILIES.get(ARMS[arm][0], (None, None))[1] == arm
+    return (kind == "mix" and order == 0 and seed == 0 and arm != spec["recency_arm"]
+            and FAMILIES.get(ARMS[arm][0], (None, None))[1] == arm)
 
 
 def est_seconds(job):
@@ -1052,7 +1065,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=None, help="latent positions per step (default: the mode's)")
     ap.add_argument("--val-tokens", type=int, default=None,
                     help="val tokens per eval (default: the whole val shard; quick: 8192)")
-    ap.add_argument("--val-every", type=int, default=None, help="val every this many steps (default: the mode's)")
+    ap.add_argument("--val-every", type=int, default=None,
+                    help="val every this many steps (default: at the start and the end only; the recency arm's "
+                         "seed-0 runs every steps/4, the control at equal FLOPs)")
     ap.add_argument("--adamw-lrs", default=None, help="comma list: the adamw sweep grid of --adamw-lr")
     ap.add_argument("--muon-lrs", default=None, help="comma list: the muon sweep grid of --matrix-lr")
     ap.add_argument("--aurora-lrs", default=None, help="comma list: the aurora sweep grid of --matrix-lr")
@@ -1084,6 +1099,7 @@ def build_spec(args, argv):
     for k in ("orders", "seeds", "steps", "batch_tokens", "val_tokens", "val_every", "sweep_extend", "recency_arm"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
+    spec["val_every"] = spec["val_every"] or spec["steps"]  # default: val at the start and the end only
     spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
     spec["recency_arm"] = None if spec["recency_arm"] == "none" else spec["recency_arm"]
     bad = [a for a in spec["arms"] + [spec["recency_arm"] or "adamw"] if a not in ARMS]
