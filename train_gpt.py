@@ -63,12 +63,25 @@ class Config:
     model_dim: int = _f(768, "residual stream width")
     mlp_ratio: int = _f(4, "MLP hidden width = mlp_ratio * model_dim")
     seq_len: int = _f(1024, "latent positions per sequence (L)")
-    logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c); 0 disables")
+    logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
+                                    "up to a constant); 0 disables")
     rope_base: float = _f(10000.0, "rotary embedding base")
     doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
                                "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
     window: int = _f(0, "sliding attention window in latent positions: query q sees keys q-window+1..q "
-                        "(0 = no window, full causal)")
+                        "(0 = no window, full causal); with --window-start, the window of the last step")
+    window_start: int = _f(0, "window at step 0, grown linearly to --window over the run in multiples of itself "
+                              "(0 = --window at every step)")
+    short_window_layers: str = _f("", "comma list of 0-based layers that attend over half the window")
+    no_attn_layers: str = _f("", "comma list of 0-based layers without attention (MLP only)")
+    attn_scale: float = _f(0.0, "attention logit scale (0 = 1/sqrt(head_dim))")
+    merged_qkv: bool = _f(False, "q, k, v from one [3 * model_dim, model_dim] matmul (three matrices to the optimizer)")
+    value_embeds: int = _f(0, "value-embedding tables k: table j is mixed into the attention values of layers j and "
+                              "n_layer - k + j (0 = none)")
+    unet: bool = _f(False, "U-net skips: block i's output is added, with a learned weight, to the input of block "
+                           "n_layer - 1 - i, for i in the first half")
+    x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
+                             "normed embedding x0 (a = 1, b = 0 at init)")
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch")
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)")
@@ -101,7 +114,8 @@ class Config:
     adam_eps: float = _f(1e-10, "Adam eps")
     # schedule
     warmup_steps: int = _f(0, "linear lr warmup steps")
-    cooldown_frac: float = _f(0.4, "fraction of steps at the end with lr decaying linearly to 0")
+    cooldown_frac: float = _f(0.4, "fraction of steps at the end with lr decaying linearly to --lr-floor")
+    lr_floor: float = _f(0.0, "lr multiplier at the end of the cooldown")
     # eval, logging, execution
     val_every: int = _f(125, "val every this many steps (0 = only at the start and end)")
     val_batch_seqs: int = _f(0, "val sequences per process per forward (0 = micro_batch_seqs)")
@@ -122,17 +136,29 @@ class Config:
     resume_force: bool = _f(False, "resume even if the checkpoint's config or data differs in what changes the run")
 
 
-# The GPT-2-small recipe (3.28 in ~3,000 steps with a Muon-family optimizer) plus TST. One run
-# whatever the number of GPUs: 8 micro-steps of 64 x 1024 on one, one micro-step each on eight.
-RECORD = dict(n_layer=12, model_dim=768, n_head=6, seq_len=1024, batch_tokens=524_288, micro_batch_seqs=64,
-              num_iterations=3000, tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora",
-              matrix_lr=0.05, matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760)
+# The architecture of the modded-nanogpt record history, switched on by the presets (each element
+# is a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps
+# of 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 over the run
+# (records #12-#13), half windows in the "short" layers, value embeddings (#9), U-net skips and
+# the x0 mix, merged QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an
+# lr cooldown over the last 40% to 0.1x (record #19 onward).
+ARCHITECTURE = dict(doc_mask=True, value_embeds=3, unet=True, x0_mix=True, merged_qkv=True, attn_scale=0.12,
+                    logit_softcap=15.0, lr_floor=0.1, cooldown_frac=0.4)
+
+# Record #21's model, batch and steps plus Aurora and TST. One flat 49,152-token sequence per
+# micro-step: 8 micro-steps on one GPU, one each on eight -- the same run whatever the GPU count.
+RECORD = dict(ARCHITECTURE, n_layer=12, model_dim=768, n_head=6, seq_len=48 * 1024, batch_tokens=393_216,
+              micro_batch_seqs=1, num_iterations=1770, window_start=128, window=1792,
+              short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7", head_lr=0.22, embed_lr=0.6,
+              tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05,
+              matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760, val_every=125)
 PRESETS = {
     "record_h200": RECORD,    # the record's name on one H200
     "record_8xb200": RECORD,  # ... and on 8 B200s: the same run
-    # 2 CPU cores, under 5 minutes: a tiny model on the real-text sample.
-    "cpu_smoke": dict(n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
-                      micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0,
+    # 2 CPU cores, under 5 minutes: a tiny model of the same architecture on the real-text sample.
+    "cpu_smoke": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
+                      micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0, value_embeds=1,
+                      window_start=32, window=128, short_window_layers="1,2",
                       embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
 }
 
@@ -286,7 +312,9 @@ class TrainLoader:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: a plain GPT (RMSNorm, RoPE, QK-norm, causal attention, ReLU^2 MLP, untied head, soft-capped logits)
+# Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with the record
+# history's elements behind flags: document masks and sliding windows, value embeddings, U-net skips,
+# the x0 mix, merged QKV, the attention scale, layers without attention (see ARCHITECTURE)
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim."""
@@ -350,13 +378,16 @@ def latent_document_ids(inputs):
 def mask_mod(doc_ids, window):
     """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
 
-    Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and (if ``window`` > 0)
-    ``q - k < window``. ``doc_ids`` int64 ``[B, T]``; index arguments are int tensors that
-    broadcast (FlexAttention calls it on scalars, ``attention_mask`` on whole index grids).
+    Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and ``q - k < window``.
+    ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = no window) or an int64 0-d tensor (a
+    window, read on the device: a window schedule changes no graph). Index arguments are int
+    tensors that broadcast (FlexAttention calls it on scalars, ``attention_mask`` on grids).
     """
+    windowed = torch.is_tensor(window) or window > 0
+
     def allowed(b, h, q, k):
         ok = (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
-        return ok & (q - k < window) if window > 0 else ok
+        return ok & (q - k < window) if windowed else ok
     return allowed
 
 
@@ -391,18 +422,46 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
     return attention_mask(doc_ids, window)[:, None]
 
 
-def attend(q, k, v, mask=None):
-    """Attention ``softmax(q k^T / sqrt(head_dim)) v`` under a mask; q, k, v ``[B, H, T, head_dim]``.
+def attend(q, k, v, mask=None, scale=None):
+    """Attention ``softmax(scale * q k^T) v`` under a mask; q, k, v ``[B, H, T, head_dim]``.
 
-    ``mask`` None: plain causal SDPA (``is_causal=True``, the model without --doc-mask or
-    --window); a ``BlockMask``: FlexAttention (q and k cast to v's dtype, bf16 under autocast);
-    a bool tensor: SDPA with that mask. Returns ``[B, H, T, head_dim]`` in v's dtype.
+    ``scale`` None: ``1/sqrt(head_dim)``. ``mask`` None: plain causal SDPA (``is_causal=True``,
+    the model without --doc-mask or --window); a ``BlockMask``: FlexAttention (q and k cast to
+    v's dtype, bf16 under autocast); a bool tensor: SDPA with that mask. Returns
+    ``[B, H, T, head_dim]`` in v's dtype.
     """
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, BlockMask):
-        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def layer_set(text):
+    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+
+    Raises:
+        ValueError: an entry is not an integer.
+    """
+    return frozenset(int(t) for t in text.split(",") if t.strip())
+
+
+def window_at(step, cfg):
+    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
+
+    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window``
+    at step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to
+    1,792 in blocks of 128), else it is ``--window`` throughout. The layers of
+    ``--short-window-layers`` attend over half of it (at least 1 position; record #21's
+    long/short pattern).
+    """
+    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
+    if w == 0:
+        return 0, 0
+    if w0:
+        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
+        w = min(w, w0 * -(-grown // (w0 * N)))
+    return w, max(w // 2, 1)
 
 
 def _linear(d_in, d_out, zero=False):
@@ -417,22 +476,37 @@ def _linear(d_in, d_out, zero=False):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg):
+    """Multi-head attention with QK-norm and RoPE.
+
+    ``merged_qkv``: q, k, v from one ``[3d, d]`` matmul of the three weights (record #21), which
+    stay three matrices for the optimizer, each orthogonalized on its own as before.
+    ``value_embed``: a value embedding ``ve`` is mixed into the values, ``v <- a v + b ve`` with
+    learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
+    """
+
+    def __init__(self, cfg, value_embed=False):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
         self.proj = _linear(d, d, zero=True)
         self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
+        self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
+        self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
 
-    def forward(self, x, mask=None):
-        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal)."""
+    def forward(self, x, mask=None, ve=None):
+        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
         B, L, _ = x.shape
-        q = self.q(x).view(B, L, self.n_head, self.head_dim)
-        k = self.k(x).view(B, L, self.n_head, self.head_dim)
-        v = self.v(x).view(B, L, self.n_head, self.head_dim)
+        shape = (B, L, self.n_head, self.head_dim)
+        if self.merged_qkv:
+            qkv = F.linear(x, torch.cat((self.q.weight, self.k.weight, self.v.weight)))
+            q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
+        else:
+            q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
+        if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
+            v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view(shape).type_as(v)
         q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
         return self.proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -447,54 +521,102 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.attn, self.mlp = CausalSelfAttention(cfg), MLP(cfg)
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    def forward(self, x, mask=None):
-        x = x + self.attn(rms_norm(x), mask)
+    ``x0_mix``: the input is first replaced by ``a x + b x0`` (x0: the normed embedding; learned
+    a = 1, b = 0 at init; modded-nanogpt record history, used in record #21). A layer in
+    ``--no-attn-layers`` has no attention (record #21 drops layer 7's).
+    """
+
+    def __init__(self, cfg, layer, value_embed=False):
+        super().__init__()
+        has_attn = layer not in layer_set(cfg.no_attn_layers)
+        self.attn = CausalSelfAttention(cfg, value_embed) if has_attn else None
+        self.mlp = MLP(cfg)
+        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
+
+    def forward(self, x, x0=None, mask=None, ve=None):
+        if self.x0_mix is not None:
+            x = self.x0_mix[0] * x + self.x0_mix[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x), mask, ve)
         return x + self.mlp(rms_norm(x))
+
+
+def embed_tokens(table, inputs):
+    """Inputs ``[B, L, k]`` through an ``nn.Embedding`` -> ``[B, L, d]``: the row (k = 1) or the bag's mean."""
+    x = table(inputs)
+    return bag_mean(x) if inputs.size(-1) > 1 else x.squeeze(2)
 
 
 class GPT(nn.Module):
     """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1).
 
     ``forward(inputs, targets=None)``: ``inputs`` int64 ``[B, L, k]`` (k = 1 for plain tokens,
-    k = s for bags, embedded as the float32 mean of the bag); ``targets`` int64 ``[B, L, j]``
-    with -100 = ignore. Returns float32 logits ``[B, L, vocab_size]`` without targets, else
-    the float32 scalar *sum* over valid (position, label) pairs of ``logsumexp(z) - z[y]``
-    (the caller divides by the global number of valid labels, see ``accumulate_gradients``).
+    k = s for bags, embedded as the float32 mean of the bag, value embeddings alike);
+    ``targets`` int64 ``[B, L, j]`` with -100 = ignore. Returns float32 logits
+    ``[B, L, vocab_size]`` without targets, else the float32 scalar *sum* over valid
+    (position, label) pairs of ``logsumexp(z) - z[y]`` (the caller divides by the global number
+    of valid labels, see ``accumulate_gradients``).
 
-    Attention is plain causal unless ``--doc-mask`` or ``--window`` is set; then every layer
-    shares one mask built from the inputs' documents (``latent_document_ids``): a FlexAttention
-    block mask on CUDA (fused only when the model is compiled), a boolean matrix on CPU.
+    Attention is plain causal unless ``--doc-mask`` or ``--window`` is set; then the layers
+    share one mask (two with short-window layers) built from the inputs' documents
+    (``latent_document_ids``) and the windows in the ``windows`` buffer (``set_window``): a
+    FlexAttention block mask on CUDA (fused only when the model is compiled), a boolean matrix
+    on CPU. ``--value-embeds k``: table j feeds layers j and n_layer - k + j. ``--unet``: block
+    i's output is added, times a learned weight (1 at init), to the input of block
+    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net).
     """
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
+        n, k = cfg.n_layer, cfg.value_embeds
+        self.ve_of_layer = {**{j: j for j in range(k)}, **{n - k + j: j for j in range(k)}}
+        self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
+        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer) for i in range(n))
+        self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
+        self._window = window_at(0, cfg)
+        self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
 
-    def mask_for(self, inputs):
-        """The mask of a forward on ``inputs`` ``[B, L, k]`` (see ``build_attention_mask``), or None."""
+    def set_window(self, step):
+        """Put the windows of optimizer ``step`` in the ``windows`` buffer (a device write only if they change)."""
+        window = window_at(step, self.cfg)
+        if window != self._window:
+            self.windows[0], self.windows[1] = window
+            self._window = window
+
+    def masks_for(self, inputs):
+        """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``), or Nones."""
         cfg = self.cfg
         if not cfg.doc_mask and cfg.window == 0:
-            return None
+            return None, None
         if cfg.doc_mask:
             doc_ids = latent_document_ids(inputs)
         else:  # one document: only causality and the window
             doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
-        return build_attention_mask(doc_ids, cfg.window, flex=inputs.is_cuda)
+        if cfg.window == 0:
+            mask = build_attention_mask(doc_ids, 0, flex=inputs.is_cuda)
+            return mask, mask
+        long = build_attention_mask(doc_ids, self.windows[0], flex=inputs.is_cuda)
+        short = build_attention_mask(doc_ids, self.windows[1], flex=inputs.is_cuda) if self.short else long
+        return long, short
 
     def forward(self, inputs, targets=None):
-        mask = self.mask_for(inputs)
-        x = self.embed(inputs)  # [B, L, k, d]
-        x = bag_mean(x) if inputs.size(-1) > 1 else x.squeeze(2)
-        x = rms_norm(x)
-        for block in self.blocks:
-            x = block(x, mask)
+        masks = self.masks_for(inputs)
+        x = x0 = rms_norm(embed_tokens(self.embed, inputs))
+        ves = [embed_tokens(table, inputs) for table in self.value_embeds]
+        n, half, skips = len(self.blocks), len(self.blocks) // 2, []
+        for i, block in enumerate(self.blocks):
+            if self.skip_weights is not None and i >= n - half:  # the second half, in reverse order
+                x = x + self.skip_weights[i - (n - half)] * skips.pop()
+            ve = ves[self.ve_of_layer[i]] if i in self.ve_of_layer else None
+            x = block(x, x0, masks[i in self.short], ve)
+            if self.skip_weights is not None and i < half:
+                skips.append(x)
         logits = upcast(self.lm_head(rms_norm(x)))
         c = self.cfg.logit_softcap
         if c > 0:
@@ -504,17 +626,34 @@ class GPT(nn.Module):
         return mce_loss(logits, targets, reduction="sum")
 
 
-def model_flops_per_position(cfg):
-    """Training FLOPs per latent position: ``6 * N_matmul + 12 * n_layer * model_dim * seq_len``.
+def attended_keys(seq_len, window):
+    """Mean number of keys a query attends in a causal sequence of ``seq_len`` under a window.
 
-    ``N_matmul`` counts every weight used in a matmul (block matrices and LM head; the
-    embedding is a lookup). The second term is attention's QK^T and AV products, forward and
-    backward, counted over the full (not causally halved) L x L square, as in PaLM (arXiv
-    2204.02311, appendix B) and nanoGPT. TST phase 1 costs the same per latent position.
+    ``(1/L) sum_{q<L} min(q + 1, w)`` with ``w = window`` (0: no window, w = L); e.g. (L + 1) / 2
+    without a window. Document masks are not counted (they depend on the data).
     """
-    d, L = cfg.model_dim, cfg.seq_len
-    n_matmul = cfg.n_layer * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + cfg.vocab_size * d
-    return 6 * n_matmul + 12 * cfg.n_layer * d * L
+    L = seq_len
+    w = min(window, L) if window else L
+    return (w * (w + 1) // 2 + (L - w) * w) / L
+
+
+def model_flops_per_position(cfg, step=0):
+    """Training FLOPs per latent position at optimizer ``step``: ``6 * N_matmul + 12 d * keys``.
+
+    ``N_matmul`` counts every weight used in a matmul (attention and MLP matrices of the layers
+    that have them, and the LM head; embeddings and value embeddings are lookups). The second
+    term is attention's QK^T and AV products, forward and backward (12 d FLOPs per attended
+    key), summed over the layers with attention, each over the keys its queries actually attend
+    (``attended_keys``: causality and the layer's window at ``step``; document masks ignored),
+    as in PaLM's accounting (arXiv 2204.02311, appendix B) made exact for the mask. TST phase 1
+    costs the same per latent position.
+    """
+    d, no_attn, short = cfg.model_dim, layer_set(cfg.no_attn_layers), layer_set(cfg.short_window_layers)
+    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
+    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
+    long, half = window_at(step, cfg)
+    keys = sum(attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
+    return 6 * n_matmul + 12 * d * keys
 
 
 # ----------------------------------------------------------------------------------------------
@@ -652,18 +791,17 @@ def next_micro_batches(loader, step, cfg, rt):
 # Optimizers
 
 def build_optimizers(model, cfg, compile=False):
-    """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on embedding, head, vectors/scalars.
+    """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on the embeddings, the head and the scalars.
 
     ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
     """
     cuda = next(model.parameters()).is_cuda
-    block_named = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters()]
-    matrices = [(n, p) for n, p in block_named if p.ndim == 2]
-    scalars = [p for n, p in block_named if p.ndim < 2]
-    adam_groups = [dict(params=[model.embed.weight], lr=cfg.embed_lr),
-                   dict(params=[model.lm_head.weight], lr=cfg.head_lr)]
+    matrices = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters() if p.ndim == 2]
+    embeds = [model.embed.weight] + [table.weight for table in model.value_embeds]
+    scalars = [p for p in model.parameters() if p.ndim < 2]  # mixing and skip weights
+    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[model.lm_head.weight], lr=cfg.head_lr)]
     if scalars:
         adam_groups.append(dict(params=scalars, lr=cfg.scalar_lr))
     betas = (cfg.adam_beta1, cfg.adam_beta2)
@@ -687,13 +825,13 @@ def build_optimizers(model, cfg, compile=False):
 # Schedule
 
 def lr_scale(step, cfg):
-    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to 0 at step N."""
+    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to --lr-floor at step N."""
     N = cfg.num_iterations
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     cooldown = cfg.cooldown_frac * N
     if cooldown > 0 and step >= N - cooldown:
-        return max(0.0, (N - step) / cooldown)
+        return cfg.lr_floor + (1 - cfg.lr_floor) * max(0.0, (N - step) / cooldown)
     return 1.0
 
 
@@ -942,12 +1080,13 @@ def training_loop(run, start_step, end_step):
         if run.loader.wrapped:
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, step, cfg)
+        run.model.set_window(step)
         loss = accumulate_gradients(run.net, micro, rt)
         for opt in run.opts:
             opt.step()
         run.model.zero_grad(set_to_none=True)
         run.guard.update(loss, step + 1)
-        count_step(run.progress, cfg, raw_tokens)
+        count_step(run.progress, cfg, raw_tokens, step)
 
         done = step + 1
         last, stopping = done == end_step, stop_requested(run)
@@ -967,16 +1106,17 @@ def training_loop(run, start_step, end_step):
     return None
 
 
-def count_step(progress, cfg, raw_tokens):
+def count_step(progress, cfg, raw_tokens, step):
     progress.raw_tokens += raw_tokens
     progress.positions += cfg.batch_tokens
-    progress.flops += model_flops_per_position(cfg) * cfg.batch_tokens
+    progress.flops += model_flops_per_position(cfg, step) * cfg.batch_tokens
 
 
 def validate(run, step):
     """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
     cfg, rt = run.cfg, run.rt
     phase = phase_of(max(step - 1, 0), cfg)[0]  # the phase that trained the model so far
+    run.model.set_window(step)  # the window schedule's value at this step (the full window at the end)
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
@@ -1201,6 +1341,7 @@ def validate_config(cfg):
     need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
     need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
     need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
+    check_architecture(cfg, need)
     need(cfg.warmup_steps <= cfg.num_iterations,
          f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
     if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
@@ -1209,6 +1350,31 @@ def validate_config(cfg):
              f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
     need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
          f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
+
+
+def check_architecture(cfg, need):
+    """The architecture flags' checks (part of ``validate_config``); ``need(ok, msg)`` raises ConfigError."""
+    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
+    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
+         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
+    layers = {}
+    for name in ("short_window_layers", "no_attn_layers"):
+        text = getattr(cfg, name)
+        try:
+            layers[name] = layer_set(text)
+        except ValueError:
+            raise ConfigError(f"{_flag(name)} {text!r}: give 0-based layer numbers separated by commas, "
+                              f"e.g. 1,2,5") from None
+        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
+        need(not bad, f"{_flag(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})")
+    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
+    k, n = cfg.value_embeds, cfg.n_layer
+    need(0 <= 2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
+    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
+                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
+    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
+    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
 
 
 def grad_accum_steps(cfg, world):
@@ -1653,7 +1819,8 @@ def log_model_line(run):
     cfg, rt, switch = run.cfg, run.rt, tst_switch_step(run.cfg)
     n_params = sum(p.numel() for p in run.model.parameters())
     tst = "off" if switch == 0 else f"{cfg.tst_mode} s={cfg.tst_bag_size} for steps [0, {switch})"
-    run.log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,} FLOPs per latent position; "
+    run.log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,.0f} FLOPs per latent position "
+                 f"at step 0; "
                  f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
 
@@ -1666,7 +1833,7 @@ def peak_memory_mib(rt):
 
 def log_summary(run, end_step, compile_ms):
     p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
-    log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=model_flops_per_position(run.cfg),
+    log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=p.flops / max(p.positions, 1),
                train_epochs=round(run.loader.position / run.loader.stream.total, 4),
                peak_memory_mib=round(peak, 1), world_size=run.rt.world)
     log.line(SEPARATOR)
