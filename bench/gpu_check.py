@@ -1,55 +1,84 @@
-"""One-shot CUDA check of train_gpt.py: environment, device speed, CPU/GPU agreement, step time.
+"""One-shot CUDA check of train_gpt.py: environment, device speed, CPU/GPU and bf16 agreement, step time.
 
 Run it once on any new GPU box before a record attempt: in one command and under 8 minutes
 it says whether the box computes what the CPU computes, how fast its matmuls and copies
 are, and how long the record preset would take there.
 
     python bench/gpu_check.py                    # on the GPU box: about 4-7 minutes, hard limit 8
-    python bench/gpu_check.py --dry-run          # anywhere, on CPU: 30-70 s on 2 cores (CI runs it)
+    python bench/gpu_check.py --dry-run          # anywhere, on CPU: 60-100 s on 2 cores (CI runs it)
     python bench/gpu_check.py --train-files 'data/fineweb10B/fineweb_train_*.bin' \\
                               --val-files 'data/fineweb10B/fineweb_val_*.bin'   # real shards
 
-It downloads nothing and needs no internet (synthetic shards of random GPT-2 token ids are
-written under --out unless real shards are given). Sections, in order:
+It downloads nothing and needs no internet (synthetic shards of GPT-2 token ids in documents
+of random length are written under --out; the timing run reads real shards when given). Sections, in order:
 
 1. environment: GPU name and memory, driver, CUDA, cuDNN, torch, Triton, SDPA backends,
    float32 matmul precision, what torch.compile will do.
 2. micro-benchmarks: dense bf16 matmul rate of ``--matmul-n``^3 products (TFLOP/s, 2 n^3
    FLOPs per product; median and best of a few trials), device-to-device copy bandwidth
    (GB/s counting bytes read + bytes written), pinned host-to-device bandwidth (GB/s), and
-   the forward time (ms) of the record model's attention shape under each SDPA backend.
-3. correctness: a tiny model trained 5 steps (2 in TST phase 1, 3 in phase 2, grad
-   accumulation 2) in float32 without compile, once on CPU and once on CUDA. The train
-   losses, the val losses and the TST val loss must agree within ``--tol`` (absolute,
-   default 1e-3; the log prints losses to 4 decimals). Both columns are printed. (Aurora's
-   Newton-Schulz runs in bf16 on both devices, so they agree closely but not bit for bit.)
-4. timing: the ``record_h200`` preset (bf16, compiled) for a short window: 2 x ``--steps``
-   optimizer steps (default 30 + 30) with the TST switch in the middle. Reported: compile
-   warm-up of all phase graphs (ms, excluded from train time as in a record), ms per step
-   of each phase (from the trainer's own synchronized train_time; the first step of a phase
-   is dropped when it is > 1.25 x the phase median, i.e. a warm-up), raw text tokens/s and
-   latent positions/s (phase 1 reads s = 4 tokens per position), model FLOPs per step
-   (``train_gpt.model_flops_per_position x batch_tokens``), achieved TFLOP/s, MFU against
-   the *measured* matmul rate (and against the datasheet peak when the GPU is known), peak
-   CUDA memory (MiB, ``max_memory_allocated``), graphs compiled inside the timed window
-   (should be 0), and the projected train time of the full preset: its N steps split at
-   round(r * N) into phase 1 and phase 2, each times its measured ms/step.
+   the forward time (ms) of causal SDPA at [64, 6, 1024, 128] under each backend (a reference
+   of the attention kernels; the record's FlexAttention is timed inside the steps).
+3. agreement: a tiny model with every architecture flag of the record on (document masks,
+   a window growing 16 -> 48 over the 5 steps with a half-window layer, value embeddings,
+   U-net, x0 mix, merged QKV, attention scale, a layer without attention, softcap) trained
+   5 steps (2 in TST phase 1, 3 in phase 2, grad accumulation 2) on synthetic Zipf-distributed
+   tokens in short documents (mean 40 tokens, so masks and windows bind; the loss drops by
+   ~2.5 nats in 5 steps, so a wrong computation shows). Three runs, at once on CUDA:
+   a. CPU float32 eager vs device float32 eager, every train and val loss within ``--tol``
+      (absolute, default 1e-3; the log prints 4 decimals). On CUDA this compares the
+      FlexAttention path (block mask) with the CPU's masked SDPA. (Aurora's Newton-Schulz
+      runs in bf16 on both devices, so they agree closely but not bit for bit.)
+   b. device bf16 (compiled on CUDA: the fused FlexAttention kernel; eager on CPU, where
+      compiling takes minutes) vs device float32 eager (run a's), within ``--bf16-tol``
+      (default 2e-2). Why 2e-2: bf16 keeps 8 significand bits (relative rounding 2^-9 ~ 2e-3
+      per operation); the logits and loss are float32 and the first step's loss is ln(V) in
+      both (zero-init head), so the difference is the drift of a few optimizer steps taken on
+      bf16 gradients: measured 1.1e-3 in 3 steps (CPU, eager). 2e-2 leaves room for compiled
+      kernels and the 2 more steps, and is still failed by an error the size of changing the
+      attention scale from 0.12 to 0.2 (2.6e-2 at step 5 in float32). Small errors are run
+      a's job. On CPU the bf16 run stops after 3 steps (``--max-steps``, same schedule; bf16
+      matmuls there are ~5x slower than float32) and the losses it logged are compared.
+4. timing: the ``record_h200`` preset (bf16, compiled) with N = ``--steps`` (default 40): the
+   preset's TST split (phase 1 = round(r N) = 12 steps, then 28 in phase 2) and its window
+   schedule grown over those N steps (128 -> 1792), i.e. the full 1,770-step run compressed,
+   so each phase is timed over the windows it has in the full run, not only the tiny early
+   ones. Synthetic documents have random lengths of mean 1024 tokens (give real shards for
+   real ones; document masks make attention cheaper than its FLOP count). Reported: compile
+   warm-up of all phase graphs (ms, excluded from train time as in a record), ms per step of
+   each phase (from the trainer's own synchronized train_time; the first step of a phase is
+   dropped when it is > 1.25 x the phase median, i.e. a warm-up), the windows of the first
+   and last timed step, raw text tokens/s and latent positions/s (phase 1 reads s = 4 tokens
+   per position), model FLOPs per step (``train_gpt.model_flops_per_position(cfg, step) x
+   batch_tokens`` at each timed step, averaged), achieved TFLOP/s, MFU against the *measured*
+   matmul rate (and against the datasheet peak when the GPU is known), peak CUDA memory (MiB,
+   ``max_memory_allocated``), graphs compiled inside the timed window (should be 0), and the
+   projected train time of the full preset. Projection: each phase's model FLOPs summed over
+   the full run's steps, divided by that phase's measured FLOP rate. It assumes a step's time
+   is proportional to its model FLOPs within a phase (the FLOP rate does not change as the
+   windows grow). Since the timed steps sample the same windows, this only corrects the
+   sampling; the unweighted estimate (steps x measured ms/step per phase) is shown next to
+   it, and their gap bounds the effect of that assumption.
 5. summary: one table on stdout; the same numbers as JSON in ``<out>/gpu_check.json`` (and
    the table in ``<out>/gpu_check_summary.txt``); the trainer's logs in ``<out>/logs/``.
 
-Exit status: 0 when every section ran and the correctness check passed; 1 when the
-correctness check failed; 2 when anything else failed (a crash, a timeout, a missing
+Exit status: 0 when every section ran and both agreement checks passed; 1 when one of
+them failed; 2 when anything else failed (a crash, a timeout, a missing
 phase). The table and JSON are written in every case. The whole script stops itself at
 ``--budget-s`` (default 470 s) after its start: a run still going is stopped (SIGTERM, then
 SIGKILL) and what its log holds so far is reported; give a job runner's own limit at least
 the budget plus a minute (e.g. ``timeout_s=560``). Where the time goes on an H200 (estimates,
-the first run will tell): environment + micro-benchmarks ~15 s, correctness ~20-30 s, timing
-run ~10 s start-up + compile warm-up (cold inductor cache: the biggest unknown, 1-4 min) +
-60 steps x ~1-1.5 s. If the budget is too short, lower ``--steps`` or raise ``--budget-s``.
+the first run will tell): environment + micro-benchmarks ~15 s; agreement ~30 s eager, but the
+compiled tiny run adds its cold compile (FlexAttention forward and backward, Aurora: ~1-2 min,
+capped by ``--correct-timeout-s``); timing run ~20 s start-up + compile warm-up (cold inductor
+cache: the biggest unknown, 1-4 min) + 40 steps x ~0.5-1 s (8 micro-steps of one 49,152-token
+sequence each) + two val passes. If the budget is too short, lower ``--steps`` (>= 10 keeps 3
+steps in phase 1) or raise ``--budget-s``.
 
-``--dry-run`` does all of the above on CPU with a tiny model, a few steps, no compile and
-small CPU micro-benchmarks (fp32 matmul, RAM copy), comparing CPU with CPU; it calls
-nothing CUDA-only, so CI finds a broken script before GPU minutes are spent.
+``--dry-run`` does all of the above on CPU with the tiny model (timing: 10 steps of it), no
+compile and small CPU micro-benchmarks (fp32 matmul, RAM copy), comparing CPU with CPU (check
+a, bit for bit) and CPU bf16 eager with CPU fp32 (check b); it calls nothing CUDA-only, so CI
+finds a broken script before GPU minutes are spent.
 
 The trainer runs as subprocesses (``python train_gpt.py ...``), not in-process through
 ``train_gpt.main``: a subprocess can be stopped at the time budget and still leave its log,
@@ -95,10 +124,21 @@ SCHEMA = "gpu_check-1"
 # only for a second MFU column, the first one uses the measured matmul rate.
 NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("B200", 2250.0))
 
-# The tiny model of the correctness check (and of --dry-run's timing window).
-# 8 sequences of 32 positions a step, 2 micro-batches of 4 (so grad accumulation is exercised).
-TINY_MODEL = ["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
-              "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "4"]
+# The tiny model of the agreement checks (and of --dry-run's timing run): every architecture flag
+# of the record on. 4 sequences of 64 positions a step, 2 micro-batches of 2 (grad accumulation);
+# value embeddings feed layers 0 and 3, layer 2 has no attention, layer 1 a half window; the
+# window grows 16 -> 48 in steps of 16 over 5 steps (16, 32, 32, 48, 48), so it changes mid-run.
+TINY_MODEL = ["--preset", "cpu_smoke", "--n-layer", "4", "--model-dim", "64", "--n-head", "2",
+              "--seq-len", "64", "--batch-tokens", "256", "--micro-batch-seqs", "2",
+              "--doc-mask", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
+              "--no-attn-layers", "2", "--value-embeds", "1", "--unet", "--x0-mix", "--merged-qkv",
+              "--attn-scale", "0.12", "--logit-softcap", "15"]
+# The checks' run: 2 steps of TST phase 1, then phase 2; lrs high enough that the loss drops by
+# ~2.5 nats in 5 steps on the Zipf-distributed check data (a run that learns shows differences).
+CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "1024", "--val-every", "0", "--log-every", "1",
+               "--seed", "0", "--head-lr", "0.05", "--embed-lr", "0.6"]
+CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
+TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
 
 
@@ -480,7 +520,7 @@ def microbench(device, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: synthetic shards (random GPT-2 ids) unless real ones are given
+# Data: synthetic shards (GPT-2 ids, documents of random length) unless real ones are given
 
 def write_shard(path, tokens):
     header = np.zeros(256, dtype="<i4")
@@ -494,144 +534,205 @@ def write_shard(path, tokens):
     os.replace(tmp, path)
 
 
-def window_train_tokens(args):
-    """Raw train tokens the timing window reads (TST phase 1 reads s tokens per position)."""
-    if T is None:
-        return 100 << 20
-    cfg, _ = T.parse_config(timing_argv(args, [], "cpu", "")[1])
-    switch, seqs = T.tst_switch_step(cfg), cfg.batch_tokens // cfg.seq_len
-    total = 0
-    for steps, step in ((switch, 0), (cfg.num_iterations - switch, cfg.num_iterations - 1)):
-        _, s, mode = T.phase_of(step, cfg)
-        seq_tokens, advance = T.sequence_layout(mode, s, cfg.seq_len)
-        total += steps * seqs * advance + seq_tokens
-    return total
+def synthetic_tokens(rng, n, mean_doc, zipf=None):
+    """uint16 ``[n]`` GPT-2 ids: uniform (``zipf`` None) or Zipf(``zipf``)-distributed (learnable
+    in a few steps); each token starts a new document (an ``<|endoftext|>``) with probability
+    1 / ``mean_doc``, so document lengths are geometric with mean ``mean_doc``."""
+    eot = GPT2_VOCAB - 1
+    if zipf:
+        toks = ((rng.zipf(zipf, size=n) - 1) % eot).astype(np.uint16)
+    else:
+        toks = rng.integers(0, eot, size=n, dtype=np.uint16)
+    toks[rng.random(n) < 1.0 / mean_doc] = eot
+    toks[0] = eot
+    return toks
+
+
+def write_synthetic(d, n_train, n_val, mean_doc, zipf=None):
+    """Two train shards of ``n_train`` tokens and one val shard of ``n_val`` under ``d``: data words."""
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in (1, 2):
+        write_shard(os.path.join(d, f"synthetic_train_{i:06d}.bin"), synthetic_tokens(rng, n_train, mean_doc, zipf))
+    write_shard(os.path.join(d, "synthetic_val_000000.bin"), synthetic_tokens(rng, n_val, mean_doc, zipf))
+    print(f"synthetic shards in {d}: train 2 x {n_train:,} tokens, val {n_val:,} tokens, "
+          f"mean document {mean_doc} tokens")
+    return ["--train-files", os.path.join(d, "synthetic_train_*.bin"),
+            "--val-files", os.path.join(d, "synthetic_val_*.bin")]
 
 
 def data_args(args, out_dir):
-    """``--train-files/--val-files`` words: the given globs, or freshly written synthetic shards."""
+    """Data words of the timing run (the given globs or synthetic shards) and of the checks (synthetic).
+
+    Returns ``(timing words, check words, folders to remove)``.
+    """
+    check = write_synthetic(os.path.join(out_dir, "synthetic_check"), 20_000, 4096, CHECK_MEAN_DOC, zipf=1.2)
+    dirs = [os.path.join(out_dir, "synthetic_check")]
     if args.train_files or args.val_files:
         if not (args.train_files and args.val_files):
             raise ValueError("give both --train-files and --val-files, or neither (synthetic shards)")
-        return ["--train-files", args.train_files, "--val-files", args.val_files], None
+        return ["--train-files", args.train_files, "--val-files", args.val_files], check, dirs
+    if T is None:
+        raise RuntimeError(TRAINER_IMPORT_ERROR)
+    # enough tokens for the whole timing run, so no read wraps around (nor trips a check for it)
+    need = T.train_tokens_needed(T.parse_config(timing_argv(args, [], "cpu", "")[1])[0])
+    per_shard = max(100_000, -(-int(1.1 * need) // 2))
     d = os.path.join(out_dir, "synthetic_data")
-    os.makedirs(d, exist_ok=True)
-    rng = np.random.default_rng(0)
-    # enough tokens for the whole timing window, so no read wraps around (nor trips a check for it)
-    per_shard = max(100_000, -(-int(1.1 * window_train_tokens(args)) // 2))
-    for i in (1, 2):
-        toks = rng.integers(0, GPT2_VOCAB, size=per_shard, dtype=np.uint16)
-        toks[::1024] = 50256  # an <|endoftext|> now and then, as in real shards
-        write_shard(os.path.join(d, f"synthetic_train_{i:06d}.bin"), toks)
-    n_val = max(args.val_tokens, 4096) + 1024
-    write_shard(os.path.join(d, "synthetic_val_000000.bin"), rng.integers(0, GPT2_VOCAB, size=n_val, dtype=np.uint16))
-    print(f"synthetic shards in {d}: train 2 x {per_shard:,} tokens, val {n_val:,} tokens")
-    return ["--train-files", os.path.join(d, "synthetic_train_*.bin"),
-            "--val-files", os.path.join(d, "synthetic_val_*.bin")], d
+    timing_data = write_synthetic(d, per_shard, max(args.val_tokens, 4096) + 1024, TIMING_MEAN_DOC)
+    return timing_data, check, dirs + [d]
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Correctness: the same tiny fp32 eager run on CPU and on the device
+# 3. Agreement: the tiny model on CPU fp32, on the device fp32, on the device bf16 (+ compile)
 
-def correctness_argv(steps, data, device_kind, out_dir, run_id):
-    return [*TINY_MODEL, *data, "--num-iterations", str(steps), "--tst-frac", "0.4", "--val-tokens", "1024",
-            "--val-every", "0", "--log-every", "1", "--no-bf16", "--no-compile", "--seed", "0",
-            "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", run_id]
+def check_argv(args, data, device_kind, out_dir, run_id, bf16=False, compile_=False, max_steps=0):
+    return [*TINY_MODEL, *CHECK_TRAIN, *data, "--num-iterations", str(args.correct_steps),
+            "--max-steps", str(max_steps), "--bf16" if bf16 else "--no-bf16",
+            "--compile" if compile_ else "--no-compile", "--device", device_kind,
+            "--log-dir", os.path.join(out_dir, "logs"), "--run-id", run_id]
 
 
-def compare_losses(ref, dev, tol):
-    """Rows (what, step, reference, device, |diff|) of every loss both logs report; pass/fail."""
+def compare_losses(ref, dev, tol, n_train=1):
+    """Rows (what, step, reference, device, |diff|) of every loss the candidate ``dev`` logs; pass/fail.
+
+    Every loss of ``dev`` must be in ``ref`` too (``ref`` may have more: a candidate stopped
+    early by ``--max-steps``); a candidate with fewer than ``n_train`` train losses, or a run
+    that failed, fails.
+    """
     keyed = lambda r: {**{("train_loss", x["step"]): x["loss"] for x in r["train"]},  # noqa: E731
                        **{("val_loss", x["step"]): x["loss"] for x in r["val"]},
                        **{("val_loss_tst", x["step"]): x["loss_tst"] for x in r["val"] if x["loss_tst"] is not None}}
     a, b = keyed(ref), keyed(dev)
     rows = []
-    for key in sorted(set(a) | set(b), key=lambda k: (k[0] != "train_loss", k[0], k[1])):
+    for key in sorted(set(b) or set(a), key=lambda k: (k[0] != "train_loss", k[0], k[1])):
         x, y = a.get(key), b.get(key)
         diff = abs(x - y) if x is not None and y is not None else None
         rows.append(dict(what=key[0], step=key[1], reference=x, device=y, abs_diff=diff))
     diffs = [r["abs_diff"] for r in rows]
     complete = bool(rows) and all(d is not None for d in diffs)
     max_diff = max((d for d in diffs if d is not None), default=None)
-    n_train = sum(r["what"] == "train_loss" for r in rows)
-    passed = (ref["rc"] == 0 and dev["rc"] == 0 and complete and n_train > 0
+    n_logged = sum(r["what"] == "train_loss" and r["device"] is not None for r in rows)
+    passed = (ref["rc"] == 0 and dev["rc"] == 0 and complete and n_logged >= max(n_train, 1)
               and max_diff is not None and max_diff <= tol)
     return rows, passed, max_diff
 
 
-def correctness(device, data, args, out_dir, deadline):
-    """Train the tiny model ``--correct-steps`` steps on CPU and on ``device``; compare every loss."""
-    dev_kind = device.type
-    ref = TrainerRun("check_ref_cpu", correctness_argv(args.correct_steps, data, "cpu", out_dir, "check_ref_cpu"),
-                     out_dir)
-    dut = TrainerRun(f"check_{dev_kind}", correctness_argv(args.correct_steps, data, dev_kind, out_dir,
-                                                           f"check_{dev_kind}"), out_dir)
-    limit = min(deadline, time.monotonic() + args.correct_timeout_s)
-    if dev_kind == "cuda":  # different devices: run both at once (the box has cores to spare)
-        ref.start(), dut.start()
-        r_ref, r_dut = ref.wait(limit), dut.wait(limit)
-    else:  # --dry-run on a 2-core box: one after the other
-        r_ref = ref.start().wait(limit)
-        r_dut = dut.start().wait(limit)
-    rows, passed, max_diff = compare_losses(r_ref, r_dut, args.tol)
-    print(f"\n{'loss':<14}{'step':>5}{'cpu (ref)':>14}{dev_kind:>14}{'|diff|':>12}")
+def agreement(name, ref, dev, tol, labels, n_train):
+    """Compare two finished runs' losses (``compare_losses``), print both columns, return the check's dict."""
+    rows, passed, max_diff = compare_losses(ref, dev, tol, n_train)
+    print(f"\n{name}: {labels[0]} vs {labels[1]}")
+    print(f"{'loss':<14}{'step':>5}{labels[0] + ' (ref)':>22}{labels[1]:>22}{'|diff|':>12}")
     for r in rows:
-        f = lambda v, w: f"{v:>{w}.4f}" if v is not None else f"{'missing':>{w}}"  # noqa: E731
+        f = lambda v: f"{v:>22.4f}" if v is not None else f"{'missing':>22}"  # noqa: E731
         diff = format(r["abs_diff"], ".1e") if r["abs_diff"] is not None else "-"
-        print(f"{r['what']:<14}{r['step']:>5}{f(r['reference'], 14)}{f(r['device'], 14)}{diff:>12}")
-    verdict = "PASS" if passed else "FAIL"
-    print(f"correctness: {verdict} (max |diff| {max_diff} vs tolerance {args.tol}; "
-          f"exit codes cpu {r_ref['rc']}, {dev_kind} {r_dut['rc']})")
+        print(f"{r['what']:<14}{r['step']:>5}{f(r['reference'])}{f(r['device'])}{diff:>12}")
+    print(f"{name}: {'PASS' if passed else 'FAIL'} (max |diff| {max_diff} vs tolerance {tol}; "
+          f"exit codes {ref['rc']}, {dev['rc']})")
     strip = lambda r: {k: r[k] for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")}  # noqa: E731
-    return dict(passed=passed, tol=args.tol, max_abs_diff=max_diff, steps=args.correct_steps,
-                device=dev_kind, rows=rows, reference_run=strip(r_ref), device_run=strip(r_dut))
+    return dict(name=name, reference=labels[0], candidate=labels[1], passed=passed, tol=tol,
+                max_abs_diff=max_diff, steps_compared=sum(r["what"] == "train_loss" for r in rows),
+                rows=rows, reference_run=strip(ref), candidate_run=strip(dev))
+
+
+def failure_reason(check):
+    """One line saying why an agreement check failed: a run that did not finish, or the losses."""
+    runs = [f"{r['name']} exit status {r['rc']}" + (", stopped at its time limit" if r["timed_out"] else "")
+            for r in (check["reference_run"], check["candidate_run"]) if r["rc"] != 0]
+    return f"{check['name']} failed (" + ("; ".join(runs) or f"max |loss diff| {check['max_abs_diff']} vs "
+                                          f"tolerance {check['tol']}, or a loss missing") + ")"
+
+
+def correctness(device, data, args, out_dir, deadline):
+    """The tiny model's runs of section 3 and the two comparisons: dict with ``passed`` and ``checks``."""
+    kind = device.type
+    compile_ = args.compile if args.compile is not None else kind == "cuda"
+    # bf16 matmuls on a CPU without bf16 units are ~5x slower than fp32: 3 steps (both phases) there
+    bf16_steps = args.correct_steps if kind == "cuda" else min(3, args.correct_steps)
+    mixed = f"{kind} bf16 " + ("compiled" if compile_ else "eager")
+    runs = [TrainerRun(n, check_argv(args, data, k, out_dir, n, **kw), out_dir) for n, k, kw in (
+        ("check_ref_cpu", "cpu", {}), (f"check_{kind}", kind, {}),
+        (f"check_{kind}_bf16", kind, dict(bf16=True, compile_=compile_,
+                                          max_steps=0 if bf16_steps == args.correct_steps else bf16_steps)))]
+    limit = min(deadline, time.monotonic() + args.correct_timeout_s)
+    if kind == "cuda":  # CPU, device and compile work overlap (the box has cores to spare)
+        for r in runs:
+            r.start()
+        done = [r.wait(limit) for r in runs]
+    else:  # --dry-run on a 2-core box: one after the other
+        done = [r.start().wait(limit) for r in runs]
+    checks = {"fp32_cpu_vs_device": agreement("fp32_cpu_vs_device", done[0], done[1], args.tol,
+                                              ("cpu fp32 eager", f"{kind} fp32 eager"), args.correct_steps),
+              "bf16_vs_fp32": agreement("bf16_vs_fp32", done[1], done[2], args.bf16_tol,
+                                        (f"{kind} fp32 eager", mixed), bf16_steps)}
+    passed = all(c["passed"] for c in checks.values())
+    print(f"\nagreement: {'PASS' if passed else 'FAIL'}")
+    failures = [failure_reason(c) for c in checks.values() if not c["passed"]]
+    return dict(passed=passed, device=kind, steps=args.correct_steps, bf16_steps=bf16_steps,
+                bf16_compiled=compile_, model=TINY_MODEL + CHECK_TRAIN, checks=checks, failures=failures)
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Timing window of the preset, and the projection of its full run
+# 4. Timing run of the preset, and the projection of its full run
 
-def step_times(train):
-    """Per-step ms from cumulative train_time: list of {step, phase, ms, tokens, positions} per step."""
+def step_times(train, flops_at=None):
+    """Per-step rows from cumulative logs: list of {step, phase, ms, tokens, positions[, flops]}.
+
+    ``flops_at(i)``: model FLOPs of optimizer step index i (0-based); a row covering log steps
+    ``prev+1..step`` gets the mean over those steps.
+    """
     rows, prev = [], dict(step=0, train_time_ms=0.0, tokens=0, positions=0)
     for r in sorted(train, key=lambda x: x["step"]):
         n = r["step"] - prev["step"]
         if n <= 0:
             continue
-        rows.append(dict(step=r["step"], phase=r["phase"], ms=(r["train_time_ms"] - prev["train_time_ms"]) / n,
-                         tokens=(r["tokens"] - prev["tokens"]) / n, positions=(r["positions"] - prev["positions"]) / n))
+        row = dict(step=r["step"], phase=r["phase"], ms=(r["train_time_ms"] - prev["train_time_ms"]) / n,
+                   tokens=(r["tokens"] - prev["tokens"]) / n, positions=(r["positions"] - prev["positions"]) / n)
+        if flops_at is not None:
+            row["flops"] = sum(flops_at(i) for i in range(prev["step"], r["step"])) / n
+        rows.append(row)
         prev = r
     return rows
 
 
-def phase_stats(rows, phase, flops_per_step, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
-    """ms/step (mean over kept steps; median too), tokens/s, positions/s, TFLOP/s and MFU of a phase.
+def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
+    """ms/step (mean over kept steps; median too), tokens/s, positions/s, FLOPs, TFLOP/s and MFU of a phase.
 
     The phase's first step is dropped when it is > ``warmup_ratio`` x the median of the others.
-    Returns None when the log holds no step of this phase.
+    FLOPs per step are the mean of the kept rows' ``flops`` (the windows grow, so steps differ);
+    achieved TFLOP/s = their FLOPs / their time. Returns None when no row is of this phase.
     """
     rs = [r for r in rows if r["phase"] == phase]
     if not rs:
         return None
     ms = [r["ms"] for r in rs]
     drop = len(ms) >= 3 and ms[0] > warmup_ratio * statistics.median(ms[1:])
-    kept = ms[1:] if drop else ms
+    kept_rows = rs[1:] if drop else rs
+    kept = [r["ms"] for r in kept_rows]
     mean = sum(kept) / len(kept)
     tokens, positions = rs[-1]["tokens"], rs[-1]["positions"]  # per step; constant within a phase
-    achieved = flops_per_step / (mean / 1e3) / 1e12 if flops_per_step else None
-    return dict(steps_logged=len(ms), steps_used=len(kept), first_step_ms=round(ms[0], 2),
-                first_step_dropped=drop, ms_per_step=round(mean, 2), ms_median=round(statistics.median(kept), 2),
-                ms_min=round(min(kept), 2), ms_max=round(max(kept), 2),
-                raw_tokens_per_step=round(tokens), positions_per_step=round(positions),
-                raw_tokens_per_s=round(tokens / (mean / 1e3)), positions_per_s=round(positions / (mean / 1e3)),
-                flops_per_step=flops_per_step, achieved_tflops=round(achieved, 3) if achieved else None,
-                mfu_measured=round(achieved / matmul_tflops, 4) if achieved and matmul_tflops else None,
-                mfu_nominal=round(achieved / nominal_tflops, 4) if achieved and nominal_tflops else None)
+    flops = sum(r.get("flops", 0) for r in kept_rows) / len(kept_rows)
+    achieved = flops / (mean / 1e3) / 1e12 if flops else None
+    out = dict(steps_logged=len(ms), steps_used=len(kept), first_step=rs[0]["step"], last_step=rs[-1]["step"],
+               first_step_ms=round(ms[0], 2), first_step_dropped=drop, ms_per_step=round(mean, 2),
+               ms_median=round(statistics.median(kept), 2), ms_min=round(min(kept), 2), ms_max=round(max(kept), 2),
+               raw_tokens_per_step=round(tokens), positions_per_step=round(positions),
+               raw_tokens_per_s=round(tokens / (mean / 1e3)), positions_per_s=round(positions / (mean / 1e3)),
+               flops_per_step=flops, achieved_tflops=float(f"{achieved:.4g}") if achieved else None,
+               mfu_measured=round(achieved / matmul_tflops, 4) if achieved and matmul_tflops else None,
+               mfu_nominal=round(achieved / nominal_tflops, 4) if achieved and nominal_tflops else None)
+    if "window" in rs[0]:
+        out["windows_timed"] = [kept_rows[0]["window"], kept_rows[-1]["window"]]
+    return out
 
 
 def timing_argv(args, data, device_kind, out_dir):
-    """Preset (+ --dry-run's tiny model) + data + --trainer-args, then the window flags (which win)."""
+    """Preset (+ --dry-run's tiny model) + data + --trainer-args, then the timing flags (which win).
+
+    The timing run is the preset with N = --steps: its TST split (round(r N)) and window
+    schedule (grown over N) are the full run's, compressed.
+    """
     base = ["--preset", args.preset] + (TINY_MODEL[2:] if args.dry_run else []) + data + shlex.split(args.trainer_args)
-    window = ["--num-iterations", str(2 * args.steps), "--tst-frac", "0.5", "--max-steps", "0",
+    window = ["--num-iterations", str(args.steps), "--max-steps", "0",
               "--val-every", "0", "--val-tokens", str(args.val_tokens), "--log-every", "1",
               "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", "timing"]
     if args.compile is not None:
@@ -639,64 +740,82 @@ def timing_argv(args, data, device_kind, out_dir):
     return base, base + window
 
 
-def projection(args, base_argv, p1_ms, p2_ms):
-    """Train time of the full preset run (its own N and r; window flags not applied), ms."""
+def projection(args, base_argv, p1, p2):
+    """Train time of the full preset run (its own N, r and windows; timing flags not applied), ms.
+
+    Each phase: its FLOPs over the full run's steps / the phase's measured FLOP rate (FLOPs-
+    weighted), and, for comparison, its steps x the measured mean ms/step (unweighted).
+    """
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = T.parse_config(base_argv)
     switch = T.tst_switch_step(cfg)
-    n1, n2 = switch, cfg.num_iterations - switch
     out = dict(preset=args.preset, num_iterations=cfg.num_iterations, tst_frac=cfg.tst_frac, switch_step=switch,
-               phase1_steps=n1, phase2_steps=n2, projected_train_time_ms=None, projected_train_time_min=None)
-    if (n1 and p1_ms is None) or (n2 and p2_ms is None):
-        return out  # a phase the full run needs was not measured
-    ms = n1 * (p1_ms or 0.0) + n2 * (p2_ms or 0.0)
-    out.update(projected_train_time_ms=round(ms), projected_train_time_min=round(ms / 60e3, 2))
+               phase1_steps=switch, phase2_steps=cfg.num_iterations - switch, projected_train_time_ms=None,
+               projected_train_time_min=None, unweighted_train_time_ms=None)
+    total = unweighted = 0.0
+    for name, steps, p in (("phase1", range(0, switch), p1), ("phase2", range(switch, cfg.num_iterations), p2)):
+        if not steps:
+            continue
+        flops = sum(T.model_flops_per_position(cfg, s) for s in steps) * cfg.batch_tokens
+        out[name + "_flops"] = flops
+        out[name + "_windows"] = [T.window_at(steps[0], cfg), T.window_at(steps[-1], cfg)]
+        if p is None or not p["flops_per_step"]:
+            return out  # a phase the full run needs was not measured
+        total += flops * p["ms_per_step"] / p["flops_per_step"]
+        unweighted += len(steps) * p["ms_per_step"]
+    out.update(projected_train_time_ms=round(total), projected_train_time_min=round(total / 60e3, 2),
+               unweighted_train_time_ms=round(unweighted))
     return out
 
 
-def timing(device, data, args, out_dir, deadline, micro, env):
-    """The preset for 2 x --steps steps (switch in the middle); per-phase speed and the projection."""
-    base, argv = timing_argv(args, data, device.type, out_dir)
-    run = TrainerRun("timing", argv, out_dir)
-    res = run.start().wait(deadline - 25)  # leave time to stop it (SIGTERM, 20 s, SIGKILL) and summarize
-    if T is None:
-        raise RuntimeError(TRAINER_IMPORT_ERROR)
-    cfg, _ = T.parse_config(argv)
-    flops_per_step = T.model_flops_per_position(cfg) * cfg.batch_tokens
-    matmul = (micro or {}).get("matmul", {}).get("tflops")
-    nominal = env.get("nominal_bf16_tflops") if env else None
-    rows = step_times(res["train"])
-    p1 = phase_stats(rows, 1, flops_per_step, matmul, nominal)
-    p2 = phase_stats(rows, 2, flops_per_step, matmul, nominal)
-    s = res["summary"] or {}
-    out = dict(run=dict((k, res[k]) for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")),
-               preset=args.preset, steps_requested=2 * args.steps, steps_logged=len(rows),
-               switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
-               compiled_phases=res["n_compiled_phases"],
-               graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
-               peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
-               flops_per_position=T.model_flops_per_position(cfg), flops_per_step=flops_per_step,
-               batch_positions=cfg.batch_tokens, micro_batch_seqs=cfg.micro_batch_seqs,
-               phase1=p1, phase2=p2, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows])
-    out["projection"] = projection(args, base, p1 and p1["ms_per_step"], p2 and p2["ms_per_step"])
-    problems = []
+def timing_problems(res, p1, p2, pj):
+    """What makes the timing section fail (problems) and what is only worth a look (warnings)."""
+    problems, warnings = [], []
     if res["rc"] != 0:
         problems.append(f"trainer exit status {res['rc']}" + (" (stopped at the time budget)" if res["timed_out"] else ""))
     for name, p in (("phase 1", p1), ("phase 2", p2)):
-        if p is None:
-            problems.append(f"no {name} step was logged")
-    if out["projection"]["projected_train_time_ms"] is None:
+        if p is None and pj[name.replace(" ", "") + "_steps"]:
+            problems.append(f"no {name} step was logged" + (" (raise --steps: the timing run's phase 1 is "
+                                                            "round(r x --steps) steps)" if name == "phase 1" else ""))
+    if pj["projected_train_time_ms"] is None:
         problems.append("no projection (a phase is missing)")
-    out["problems"] = problems
-    warnings = []  # worth a look, but the numbers stand
-    if out["graphs_compiled_during_training"]:
-        warnings.append(f"{out['graphs_compiled_during_training']} graph(s) compiled inside the timed window "
+    if res.get("graphs_compiled"):
+        warnings.append(f"{res['graphs_compiled']} graph(s) compiled inside the timed window "
                         f"(recompilation: the step times include compile time)")
     if p1 and p2 and p2["first_step_ms"] > 2 * p2["ms_median"]:
         warnings.append(f"the first phase-2 step (the TST switch) took {p2['first_step_ms']:.0f} ms vs "
                         f"{p2['ms_median']:.0f} ms median: something is (re)built at the switch")
-    out["warnings"] = warnings
+    return problems, warnings
+
+
+def timing(device, data, args, out_dir, deadline, micro, env):
+    """The preset with N = --steps (both TST phases, the whole window schedule); speed and projection."""
+    base, argv = timing_argv(args, data, device.type, out_dir)
+    if T is None:
+        raise RuntimeError(TRAINER_IMPORT_ERROR)
+    cfg, _ = T.parse_config(argv)
+    run = TrainerRun("timing", argv, out_dir)
+    res = run.start().wait(deadline - 25)  # leave time to stop it (SIGTERM, 20 s, SIGKILL) and summarize
+    matmul = (micro or {}).get("matmul", {}).get("tflops")
+    nominal = env.get("nominal_bf16_tflops") if env else None
+    rows = step_times(res["train"], lambda i: T.model_flops_per_position(cfg, i) * cfg.batch_tokens)
+    for r in rows:
+        r["window"] = list(T.window_at(r["step"] - 1, cfg))
+    p1, p2 = (phase_stats(rows, p, matmul, nominal) for p in (1, 2))
+    s = res["summary"] or {}
+    out = dict(run=dict((k, res[k]) for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")),
+               preset=args.preset, steps_requested=args.steps, steps_logged=len(rows),
+               switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
+               compiled_phases=res["n_compiled_phases"],
+               graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
+               peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
+               flops_per_position_step0=T.model_flops_per_position(cfg, 0),
+               batch_positions=cfg.batch_tokens, micro_batch_seqs=cfg.micro_batch_seqs,
+               phase1=p1, phase2=p2, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows])
+    out["projection"] = projection(args, base, p1, p2)
+    out["problems"], out["warnings"] = timing_problems(
+        dict(res, graphs_compiled=out["graphs_compiled_during_training"]), p1, p2, out["projection"])
     return out
 
 
@@ -740,9 +859,12 @@ def summary_rows(res):
               slash(m.get("tflops"), m.get("tflops_best")), "TFLOP/s"),
              ("micro", "device copy (read + write)", (mb.get("copy") or {}).get("gbps"), "GB/s"),
              ("micro", "pinned host -> device", (mb.get("h2d") or {}).get("gbps"), "GB/s")]
-    rows += [("correct", f"cpu vs {cc.get('device')} fp32, {cc.get('steps')} steps",
-              "PASS" if cc.get("passed") else "FAIL", ""),
-             ("correct", "max |loss diff| (tolerance)", f"{fmt(cc.get('max_abs_diff'))} ({cc.get('tol')})", "")]
+    for c in (cc.get("checks") or {}).values():
+        rows += [("correct", f"{c['reference']} vs {c['candidate']}, {c['steps_compared']} steps",
+                  "PASS" if c["passed"] else "FAIL", ""),
+                 ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
+    if not cc.get("checks"):
+        rows.append(("correct", "agreement checks", "did not run", ""))
     rows += [("timing", "preset / steps logged", slash(tm.get("preset"), tm.get("steps_logged")), ""),
              ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
              ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
@@ -752,7 +874,10 @@ def summary_rows(res):
                  (name, "first step (dropped as warm-up?)", f"{fmt(p.get('first_step_ms'))} ({fmt(p.get('first_step_dropped'))})", "ms"),
                  (name, "raw text tokens/s", p.get("raw_tokens_per_s"), "tokens/s"),
                  (name, "latent positions/s", p.get("positions_per_s"), "positions/s"),
-                 (name, "model FLOPs/step", float(p["flops_per_step"]) if p.get("flops_per_step") else None, "FLOP"),
+                 (name, "windows timed, first / last (long, short)",
+                  " / ".join(str(tuple(w)) for w in p.get("windows_timed") or []) or "-", "positions"),
+                 (name, "model FLOPs/step (mean of timed steps)",
+                  float(p["flops_per_step"]) if p.get("flops_per_step") else None, "FLOP"),
                  (name, "achieved", p.get("achieved_tflops"), "TFLOP/s"),
                  (name, "MFU vs measured matmul (vs datasheet peak)",
                   f"{pct(p.get('mfu_measured'))} ({pct(p.get('mfu_nominal'))})", "%")]
@@ -760,10 +885,11 @@ def summary_rows(res):
     rows += [("timing", "peak memory", tm.get("peak_memory_mib"), "MiB"),
              ("project", f"full {pj.get('preset') or res['args']['preset']}: N / phase 1 / phase 2 steps",
               slash(pj.get("num_iterations"), pj.get("phase1_steps"), pj.get("phase2_steps")), "steps"),
-             ("project", "projected train time" + (" (dry run: the tiny model's step times)"
-                                                   if res["args"].get("dry_run") else ""),
+             ("project", "projected train time, FLOPs-weighted" + (" (dry run: the tiny model's step times)"
+                                                                  if res["args"].get("dry_run") else ""),
               f"{fmt(pj.get('projected_train_time_ms'))} "
               f"({fmt(pj.get('projected_train_time_min'))} min)", "ms"),
+             ("project", "  unweighted (steps x measured ms/step)", pj.get("unweighted_train_time_ms"), "ms"),
              ("result", "status / exit code", slash(res.get("status"), res.get("exit_code")), ""),
              ("result", "wall time of this check", res.get("wall_s"), "s")]
     return [(s, i, fmt(v), u) for s, i, v, u in rows]
@@ -783,6 +909,24 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def report(res, out_dir):
+    """Print the summary table, warnings and errors; write them and ``res`` (JSON) under ``out_dir``."""
+    table = render_table(summary_rows(res))
+    banner("5. summary")
+    print(table)
+    for w in res["warnings"]:
+        print(f"warning: {w}")
+    for e in res["errors"]:
+        print(f"error: {e}")
+    res["summary_table"] = table
+    write_json(os.path.join(out_dir, "gpu_check.json"), res)
+    with open(os.path.join(out_dir, "gpu_check_summary.txt"), "w", encoding="utf-8") as f:
+        f.write(table + "\n" + "".join(f"warning: {w}\n" for w in res["warnings"])
+                + "".join(f"error: {e}\n" for e in res["errors"]))
+    print(f"\nwrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check_summary.txt "
+          f"(trainer logs in {os.path.join(out_dir, 'logs')})")
+
+
 # ----------------------------------------------------------------------------------------------
 # Main
 
@@ -792,9 +936,11 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
     p.add_argument("--preset", default=None, help="trainer preset timed (default record_h200; cpu_smoke with --dry-run)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per TST phase (default 30; 3 with --dry-run)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
+                        "schedule (default 40; 10 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="hard wall-clock limit of the whole check, s (default 470; 170 with --dry-run)")
+                   help="hard wall-clock limit of the whole check, s (default 470; 240 with --dry-run)")
     p.add_argument("--train-files", default=None, help="real train shards (glob); default: synthetic")
     p.add_argument("--val-files", default=None, help="real val shards (glob); default: synthetic")
     p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 1024 dry)")
@@ -802,20 +948,22 @@ def parse_args(argv):
                    help="torch.compile in the timing run (default: the trainer's, on with CUDA; off with --dry-run)")
     p.add_argument("--trainer-args", default="", help="extra train_gpt.py words for the timing run and projection")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size n of the n^3 benchmark")
-    p.add_argument("--correct-steps", type=int, default=5, help="steps of the CPU-vs-device check")
-    p.add_argument("--correct-timeout-s", type=float, default=120.0, help="limit of the correctness runs, s")
-    p.add_argument("--tol", type=float, default=1e-3, help="absolute loss tolerance of the correctness check")
+    p.add_argument("--correct-steps", type=int, default=5, help="steps of the agreement checks' runs")
+    p.add_argument("--correct-timeout-s", type=float, default=180.0,
+                   help="limit of the agreement checks' runs (the compiled one included), s")
+    p.add_argument("--tol", type=float, default=1e-3, help="absolute loss tolerance, fp32 cpu vs device")
+    p.add_argument("--bf16-tol", type=float, default=2e-2, help="absolute loss tolerance, bf16 vs fp32")
     p.add_argument("--keep-data", action="store_true", help="keep the synthetic shards under --out")
     args = p.parse_args(argv)
     d = args.dry_run
     args.preset = args.preset or ("cpu_smoke" if d else "record_h200")
-    args.steps = args.steps or (3 if d else 30)
-    args.budget_s = args.budget_s or (170.0 if d else 470.0)
+    args.steps = args.steps or (10 if d else 40)
+    args.budget_s = args.budget_s or (240.0 if d else 470.0)
     args.val_tokens = args.val_tokens or (1024 if d else 65536)
     if d and args.compile is None:
         args.compile = False
-    if args.steps < 2 or args.correct_steps < 2:
-        p.error("--steps and --correct-steps must be >= 2")
+    if args.steps < 4 or args.correct_steps < 2:
+        p.error("--steps must be >= 4 and --correct-steps >= 2")
     return args
 
 
@@ -853,7 +1001,7 @@ def main(argv=None):
         finally:
             res["section_wall_s"][name] = round(time.monotonic() - t0, 1)
 
-    synthetic_dir = None
+    synthetic_dirs = []
     try:
         if args.dry_run:
             device = torch.device("cpu")
@@ -873,11 +1021,11 @@ def main(argv=None):
             res["microbench"] = section("2. micro-benchmarks", microbench, device, args)
             data = section("data", data_args, args, out_dir)
             if data:
-                data, synthetic_dir = data
-                res["correctness"] = section("3. correctness (cpu vs device, fp32, no compile)",
-                                             correctness, device, data, args, out_dir, deadline)
+                data, check_data, synthetic_dirs = data
+                res["correctness"] = section("3. agreement (cpu vs device fp32; bf16 vs fp32)",
+                                             correctness, device, check_data, args, out_dir, deadline)
                 if not STOP["reason"]:
-                    res["timing"] = section(f"4. timing window of {args.preset}", timing, device, data,
+                    res["timing"] = section(f"4. timing run of {args.preset}", timing, device, data,
                                             args, out_dir, deadline, res["microbench"], res["env"])
                 if res["timing"]:
                     res["errors"] += [f"timing: {p}" for p in res["timing"]["problems"]]
@@ -887,31 +1035,19 @@ def main(argv=None):
         for run in list(TrainerRun.running):
             run.stop()
     finally:
-        if synthetic_dir and not args.keep_data:
-            shutil.rmtree(synthetic_dir, ignore_errors=True)
+        for d in synthetic_dirs if not args.keep_data else []:
+            shutil.rmtree(d, ignore_errors=True)
 
     if STOP["reason"]:
         res["errors"].append(STOP["reason"])
     passed = bool(res["correctness"] and res["correctness"]["passed"])
     if not passed:
-        res["errors"].append("correctness: " + ("FAILED" if res["correctness"] else "did not run"))
+        res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]
+                          else ["agreement: did not run"])
     res["exit_code"] = 1 if (res["correctness"] and not passed) else (2 if res["errors"] else 0)
     res["status"] = "ok" if res["exit_code"] == 0 else "failed"
     res["wall_s"] = round(time.monotonic() - t_start, 1)
-    table = render_table(summary_rows(res))
-    banner("5. summary")
-    print(table)
-    for w in res["warnings"]:
-        print(f"warning: {w}")
-    for e in res["errors"]:
-        print(f"error: {e}")
-    res["summary_table"] = table
-    write_json(os.path.join(out_dir, "gpu_check.json"), res)
-    with open(os.path.join(out_dir, "gpu_check_summary.txt"), "w", encoding="utf-8") as f:
-        f.write(table + "\n" + "".join(f"warning: {w}\n" for w in res["warnings"])
-                + "".join(f"error: {e}\n" for e in res["errors"]))
-    print(f"\nwrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check_summary.txt "
-          f"(trainer logs in {os.path.join(out_dir, 'logs')})")
+    report(res, out_dir)
     return res["exit_code"]
 
 

@@ -1,15 +1,18 @@
 """bench/gpu_check.py --dry-run: the one-shot GPU check runs end to end on CPU and reports sane numbers."""
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import gpu_check  # noqa: E402
+import train_gpt as T  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,40 +29,79 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
     proc, _, _ = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check summary" in proc.stdout
-    for row in ("ms/step (mean / median)", "projected train time", "latent positions/s", "PASS"):
-        assert row in proc.stdout
-    # both columns of the correctness check are printed
-    assert "cpu (ref)" in proc.stdout and "train_loss        5" in proc.stdout
+    for row in ("ms/step (mean / median)", "projected train time, FLOPs-weighted", "latent positions/s",
+                "windows timed", "cpu fp32 eager vs cpu fp32 eager", "cpu fp32 eager vs cpu bf16 eager"):
+        assert row in proc.stdout, row
+    # both columns of each agreement check are printed
+    assert "cpu fp32 eager (ref)" in proc.stdout and "fp32_cpu_vs_device: PASS" in proc.stdout
+    assert "bf16_vs_fp32: PASS" in proc.stdout
 
 
-def test_dry_run_json_has_the_expected_keys_and_plausible_values(dry_run):
+def test_dry_run_agreement_checks_ran_and_passed(dry_run):
+    _, r, _ = dry_run
+    c = r["correctness"]
+    assert c["passed"] is True and set(c["checks"]) == {"fp32_cpu_vs_device", "bf16_vs_fp32"}
+    # the tiny model has every architecture flag of the record on
+    for flag in ("--doc-mask", "--window-start", "--short-window-layers", "--no-attn-layers", "--value-embeds",
+                 "--unet", "--x0-mix", "--merged-qkv", "--attn-scale"):
+        assert flag in c["model"], flag
+    a, b = c["checks"]["fp32_cpu_vs_device"], c["checks"]["bf16_vs_fp32"]
+    assert a["passed"] and a["max_abs_diff"] == 0.0  # CPU vs CPU is bit for bit
+    assert a["steps_compared"] == 5 and a["reference_run"]["rc"] == a["candidate_run"]["rc"] == 0
+    assert "--no-bf16" in a["candidate_run"]["argv"] and "--bf16" in b["candidate_run"]["argv"]
+    # bf16 on CPU: 3 steps, eager; it differs from fp32 (so it did run in bf16), within the tolerance
+    assert b["passed"] and b["steps_compared"] == 3 and b["tol"] == 2e-2
+    assert 0 < b["max_abs_diff"] <= b["tol"] and c["bf16_compiled"] is False
+    train = {row["step"]: row for row in b["rows"] if row["what"] == "train_loss"}
+    assert train[1]["reference"] - train[3]["reference"] > 1.0  # the check run learns (Zipf data)
+
+
+def test_dry_run_timing_reports_both_phases_and_the_flops_weighted_projection(dry_run):
     _, r, out = dry_run
-    assert r["schema"] == gpu_check.SCHEMA and r["exit_code"] == 0 and r["status"] == "ok"
-    assert r["errors"] == []
+    assert r["schema"] == gpu_check.SCHEMA and r["exit_code"] == 0 and r["status"] == "ok" and r["errors"] == []
     for key in ("env", "microbench", "correctness", "timing", "summary_table", "wall_s"):
         assert r[key] is not None, key
     assert r["env"]["torch"] and r["env"]["device"] == "cpu"
     assert r["microbench"]["matmul"]["tflops"] > 0 and r["microbench"]["copy"]["gbps"] > 0
-    c = r["correctness"]
-    assert c["passed"] is True and c["max_abs_diff"] == 0.0  # CPU vs CPU is bit for bit
-    assert sum(row["what"] == "train_loss" for row in c["rows"]) == 5
     t = r["timing"]
-    assert t["switch_step"] == 3 and t["steps_logged"] == 6 and t["problems"] == []
+    # N = 10 steps with the preset's r = 0.3: 3 in phase 1, 7 in phase 2
+    assert t["switch_step"] == 3 and t["steps_logged"] == 10 and t["problems"] == []
+    cfg, _ = T.parse_config(t["run"]["argv"])
+    assert cfg.num_iterations == 10 and cfg.window_start > 0
     for name in ("phase1", "phase2"):
         p = t[name]
-        assert p["ms_per_step"] > 0 and p["positions_per_s"] > 0 and p["raw_tokens_per_s"] > 0
-        assert p["flops_per_step"] == t["flops_per_step"] > 0
-        assert 0 < p["mfu_measured"]
+        assert p["ms_per_step"] > 0 and p["positions_per_s"] > 0 and p["raw_tokens_per_s"] > 0 and p["mfu_measured"] > 0
+    for row in t["per_step"]:  # FLOPs and window of the optimizer step each log line reports
+        assert row["flops"] == T.model_flops_per_position(cfg, row["step"] - 1) * cfg.batch_tokens
+        assert tuple(row["window"]) == T.window_at(row["step"] - 1, cfg)
+    windows = [row["window"][0] for row in t["per_step"]]
+    assert windows[0] == cfg.window_start and windows[-1] == cfg.window  # the whole schedule was timed
     # TST phase 1 reads s = 4 raw tokens per latent position, phase 2 one
     assert t["phase1"]["raw_tokens_per_step"] == 4 * t["phase1"]["positions_per_step"]
     assert t["phase2"]["raw_tokens_per_step"] == t["phase2"]["positions_per_step"]
     pj = t["projection"]
     assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (120, 36, 84)  # cpu_smoke: r = 0.3
-    expected = 36 * t["phase1"]["ms_per_step"] + 84 * t["phase2"]["ms_per_step"]
-    assert pj["projected_train_time_ms"] > 0 and abs(pj["projected_train_time_ms"] - expected) <= 1
+    full = dataclasses.replace(cfg, num_iterations=120)
+    f1, f2 = (sum(T.model_flops_per_position(full, s) for s in steps) * full.batch_tokens
+              for steps in (range(36), range(36, 120)))
+    assert (pj["phase1_flops"], pj["phase2_flops"]) == (f1, f2)
+    p1, p2 = t["phase1"], t["phase2"]
+    weighted = f1 * p1["ms_per_step"] / p1["flops_per_step"] + f2 * p2["ms_per_step"] / p2["flops_per_step"]
+    assert abs(pj["projected_train_time_ms"] - weighted) <= 1
+    assert abs(pj["unweighted_train_time_ms"] - (36 * p1["ms_per_step"] + 84 * p2["ms_per_step"])) <= 1
     assert t["peak_memory_mib"] > 0
     assert (out / "gpu_check_summary.txt").exists() and (out / "logs" / "timing.txt").exists()
-    assert not (out / "synthetic_data").exists()  # removed without --keep-data
+    for d in ("synthetic_data", "synthetic_check"):
+        assert not (out / d).exists()  # removed without --keep-data
+
+
+def test_synthetic_documents_have_the_requested_mean_length():
+    rng = np.random.default_rng(1)
+    toks = gpu_check.synthetic_tokens(rng, 200_000, mean_doc=40, zipf=1.2)
+    eot = toks == gpu_check.GPT2_VOCAB - 1
+    assert toks.dtype == np.uint16 and eot[0] and toks.max() == gpu_check.GPT2_VOCAB - 1
+    assert abs(len(toks) / eot.sum() - 40) < 2  # geometric lengths, mean 40 (+- ~5 standard errors)
+    assert np.mean(toks[~eot] == 0) > 0.1  # Zipf(1.2): id 0 is ~1/zeta(1.2) = 18% of tokens
 
 
 def test_log_parsing_and_phase_stats():
@@ -80,16 +122,24 @@ def test_log_parsing_and_phase_stats():
     assert [r["step"] for r in p["train"]] == [1, 2, 3, 4]
     assert p["compile_ms"] == 51234 and p["n_compiled_phases"] == 2 and p["switch_step"] == 2
     assert p["val"] == [dict(step=0, loss=10.0, loss_tst=11.0)] and p["status"] == "complete"
-    rows = gpu_check.step_times(p["train"])
-    assert [round(r["ms"]) for r in rows] == [300, 100, 50, 50]
-    s1 = gpu_check.phase_stats(rows, 1, flops_per_step=1e12, matmul_tflops=100.0, nominal_tflops=None)
+    rows = gpu_check.step_times(p["train"], flops_at=lambda i: 1e12)
+    assert [round(r["ms"]) for r in rows] == [300, 100, 50, 50] and all(r["flops"] == 1e12 for r in rows)
+    s1 = gpu_check.phase_stats(rows, 1, matmul_tflops=100.0, nominal_tflops=None)
     assert s1["ms_per_step"] == 200 and not s1["first_step_dropped"]  # fewer than 3 steps: nothing dropped
     assert s1["raw_tokens_per_step"] == 400 and s1["positions_per_s"] == 500
     assert s1["achieved_tflops"] == 5.0 and s1["mfu_measured"] == 0.05
-    rows = [dict(step=i, phase=1, ms=ms, tokens=4, positions=1) for i, ms in enumerate([900, 100, 110, 90], 1)]
-    s = gpu_check.phase_stats(rows, 1, 0, None, None)
-    assert s["first_step_dropped"] and s["ms_per_step"] == 100 and s["steps_used"] == 3
-    assert gpu_check.phase_stats(rows, 2, 0, None, None) is None
+    # a row covering two steps gets the mean FLOPs of the steps it covers (log every 2 steps)
+    two = gpu_check.step_times([dict(step=2, train_time_ms=400.0, phase=1, tokens=8, positions=2)],
+                               flops_at=lambda i: (i + 1) * 1e12)
+    assert two[0]["flops"] == 1.5e12 and two[0]["ms"] == 200
+    rows = [dict(step=i, phase=1, ms=ms, tokens=4, positions=1, flops=f, window=[w, w // 2])
+            for i, (ms, f, w) in enumerate([(900, 9e12, 8), (100, 1e12, 16), (200, 2e12, 24), (300, 3e12, 32)], 1)]
+    s = gpu_check.phase_stats(rows, 1, None, None)
+    assert s["first_step_dropped"] and s["ms_per_step"] == 200 and s["steps_used"] == 3
+    # the kept steps' FLOPs over their time: the dropped warm-up step counts in neither
+    assert s["flops_per_step"] == 2e12 and s["achieved_tflops"] == 10.0
+    assert s["windows_timed"] == [[16, 8], [32, 16]]
+    assert gpu_check.phase_stats(rows, 2, None, None) is None
 
 
 def test_correctness_comparison_flags_a_difference_and_a_missing_value():
@@ -97,5 +147,17 @@ def test_correctness_comparison_flags_a_difference_and_a_missing_value():
     rows, passed, diff = gpu_check.compare_losses(run([10.0, 9.0]), run([10.0, 9.0005]), tol=1e-3)
     assert passed and abs(diff - 5e-4) < 1e-9
     assert not gpu_check.compare_losses(run([10.0, 9.0]), run([10.0, 9.002]), tol=1e-3)[1]
-    assert not gpu_check.compare_losses(run([10.0, 9.0]), run([10.0]), tol=1e-3)[1]
+    # a candidate may stop early (--max-steps) but must log what was asked, and only losses the reference has
+    assert gpu_check.compare_losses(run([10.0, 9.0]), run([10.0]), tol=1e-3, n_train=1)[1]
+    assert not gpu_check.compare_losses(run([10.0, 9.0]), run([10.0]), tol=1e-3, n_train=2)[1]
+    assert not gpu_check.compare_losses(run([10.0]), run([10.0, 9.0]), tol=1e-3)[1]
     assert not gpu_check.compare_losses(run([10.0]), run([10.0], rc=1), tol=1e-3)[1]
+
+
+def test_a_failed_agreement_check_says_why():
+    ok = dict(name="ref", argv=[], rc=0, timed_out=False, wall_s=1.0, log="", status="complete",
+              train=[dict(step=1, loss=10.0)], val=[])
+    check = gpu_check.agreement("bf16_vs_fp32", ok, dict(ok, name="dev", rc=-15, timed_out=True), 2e-2, ("a", "b"), 1)
+    assert not check["passed"] and "dev exit status -15, stopped at its time limit" in gpu_check.failure_reason(check)
+    check = gpu_check.agreement("bf16_vs_fp32", ok, dict(ok, train=[dict(step=1, loss=10.5)]), 2e-2, ("a", "b"), 1)
+    assert not check["passed"] and "max |loss diff| 0.5 vs tolerance 0.02" in gpu_check.failure_reason(check)
