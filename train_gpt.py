@@ -158,7 +158,7 @@ PRESETS = {
     # 2 CPU cores, under 5 minutes: a tiny model of the same architecture on the real-text sample.
     "cpu_smoke": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
                       micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0, value_embeds=1,
-                      window_start=32, window=128, short_window_layers="1,2",
+                      window_start=32, window=128, short_window_layers="1",
                       embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
 }
 
@@ -1248,6 +1248,9 @@ def build_parser():
                                         for k, v in PRESETS.items()),
         formatter_class=_DefaultsFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="bundle of defaults")
+    p.add_argument("--describe", action="store_true",
+                   help="print what the run would do (config, parameters, FLOPs, tokens, projected time) and exit; "
+                        "needs no data and no GPU")
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kw = dict(default=f.default, help=f.metadata["help"])
@@ -1396,15 +1399,60 @@ def grad_accum_steps(cfg, world):
                       f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
 
 
+def raw_tokens_per_step(cfg, step):
+    """Raw text tokens optimizer ``step`` reads from the train stream (TST phase 1: s times the positions)."""
+    _, s, mode = phase_of(step, cfg)
+    return cfg.batch_tokens // cfg.seq_len * sequence_layout(mode, s, cfg.seq_len)[1]
+
+
 def train_tokens_needed(cfg):
     """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
-    switch = tst_switch_step(cfg)
-    seqs = cfg.batch_tokens // cfg.seq_len
-    total = 0
-    for first, steps in ((0, switch), (switch, cfg.num_iterations - switch)):
-        _, s, mode = phase_of(first, cfg)
-        total += steps * seqs * sequence_layout(mode, s, cfg.seq_len)[1]
+    switch, N = tst_switch_step(cfg), cfg.num_iterations
+    total = switch * raw_tokens_per_step(cfg, 0) + (N - switch) * raw_tokens_per_step(cfg, N - 1)
     return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
+
+
+# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets), for --describe's projections.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "B200": 2250.0}
+
+
+def _duration(seconds):
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2g} s"
+
+
+def describe(cfg, preset):
+    """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
+
+    The resolved config; the parameter count (the model built on the meta device); per phase
+    its steps, latent positions, raw tokens (text read) and FLOPs (``model_flops_per_position``)
+    per step; ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw
+    train tokens read), ``steps`` (int); then the train time projected from ``flops_total`` at
+    40% and 60% of each GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
+    """
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    N, switch = cfg.num_iterations, tst_switch_step(cfg)
+    flops = [model_flops_per_position(cfg, step) * cfg.batch_tokens for step in range(N)]
+    lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
+             "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+             f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
+             f"sequences of {cfg.seq_len:,} latent positions, window {window_at(0, cfg)[0]} -> {window_at(N, cfg)[0]}"]
+    for phase, (first, last) in ((1, (0, switch)), (2, (switch, N))):
+        if last > first:
+            _, s, mode = phase_of(first, cfg)
+            what = f"TST {mode} s={s}" if phase == 1 else "next-token"
+            lines.append(f"phase {phase} ({what}): steps [{first}, {last}): {cfg.batch_tokens:,} positions and "
+                         f"{raw_tokens_per_step(cfg, first):,} raw tokens per step, "
+                         f"{min(flops[first:last]):.3e} - {max(flops[first:last]):.3e} FLOPs per step")
+    total = sum(flops)
+    lines += [f"flops_total: {total:.4e}", f"tokens_total: {sum(raw_tokens_per_step(cfg, t) for t in range(N))}",
+              f"steps: {N}"]
+    for gpu, tflops in PEAK_BF16_TFLOPS.items():
+        for n_gpus in (1, 8):
+            t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))
+            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): "
+                         f"{_duration(t40)} at 40% of peak, {_duration(t60)} at 60%")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1956,6 +2004,9 @@ def main(argv=None):
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv)
+        if build_parser().parse_known_args(argv)[0].describe:
+            print("\n".join(describe(cfg, preset)))
+            return 0
         handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
         rt, data, resume, run_id = start(cfg)
         rank = rt.rank

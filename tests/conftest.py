@@ -13,6 +13,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 sys.path.insert(0, REPO)
 
+# Flags that turn every architecture element of the presets off: the model before record #21's
+# architecture (plain causal attention, no value embeddings, skips or mixes), for tests whose
+# reference is that model. The values are Config's defaults.
+PLAIN_ARCHITECTURE = dict(doc_mask=False, window=0, window_start=0, short_window_layers="", no_attn_layers="",
+                          value_embeds=0, unet=False, x0_mix=False, merged_qkv=False, attn_scale=0.0,
+                          logit_softcap=30.0, lr_floor=0.0)
+
 def sample_args():
     """--train-files / --val-files of the repository's real-text sample."""
     return ["--train-files", os.path.join(SAMPLE_DIR, "*_train_*.bin"),

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as T
+from conftest import PLAIN_ARCHITECTURE
 from test_tst import randomized_model  # a GPT with non-zero output layers
 
 EOT = T.EOT_TOKEN
@@ -164,7 +165,7 @@ def test_no_mask_is_exactly_causal_sdpa():
 def tiny_cfg(**kw):
     cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "24", "--batch-tokens", "48"])
-    return T.dataclasses.replace(cfg, **kw)
+    return T.dataclasses.replace(cfg, **{**PLAIN_ARCHITECTURE, **kw})
 
 
 def causal_reference(model, inputs):
@@ -182,11 +183,11 @@ def causal_reference(model, inputs):
     return c * torch.tanh(model.lm_head(T.rms_norm(x)).float() / c)
 
 
-def test_flags_default_off_everywhere():
+def test_flags_default_off_and_on_in_every_preset():
     assert (T.Config().doc_mask, T.Config().window) == (False, 0)
     for name in T.PRESETS:
         cfg, _ = T.parse_config(["--preset", name])
-        assert (cfg.doc_mask, cfg.window) == (False, 0), name
+        assert cfg.doc_mask and 0 < cfg.window_start < cfg.window <= cfg.seq_len, name
     cfg, _ = T.parse_config(["--doc-mask", "--window", "7"])
     assert (cfg.doc_mask, cfg.window) == (True, 7)
     assert T.parse_config(T.config_to_argv(cfg))[0] == cfg
@@ -200,7 +201,7 @@ def test_negative_window_is_a_config_error_naming_the_flag():
 def test_model_without_flags_is_todays_causal_model():
     model = randomized_model(tiny_cfg())
     inputs = random_tokens((2, 24, 1), seed=1, p_eot=0.2)  # EOTs present, but no flag: ignored
-    assert model.mask_for(inputs) is None
+    assert model.masks_for(inputs) == (None, None)
     with torch.no_grad():
         assert torch.equal(model(inputs), causal_reference(model, inputs))
 

@@ -35,8 +35,10 @@ def test_record_presets_share_global_batch_and_dynamics():
     b200, _ = T.parse_config(["--preset", "record_8xb200"])
     for name in T.RUN_DEFINING:
         assert getattr(h200, name) == getattr(b200, name), name
-    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 1024)
-    assert h200.batch_tokens == 524_288 and (h200.tst_bag_size, h200.tst_frac) == (4, 0.3)
+    # record #21: 12 x 768, one 48 x 1024-token sequence per GPU, 8 of them a step, 1,770 steps
+    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 48 * 1024)
+    assert (h200.batch_tokens, h200.num_iterations) == (393_216, 1770)
+    assert (h200.tst_bag_size, h200.tst_frac) == (4, 0.3)
     assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 8  # accumulation on 1 GPU
 
 
@@ -216,8 +218,8 @@ def test_logit_softcap_bounds_logits():
 def test_flops_formula_counts_matmul_weights():
     cfg = small_cfg()
     model = T.GPT(cfg)
-    n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("embed"))
-    attention = 12 * cfg.n_layer * cfg.model_dim * cfg.seq_len
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n)
+    attention = 12 * cfg.n_layer * cfg.model_dim * (cfg.seq_len + 1) / 2  # causal: query q attends q + 1 keys
     assert T.model_flops_per_position(cfg) == 6 * n_matmul + attention
 
 
@@ -226,13 +228,16 @@ def test_flops_formula_counts_matmul_weights():
 
 
 def test_lr_schedule_warmup_flat_cooldown():
-    cfg = small_cfg(num_iterations=100, warmup_steps=10, cooldown_frac=0.2)
+    cfg = small_cfg(num_iterations=100, warmup_steps=10, cooldown_frac=0.2, lr_floor=0.0)
     assert T.lr_scale(0, cfg) == pytest.approx(0.1)
     assert T.lr_scale(9, cfg) == pytest.approx(1.0)
     assert T.lr_scale(50, cfg) == 1.0
     assert T.lr_scale(80, cfg) == pytest.approx(1.0)
     assert T.lr_scale(90, cfg) == pytest.approx(0.5)
     assert T.lr_scale(99, cfg) == pytest.approx(0.05)
+    floor = T.dataclasses.replace(cfg, lr_floor=0.1)  # the cooldown ends at 0.1 instead of 0
+    assert T.lr_scale(50, floor) == 1.0 and T.lr_scale(90, floor) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert T.lr_scale(99, floor) == pytest.approx(0.1 + 0.9 * 0.05)
 
 
 def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
@@ -243,7 +248,10 @@ def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
     aurora_params = {id(p) for g in aurora.param_groups for p in g["params"]}
     assert aurora_params == {id(p) for p in model.blocks.parameters() if p.ndim == 2}
     adam_params = {id(p) for g in adam.param_groups for p in g["params"]}
-    assert adam_params == {id(model.embed.weight), id(model.lm_head.weight)}
+    embeds = {id(model.embed.weight)} | {id(t.weight) for t in model.value_embeds}
+    scalars = {id(p) for p in model.parameters() if p.ndim < 2}
+    assert len(model.value_embeds) == 1 and scalars  # the cpu_smoke architecture has both
+    assert adam_params == embeds | {id(model.lm_head.weight)} | scalars
     assert aurora.param_groups[0]["pp_iterations"] == cfg.pp_iterations
     muon = T.build_optimizers(model, T.dataclasses.replace(cfg, optimizer="muon"))[1]
     assert muon.param_groups[0]["pp_iterations"] == 0

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as T
-from conftest import loss_lines, read_log, tiny_args
+from conftest import PLAIN_ARCHITECTURE, loss_lines, read_log, tiny_args
 
 V = 50304
 
@@ -136,7 +136,7 @@ def test_ignored_labels_add_nothing():
 def tiny_cfg(**kw):
     cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "6", "--batch-tokens", "48"])
-    return dataclasses.replace(cfg, **kw)
+    return dataclasses.replace(cfg, **{**PLAIN_ARCHITECTURE, **kw})
 
 
 def randomized_model(cfg, seed=0):
