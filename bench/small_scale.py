@@ -13,11 +13,13 @@ and the optimizer differ:
   muon           Muon on the block matrices, no TST
   aurora         Aurora on the block matrices, no TST
   aurora_tst     Aurora + TST full, s=4, r=0.3
-  aurora_tst_s2 / _s8      s in {2, 8}, r=0.3      (full mode: s8 only; s2 with --arms)
-  aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4    (full mode: r0.2 only; r0.4 with --arms)
+  aurora_tst_s2 / _s8      s in {2, 8}, r=0.3      (not in the full mode's default arms: --arms)
+  aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4    (likewise, and the modes below)
   aurora_tst_input / _output  the two ablation modes (--tst-mode input/output), s=4, r=0.3
   aurora_eqtext  the equal-text control of aurora_tst: plain Aurora (no bags) with s=4 times the
                  batch for the first r=0.3 of the steps, then the normal batch
+  aurora_plain   aurora on the architecture before record #21's (every flag of train_gpt.ARCHITECTURE
+                 and the windows off: plain causal attention, no value embeddings, skips or mixes)
 
 Data orders (the noise includes the data). The benchmark writes ``--orders`` data orders of the
 corpus into ``<out>/data/`` (``bench/small_scale_data.py``; git-ignored, rebuilt from the corpus
@@ -137,6 +139,10 @@ ARMS = {
     "aurora_tst_input": ("aurora", _TST + ["input", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
     "aurora_tst_output": ("aurora", _TST + ["output", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
     "aurora_eqtext": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0"]),
+    "aurora_plain": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0", "--no-doc-mask", "--window", "0",
+                                "--window-start", "0", "--short-window-layers", "", "--no-attn-layers", "",
+                                "--value-embeds", "0", "--no-unet", "--no-x0-mix", "--no-merged-qkv",
+                                "--attn-scale", "0", "--logit-softcap", "30", "--lr-floor", "0"]),
 }
 # equal-text control -> the TST arm whose phase-1 text (s * batch per step for round(r * N) steps) it reads
 EQTEXT = {"aurora_eqtext": "aurora_tst"}
@@ -148,7 +154,7 @@ COMPARISONS = ([("aurora", "adamw", "final"), ("muon", "adamw", "final"), ("auro
                 ("aurora_tst", "aurora", "final")]
                + [(v, "aurora", "final") for v in TST_VARIANTS] + [(v, "aurora_tst", "final") for v in TST_VARIANTS]
                + [("aurora_eqtext", "aurora", "final"), ("aurora_tst", "aurora_eqtext", "final"),
-                  ("aurora_tst", "aurora_eqtext", "flops")])
+                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final")])
 BASELINE = "adamw"
 
 # optimizer family -> (lr flag, the no-TST arm whose (order 0, seed 0) run the sweep run doubles as)
@@ -156,11 +162,12 @@ FAMILIES = {"adamw": ("--adamw-lr", "adamw"), "muon": ("--matrix-lr", "muon"), "
 
 MODES = {
     "full": dict(
-        # 9 arms x 3 orders x 2 seeds at 256 positions per step: the plan fits in 2 h on 2 cores
-        arms=[a for a in ARMS if a not in ("aurora_tst_s2", "aurora_tst_r0.4")], orders=3, seeds=2, steps=300,
-        batch_tokens=256, val_tokens=None, val_every=None,
-        sweep={"adamw": [0.001, 0.002, 0.004], "muon": [0.0125, 0.025, 0.05], "aurora": [0.0125, 0.025, 0.05]},
-        sweep_extend=1, recency_arm="adamw", out=os.path.join("records", "cpu", "{date}_small_scale")),
+        # 6 arms x 3 orders x 2 seeds at 256 positions per step: about 80 min on 2 idle cores; the TST
+        # variants (s, r, modes) with --arms
+        arms=["adamw", "muon", "aurora", "aurora_tst", "aurora_eqtext", "aurora_plain"], orders=3, seeds=2,
+        steps=300, batch_tokens=256, val_tokens=None, val_every=None,
+        sweep={"adamw": [0.002, 0.004, 0.008], "muon": [0.00625, 0.0125, 0.025], "aurora": [0.00625, 0.0125, 0.025]},
+        sweep_extend=0, recency_arm="adamw", out=os.path.join("records", "cpu", "{date}_small_scale")),
     "quick": dict(
         arms=["adamw", "aurora", "aurora_tst", "aurora_eqtext"], orders=2, seeds=1, steps=40, batch_tokens=256,
         val_tokens=8192, val_every=None, sweep={"adamw": [0.004], "aurora": [0.05]},

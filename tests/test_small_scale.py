@@ -310,12 +310,12 @@ def test_cost_estimate_counts_every_val_point(ss, tmp_path, monkeypatch):
 def test_plan_reuses_sweep_runs_and_adds_recency_runs(ss, tmp_path):
     spec = plan_spec(ss, tmp_path)
     sweep, arms = ss.planned_jobs(spec)
-    assert len(sweep) == 9 and len(arms) == 9 * 3 * 2 + 3
+    assert len(sweep) == 9 and len(arms) == 6 * 3 * 2 + 3
     reused = [j.run_id for j in arms if ss.is_reused(spec, j)]
     assert sorted(reused) == ["aurora_o0_seed0", "muon_o0_seed0"]  # not adamw: the recency arm vals more often
     assert sorted(j.run_id for j in arms if j.key[1] == "docs") == [f"adamw_docs_o{o}_seed0" for o in range(3)]
     assert len(arms[0].argvs) == 2  # the two-part control runs go first
-    sweep_run = [j for j in sweep if j.run_id == "aurora_lr0.0125_seed0"][0]
+    sweep_run = [j for j in sweep if j.run_id == "aurora_lr0.00625_seed0"][0]  # the first of the grid
     arm_run = [j for j in arms if j.run_id == "aurora_o0_seed0"][0]
     strip = lambda a: [w for w in a if "lr_sweep" not in w and "aurora_" not in w and not w.endswith("/aurora")]  # noqa
     assert strip(sweep_run.argvs[0]) == strip(arm_run.argvs[0])  # same flags but log dir and run id
@@ -377,9 +377,9 @@ def run_script(tmp_path, *args):
 def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
     res = run_script(tmp_path, "--dry-run")
     assert res.returncode == 0, res.stderr
-    for arm in ("adamw", "muon", "aurora", "aurora_tst_s8", "aurora_tst_r0.2", "aurora_tst_output", "aurora_eqtext"):
+    for arm in ("adamw", "muon", "aurora", "aurora_tst", "aurora_eqtext", "aurora_plain"):
         assert f"--run-id {arm}_o0_seed0" in res.stdout
-    assert "--tst-mode output" in res.stdout and "--tst-bag-size 8" in res.stdout and "--resume-force" in res.stdout
+    assert "--tst-mode full" in res.stdout and "--no-doc-mask" in res.stdout and "--resume-force" in res.stdout
     assert "--run-id adamw_docs_o0_seed0" in res.stdout
     assert "estimated wall time with --jobs 2" in res.stdout
     assert not (tmp_path / "o").exists()
