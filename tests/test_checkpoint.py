@@ -170,12 +170,13 @@ def test_interrupt_without_save_marks_the_log_incomplete(tmp_path):
 
 
 def test_a_checkpoint_from_before_a_new_flag_resumes_as_that_flags_default(tmp_path):
-    assert run(tmp_path, "--run-id", "o", "--max-steps", "2", "--save-final") == 0
+    no_masks = ["--no-doc-mask", "--window", "0", "--window-start", "0", "--short-window-layers", ""]
+    assert run(tmp_path, "--run-id", "o", "--max-steps", "2", "--save-final", *no_masks) == 0
     path = tmp_path / "ckpt" / "o" / "step_000002.pt"
     state = T.load_checkpoint(str(path))
     del state["config"]["window"], state["config"]["doc_mask"]  # as an older trainer saved it
     T.save_checkpoint(state, str(path))
-    assert run(tmp_path, "--resume", "auto", "--max-steps", "1") == 0
+    assert run(tmp_path, "--resume", "auto", "--max-steps", "1", *no_masks) == 0
     with pytest.raises(T.ConfigError, match="window: checkpoint 0 vs now 4"):
-        T.check_resume(state, T.parse_config(tiny_args(tmp_path, "--num-iterations", "12", "--window", "4"))[0],
-                       state["data"])
+        T.check_resume(state, T.parse_config(tiny_args(tmp_path, "--num-iterations", "12", *no_masks,
+                                                       "--window", "4"))[0], state["data"])
