@@ -7,6 +7,7 @@ shards work unchanged. ``train_gpt.read_shard_header`` checks the same rules on 
 side; tests/test_data_tools.py proves both sides accept and refuse the same files.
 """
 import os
+import stat
 
 import numpy as np
 
@@ -20,13 +21,34 @@ class ShardError(ValueError):
     """A file that is not a valid shard; the message names the file and the fix."""
 
 
+def not_a_file(path):
+    """None for a regular file (or a link to one), else what ``path`` is: "a folder", "a FIFO
+    (named pipe)", "a device", "a socket". Reading a FIFO or a device would block or never end,
+    so the data tools refuse them before opening. A missing path is the caller's ``OSError``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
 def read_header(path):
     """Validate a shard's header and size; return its number of tokens (int >= 0).
 
     Raises:
         ShardError: missing or unreadable file, shorter than the header, wrong magic or
-            version, a negative token count, or a size other than ``1024 + 2 * n_tokens``.
+            version, a negative token count, a size other than ``1024 + 2 * n_tokens``, or a
+            path that is not a regular file (a folder, FIFO or device: refused without reading).
     """
+    kind = not_a_file(path)
+    if kind:
+        raise ShardError(f"{path}: is {kind}, not a shard file; pass shard files (*.bin), or {REDO}")
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

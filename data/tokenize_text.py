@@ -15,7 +15,9 @@ Tokenize (inputs are files or globs, read in the order given; globs expand sorte
 * ``.parquet``: a ``text`` column, rows filtered like jsonl; needs ``pyarrow``.
 
 Every document becomes ``<|endoftext|>`` (50256) followed by its GPT-2 BPE tokens
-(``encode_ordinary``: special-token text in a document is ordinary text). The GPT-2 BPE files are
+(``encode_ordinary``: special-token text in a document is ordinary text). Documents with no text
+(empty or only whitespace) are kept and counted in a note; inputs with no text at all are an
+error. ``--prefix`` is a plain name (no path separator or glob character). The GPT-2 BPE files are
 read from ``data/gpt2_bpe/`` (shipped with the repository, checked against their published sha256),
 so tokenizing needs neither network nor tiktoken's download cache; the ids are those of
 ``tiktoken.get_encoding("gpt2")``. Documents keep input order. Without ``--val-docs`` all go to train shards
@@ -30,10 +32,11 @@ if any, are numbered on (``_val_000001`` ...).
 All or nothing: every shard is first written under a temporary name
 (``<final name>.tmp<pid>``, which no ``*.bin`` glob matches); only when every shard of the run is
 written are they renamed (``os.replace``) to their final names. A run that fails (bad input line,
-tokenizer error, a worker process killed, Ctrl-C) removes its temporary files and changes nothing
-else. Existing ``<prefix>_val_*.bin`` / ``<prefix>_train_*.bin`` in the output folder stop the run
-unless ``--overwrite``: then the old set stays untouched until the new set is complete, is
-replaced by it, and old shards the new set does not have are removed.
+tokenizer error, a worker process killed, Ctrl-C) removes its temporary files (and the output
+folder, if it made it) and changes nothing else. Existing ``<prefix>_val_*.bin`` /
+``<prefix>_train_*.bin`` in the output folder stop the run unless ``--overwrite``: then the old
+set stays untouched until the new set is complete, is replaced by it, and old shards the new set
+does not have are removed.
 
 Check shards (the same as ``python data/check_shards.py``):
 
@@ -61,7 +64,7 @@ import numpy as np
 from tqdm import tqdm
 
 from check_shards import GPT2_MAX_ID, check_shards
-from shard_format import EOT_TOKEN, write_shard
+from shard_format import EOT_TOKEN, not_a_file, write_shard
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as the FineWeb-10B shards
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # shards store uint16 tokens
@@ -84,14 +87,33 @@ class TokenizeError(Exception):
 # Reading documents
 
 def expand_inputs(patterns):
-    """Files for each path/glob, in the order given (each glob sorted). Raises TokenizeError."""
+    """Files for each path/glob, in the order given (each glob sorted).
+
+    Raises TokenizeError when a pattern matches nothing or a match is not a regular file (a
+    folder; a FIFO or a device, whose reading would block or never end).
+    """
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matches:
             raise TokenizeError(f"input {pattern!r}: no file matches")
+        for path in matches:
+            kind = not_a_file(path)
+            if kind:
+                raise TokenizeError(f"input {path}: is {kind}, not a file; pass .jsonl/.txt/.parquet files "
+                                    "(a folder's files as a quoted glob, e.g. 'books/*.txt')")
         files.extend(matches)
     return files
+
+
+def check_prefix(prefix):
+    """Raise TokenizeError unless ``prefix`` is a plain file-name start: no path separator (a shard
+    would land outside --output-dir), no glob character (the trainer finds shards by glob)."""
+    bad = [c for c in ("/", os.sep, os.altsep or "/", "*", "?", "[", "]") if c in prefix]
+    if not prefix or bad or prefix in (".", ".."):
+        why = f"contains {bad[0]!r}" if bad else "is empty" if not prefix else f"is {prefix!r}"
+        raise TokenizeError(f"--prefix {prefix!r}: {why}; give a plain name such as 'mytext' (the shards are "
+                            "<prefix>_train_000001.bin ... inside --output-dir; choose the folder with --output-dir)")
 
 
 def parse_filters(items):
@@ -172,13 +194,16 @@ def _read_parquet(path, filters, split_key):
                 yield where, row
 
 
-def iter_documents(files, filters=None, split_key=None):
+def iter_documents(files, filters=None, split_key=None, empty=None):
     """Yield ``(where, text, split)`` for each document of ``files`` in order.
 
     ``where`` ("file:line", "file row i" or "file") locates the document in error messages;
     ``split`` is the row's ``split_key`` field ("val" or "train"), None without ``split_key``.
-    Raises TokenizeError on an unknown extension, bad JSON/UTF-8, a missing text field, a split
-    field that is not "val"/"train", or a filter or split key given with .txt inputs.
+    The ``where`` of each document with no text (empty or only whitespace) is appended to the
+    list ``empty`` when one is given (the document is still yielded: input order is kept).
+    Raises TokenizeError on an unknown extension, bad JSON/UTF-8, an unreadable file, a missing
+    text field, a split field that is not "val"/"train", or a filter or split key given with
+    .txt inputs.
     """
     filters = filters or {}
     for path in files:
@@ -198,9 +223,15 @@ def iter_documents(files, filters=None, split_key=None):
                 raise TokenizeError(f"{path}: unsupported input type {ext or '(none)'!r}; "
                                     "use .jsonl (a 'text' field a line), .txt (one document a file) or .parquet")
             for where, row in rows:
-                yield _document(where, row, split_key)
+                doc = _document(where, row, split_key)
+                if empty is not None and not doc[1].strip():
+                    empty.append(where)
+                yield doc
         except UnicodeDecodeError as e:
             raise TokenizeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise TokenizeError(f"{path}: cannot read it ({e.strerror or e}); check the path and its "
+                                "permissions") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,8 +476,16 @@ def existing_shards(output_dir, prefix):
 
 
 def make_output_dir(output_dir):
-    """Create ``output_dir`` (and its parents) if missing; TokenizeError naming --output-dir if it cannot be."""
+    """Create ``output_dir`` (and its parents) if missing; TokenizeError naming --output-dir if it cannot be.
+
+    Returns the folders created, innermost first (``[]`` when it existed), so that a failed run
+    can remove them again.
+    """
     fix = "pick a folder path (it is created if missing)"
+    created, path = [], os.path.abspath(output_dir)
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        created.append(path)
+        path = os.path.dirname(path)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise TokenizeError(f"--output-dir {output_dir}: exists and is not a folder; {fix}")
     try:
@@ -457,6 +496,16 @@ def make_output_dir(output_dir):
     except OSError as e:
         raise TokenizeError(f"--output-dir {output_dir}: cannot create it ({e.strerror}); {fix} "
                             "where you can write") from None
+    return created
+
+
+def remove_empty_folders(folders):
+    """Remove each of ``folders`` (innermost first) that is empty: a failed run leaves no folder it made."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (another writer) or already gone
+            return
 
 
 def _write_split_shards(encoded, val, train, n_val, by_key, progress, desc):
@@ -472,23 +521,41 @@ def _write_split_shards(encoded, val, train, n_val, by_key, progress, desc):
 
 
 def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE, val_docs=None,
-                       filters=None, workers=None, overwrite=False, progress=True, split_key=None):
+                       filters=None, workers=None, overwrite=False, progress=True, split_key=None, empty=None):
     """Tokenize ``inputs`` (paths/globs) into shards; return ``[(path, n_tokens, n_documents)]``.
 
     ``val_docs``: None (all train), an int K (first K documents to val) or "all".
+    ``empty``: a list that receives the ``where`` of each document with no text (empty or only
+    whitespace); such a document is written like any other, but inputs with no text at all are
+    an error.
     ``split_key``: route each row by this field ("val" or "train") instead of ``val_docs``.
     ``workers``: encoder processes (default: CPU count); 1 encodes in this process.
     All or nothing: shards are written under temporary names and renamed only when all are
     written; on any failure the temporary files are removed and the output folder is as before
-    (with ``overwrite``, the old shards stay untouched until the new set replaces them).
+    (with ``overwrite``, the old shards stay untouched until the new set replaces them), and
+    folders it created for ``output_dir`` are removed again.
     Raises TokenizeError (inputs, tokenizer, a worker killed, uint16 overflow, existing shards,
-    --output-dir not a folder) or OSError.
+    --output-dir not a folder, a --prefix with a path separator or glob character, no document
+    with text) or OSError.
     """
     if shard_size < 1 or shard_size > np.iinfo(np.int32).max:
         raise TokenizeError(f"--shard-size {shard_size}: must be 1..{np.iinfo(np.int32).max} tokens")
+    check_prefix(prefix)
     files = expand_inputs(inputs)
     filters = filters or {}
-    make_output_dir(output_dir)
+    empty = [] if empty is None else empty
+    created = make_output_dir(output_dir)
+    try:
+        return _tokenize_into(files, output_dir, prefix, shard_size, val_docs, filters, workers, overwrite,
+                              progress, split_key, empty)
+    except BaseException:
+        remove_empty_folders(created)
+        raise
+
+
+def _tokenize_into(files, output_dir, prefix, shard_size, val_docs, filters, workers, overwrite, progress,
+                   split_key, empty):
+    """``tokenize_to_shards`` once its arguments are checked and ``output_dir`` exists."""
     old = existing_shards(output_dir, prefix)
     if old and not overwrite:
         raise TokenizeError(f"{output_dir} already holds {len(old)} shard(s) of prefix {prefix!r} "
@@ -500,13 +567,15 @@ def tokenize_to_shards(inputs, output_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
     train = ShardWriter(output_dir, prefix, "train", 1, shard_size)
     done = False
     try:
-        docs = iter_documents(files, filters, split_key)
+        docs = iter_documents(files, filters, split_key, empty)
         with contextlib.closing(encode_stream(docs, workers or os.cpu_count() or 1)) as encoded:
             n_docs = _write_split_shards(encoded, val, train, n_val, split_key is not None, progress,
                                          f"tokenizing {prefix}")
-        if n_docs == 0:
-            raise TokenizeError(f"no documents in {', '.join(inputs)}"
-                                + (f" with --filter {filters}" if filters else ""))
+        if n_docs == len(empty):  # nothing but empty documents: a shard of lone <|endoftext|> tokens
+            raise TokenizeError(f"no text in {', '.join(files)}"
+                                + (f" with --filter {filters}" if filters else "")
+                                + (f": {len(empty)} document(s), all empty or only whitespace (first: {empty[0]})"
+                                   if empty else ": no documents"))
         val.close()
         train.close()
         done = True
@@ -555,7 +624,8 @@ def build_parser():
                    help="input files or globs (.jsonl, .txt, .parquet); with --check, shard globs")
     p.add_argument("--check", action="store_true", help="validate shards instead of tokenizing")
     p.add_argument("--output-dir", help="folder for the shards (created)")
-    p.add_argument("--prefix", help="shard name prefix: <prefix>_val_000000.bin, <prefix>_train_000001.bin ...")
+    p.add_argument("--prefix", help="shard name prefix, a plain name (no '/' or glob characters): "
+                                    "<prefix>_val_000000.bin, <prefix>_train_000001.bin ...")
     p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard")
     p.add_argument("--val-docs", type=_val_docs, default=None, metavar="K",
                    help=f"first K documents go to the val shard; K >= #documents or '{ALL}': all of them; "
@@ -583,10 +653,11 @@ def main(argv=None):
     if args.split_key is not None and args.val_docs is not None:
         parser.error("--split-key and --val-docs both choose the val documents; give one of them")
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    empty = []
     try:
         written = tokenize_to_shards(args.inputs, args.output_dir, args.prefix, args.shard_size, args.val_docs,
                                      parse_filters(args.filter), args.workers, args.overwrite,
-                                     split_key=args.split_key)
+                                     split_key=args.split_key, empty=empty)
     except (TokenizeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -596,6 +667,9 @@ def main(argv=None):
         return 130
     for path, n_tokens, n_docs in written:
         print(f"wrote {path}: {n_tokens:,} tokens, {n_docs:,} document starts")
+    if empty:
+        print(f"note: {len(empty):,} document(s) with no text (empty or only whitespace), written as they are: "
+              f"{', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}")
     if args.val_docs not in (None, 0) and not any(
             os.path.basename(p).startswith(f"{args.prefix}_train_") for p, _, _ in written):
         print(f"note: --val-docs {args.val_docs} covers every document; all went to the val shard, no train shard")

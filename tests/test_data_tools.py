@@ -350,7 +350,7 @@ def test_split_key_values_other_than_val_or_train_are_an_error(tmp_path, row, wh
     with pytest.raises(tok.TokenizeError, match=re.escape(f"d.jsonl:2: {why}; --split-key part needs")):
         tok.tokenize_to_shards([src], str(tmp_path / "o"), "p", split_key="part", shard_size=1, workers=1,
                                progress=False)
-    assert os.listdir(tmp_path / "o") == []
+    assert not (tmp_path / "o").exists()  # no shard, and the folder the run made is gone
 
 
 def test_split_key_with_val_docs_or_txt_is_refused(tmp_path, no_torch):
@@ -468,6 +468,63 @@ def test_output_dir_that_is_a_file_gets_one_clear_error(tmp_path, no_torch):
     assert (tmp_path / "out_is_file").read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("prefix,why", [("../x", "contains '/'"), ("sub/x", "contains '/'"), ("..", "is '..'"),
+                                        ("x*", "contains '*'"), ("x[1]", "contains '['")])
+def test_prefix_that_would_leave_the_output_dir_or_act_as_a_glob_is_refused(tmp_path, no_torch, prefix, why):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "some text"}])
+    out = tmp_path / "a" / "out"
+    res = run_cli("tokenize_text.py", src, "--output-dir", out, "--prefix", prefix, "--workers", "1",
+                  no_torch=no_torch)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith(f"error: --prefix {prefix!r}: {why}") and "plain name" in line, line
+    assert bin_files(tmp_path) == [] and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("texts", [[""], ["  \n\t\n"], ["", " "]])
+def test_inputs_with_no_text_are_an_error_not_a_shard_of_lone_eot(tmp_path, no_torch, texts):
+    files = []
+    for i, text in enumerate(texts):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    out = tmp_path / "new" / "out"
+    res = run_cli("tokenize_text.py", *files, "--output-dir", out, "--prefix", "x", "--workers", "1",
+                  no_torch=no_torch)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if ln and not ln.startswith("tokenizing x:")]  # the bar aside
+    assert line.startswith("error: no text in ") and str(files[0]) in line
+    assert f"{len(texts)} document(s), all empty or only whitespace (first: {files[0]})" in line, line
+    assert bin_files(tmp_path) == [] and not (tmp_path / "new").exists()  # the folders it made are gone
+
+
+def test_documents_with_no_text_among_others_are_kept_and_counted(tmp_path, enc, no_torch):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in DOCS + ["  \n"]])
+    res = run_cli("tokenize_text.py", src, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "1",
+                  no_torch=no_torch)
+    assert res.returncode == 0, res.stderr
+    assert (f"note: 2 document(s) with no text (empty or only whitespace), written as they are: {src}:4, {src}:6"
+            in res.stdout), res.stdout
+    assert list(shard_tokens(tmp_path / "o" / "x_train_000001.bin")[1]) == stream(enc, DOCS + ["  \n"])
+
+
+def _fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def test_fifo_folder_or_device_input_is_refused_at_once(tmp_path, no_torch):
+    (tmp_path / "folder.txt").mkdir()
+    for path, kind in [(_fifo(tmp_path / "pipe.txt"), "a FIFO (named pipe)"), (tmp_path / "folder.txt", "a folder"),
+                       ("/dev/zero", "a device")]:
+        res = run_cli("tokenize_text.py", path, "--output-dir", tmp_path / "o", "--prefix", "x", "--workers", "1",
+                      no_torch=no_torch, timeout=60)  # reading the FIFO or /dev/zero would never end
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        [line] = res.stderr.strip().splitlines()
+        assert line == (f"error: input {path}: is {kind}, not a file; pass .jsonl/.txt/.parquet files (a "
+                        "folder's files as a quoted glob, e.g. 'books/*.txt')"), line
+    assert not (tmp_path / "o").exists()
+
+
 class _WideEncoder:
     """Stands in for a tokenizer with more than 65536 tokens."""
 
@@ -502,6 +559,10 @@ def test_ctrl_c_leaves_nothing_and_exits_130(tmp_path, monkeypatch, capsys):
     out = tmp_path / "o"
     assert tok.main([src, "--output-dir", str(out), "--prefix", "x", "--shard-size", "2", "--workers", "1"]) == 130
     assert "interrupted: no shard written" in capsys.readouterr().err
+    assert not out.exists()  # the folder it made is removed too: "as it was"
+    out.mkdir()  # a folder that existed stays
+    monkeypatch.setattr(tok, "_ENCODER", _InterruptingEncoder())
+    assert tok.main([src, "--output-dir", str(out), "--prefix", "x", "--shard-size", "2", "--workers", "1"]) == 130
     assert os.listdir(out) == []
 
 
@@ -569,14 +630,14 @@ def test_worker_that_dies_or_fails_stops_the_run_with_one_line(tmp_path, no_torc
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [message.format(src=src)], stderr
     assert any(".tmp" in name for name in log.read_text().split()), "no shard was being written: test too small"
-    assert os.listdir(out) == []  # no *.bin and no *.tmp<pid> left
+    assert not out.exists()  # no *.bin, no *.tmp<pid>, and the folder the run made is gone
 
 
 def test_sigterm_stops_like_ctrl_c_and_takes_the_workers_along(tmp_path, no_torch):
     proc, stderr, _ = run_faulty_tool(tmp_path, no_torch, "term")
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted: no shard written, temporary files removed" in stderr
-    assert os.listdir(tmp_path / "out") == []
+    assert not (tmp_path / "out").exists()
     worker = int((tmp_path / "seen.txt.pid").read_text())
     deadline = time.time() + 20
     while time.time() < deadline and os.path.exists(f"/proc/{worker}") and \
@@ -636,6 +697,20 @@ def test_check_reports_each_bad_shard_kind(tmp_path, script, first, no_torch):
 
     none = run_cli(script, *first, d / "nothing*.bin", no_torch=no_torch)
     assert none.returncode == 1 and "no file matches" in none.stdout
+
+
+@pytest.mark.parametrize("script,first", [("tokenize_text.py", ["--check"]), ("check_shards.py", [])])
+def test_check_refuses_a_fifo_folder_or_device_at_once(tmp_path, script, first, no_torch):
+    _fifo(tmp_path / "x_train_000001.bin")  # opening it would wait for a writer forever
+    (tmp_path / "x_train_000002.bin").mkdir()
+    _raw_shard(tmp_path / "x_val_000000.bin", [EOT, 1])
+    res = run_cli(script, *first, tmp_path / "x_*.bin", "/dev/zero", no_torch=no_torch, timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    lines = {line.split()[0]: line for line in res.stdout.splitlines()[1:]}
+    for path, kind in [(tmp_path / "x_train_000001.bin", "a FIFO (named pipe)"),
+                       (tmp_path / "x_train_000002.bin", "a folder"), ("/dev/zero", "a device")]:
+        assert f"{path}: is {kind}, not a shard file; pass shard files (*.bin)" in lines[str(path)], lines
+    assert lines[str(tmp_path / "x_val_000000.bin")].split()[1:] == ["2", "1", "50256", "ok"]
 
 
 @pytest.mark.parametrize("script,first", [("tokenize_text.py", ["--check"]), ("check_shards.py", [])])
