@@ -23,7 +23,8 @@ Checks, in order:
    it recomputes every number of steps 0..K: each logged ``train_loss`` and ``val_loss`` at a
    step <= K, and the step lines' token and FLOP counts. When K reaches the end of the run, also
    the summary line's ``final_val_loss``, ``steps``, ``raw_tokens``, ``positions`` and ``flops``.
-   A mismatch fails, naming the step (or field) and both values.
+   A mismatch fails, naming the step (or field) and both values. The temp dir is removed whatever
+   the outcome (Ctrl-C too); ``--keep DIR`` copies the rerun's code and log there first.
 
 How close is close enough depends on where the log was made, compared with the rerun's own
 ``cpu:`` / ``gpus:`` line (the case is printed; measured spreads in records/README.md):
@@ -47,7 +48,8 @@ checks ``train_time``, ``step_avg``, ``peak_memory`` or ``compile_time`` (timing
 the logged machine), the JSON summary beside the log, or the losses of a GPU log.
 
 Exit status: 0 only if every check passed; 1 if one failed; 2 for a log that cannot be read (or
-has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file).
+has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file); 130 when
+interrupted (Ctrl-C or SIGTERM: the rerun is stopped, its temp dir removed).
 """
 import argparse
 import ast
@@ -59,6 +61,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -300,14 +303,14 @@ def judgement(logged, here, tol=None):
     return text + given, (DRIFT if tol is None else Tolerance(tol))
 
 
-def run_logged_code(config, sources, steps, run_dir, threads):
+def run_logged_code(config, sources, steps, run_dir, threads, tmp):
     """Run the first ``steps`` steps of the logged ``config`` with the logged ``sources`` on CPU.
 
-    The code is written to a temp dir and run from ``run_dir`` with ``threads`` torch threads
-    (``OMP_NUM_THREADS``; None keeps the caller's). Returns ``(tmp, cmd, proc, error)``; ``error``
-    is a message when the logged code could not turn the config into flags.
+    The code is written to the folder ``tmp`` (the rerun's log goes there too) and run from
+    ``run_dir`` with ``threads`` torch threads (``OMP_NUM_THREADS``; None keeps the caller's).
+    Returns ``(cmd, proc, error)``; ``error`` is a message when the logged code could not turn
+    the config into flags. Ctrl-C kills the rerun (``subprocess.run``) and propagates.
     """
-    tmp = tempfile.mkdtemp(prefix="verify_")
     write_sources(sources, tmp)
     # Never touch the logged run's checkpoints or resume from them; a short CPU run into tmp.
     for key, value in dict(resume="", checkpoint_dir=os.path.join(tmp, "checkpoints"), save_every=0,
@@ -320,11 +323,11 @@ def run_logged_code(config, sources, steps, run_dir, threads):
                "print(json.dumps(train_gpt.config_to_argv(json.loads(sys.argv[2]))))")
     got = subprocess.run([sys.executable, "-c", to_argv, tmp, json.dumps(config)], cwd=tmp,
                          capture_output=True, text=True)
-    if got.returncode != 0:
-        return tmp, None, None, "config_to_argv of the logged code failed:\n" + got.stderr.strip()[-2000:]
+    if got.returncode != 0 or not got.stdout.strip():
+        return None, None, "config_to_argv of the logged code failed:\n" + got.stderr.strip()[-2000:]
     cmd = [sys.executable, os.path.join(tmp, ENTRY)] + json.loads(got.stdout.strip().splitlines()[-1])
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    return tmp, cmd, subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True), None
+    return cmd, subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True), None
 
 
 def same_loss(a, b, tol):
@@ -432,13 +435,31 @@ def coverage(old, last):
             f"{NOT_RERUNNABLE}")
 
 
-def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir=None, tol=None, threads=None):
+def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir=None, tol=None, threads=None,
+          keep=None):
     """Re-run the first ``steps`` steps with the extracted code and compare; returns ``(ok, report lines)``.
 
     ``tol`` (None: by the machine case, see ``judgement``) bounds |logged - rerun| of the losses;
-    ``threads`` (None: the logged run's) sets the rerun's torch threads.
+    ``threads`` (None: the logged run's) sets the rerun's torch threads. The rerun works in a
+    temp dir that is always removed, also on Ctrl-C (which propagates); ``keep``: a folder that
+    receives its code and log (``verify.txt``) first.
     """
     config = logged_config(lines, rest)
+    tmp = tempfile.mkdtemp(prefix="verify_")
+    try:
+        ok, report = _rerun_in(tmp, lines, rest, sources, config, steps, train_files, val_files, run_dir, tol,
+                               threads)
+        if keep:
+            shutil.copytree(tmp, keep, dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = (f"rerun: code and log kept in {keep}" if keep else
+             "rerun: temp dir removed" + ("" if ok else "; pass --keep DIR to keep the rerun's code and log"))
+    return ok, report[:1] + [where] + report[1:]
+
+
+def _rerun_in(tmp, lines, rest, sources, config, steps, train_files, val_files, run_dir, tol, threads):
+    """``rerun`` with the folder ``tmp`` to work in and the logged ``config``."""
     # Data globs are relative to where the run was launched (the repo root for run.sh);
     # overrides given to verify.py are relative to the caller, so make them absolute.
     if train_files:
@@ -450,15 +471,15 @@ def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir
     last = min(steps, total) if isinstance(total, int) and total > 0 else steps
     cpu_threads = [m["threads"] for m in logged_machines if m["threads"]]
     threads = threads or (cpu_threads[0] if cpu_threads else None)
-    tmp, cmd, proc, error = run_logged_code(config, sources, last, run_dir, threads)
+    cmd, proc, error = run_logged_code(config, sources, last, run_dir, threads, tmp)
     if error:
-        return False, [f"rerun: {error}", f"rerun: code in {tmp}"]
+        return False, [f"rerun: {error}"]
     report = ["rerun: " + " ".join(shlex.quote(a) for a in cmd)
-              + (f"  (OMP_NUM_THREADS={threads})" if threads else ""), f"rerun: code and log in {tmp}"]
+              + (f"  (OMP_NUM_THREADS={threads})" if threads else "")]
     new_log = os.path.join(tmp, "verify.txt")
     if proc.returncode != 0 or not os.path.exists(new_log):
-        return False, report + [f"rerun: {ENTRY} exited with {proc.returncode}:",
-                                (proc.stderr or proc.stdout).strip()[-3000:]]
+        return False, report + [f"rerun: {ENTRY} exited with {proc.returncode} (run from --run-dir {run_dir}, "
+                                "where the logged data globs resolve):", (proc.stderr or proc.stdout).strip()[-3000:]]
 
     ok = True
     fresh_lines = read_log_lines(new_log)
@@ -477,9 +498,6 @@ def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir
     for check_ok, lines_out in checks:
         ok &= check_ok
         report += lines_out
-    if ok:  # keep the code and log of a failed rerun for inspection only
-        shutil.rmtree(tmp, ignore_errors=True)
-        report[1] = "rerun: done (temp dir removed)"
     return ok, report
 
 
@@ -498,6 +516,8 @@ def parse_args(argv):
                                               "tolerance of the machine case (see below)")
     ap.add_argument("--threads", type=int, help="--rerun: torch threads of the rerun (OMP_NUM_THREADS); "
                                                 "default: the logged run's")
+    ap.add_argument("--keep", metavar="DIR", help="--rerun: copy the rerun's code and log (verify.txt) to DIR "
+                                                  "(created if missing); without it nothing of the rerun is kept")
     ap.add_argument("--repo", default=os.path.dirname(HERE),
                     help="the tree whose train_gpt.py/aurora_opt.py the snapshot is compared with; "
                          "default: the repo holding records/")
@@ -507,11 +527,29 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.rerun < 0:
         ap.error("--rerun K needs K >= 1 (0, the default, skips the rerun)")
+    if args.keep and not args.rerun:
+        ap.error(f"--keep {args.keep}: keeps a rerun's code and log; add --rerun K")
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1 (got {args.threads})")
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol >= 0):
         ap.error(f"--tol must be a finite number >= 0 (got {args.tol})")
     return args
+
+
+def path_problem(args):
+    """One line naming the flag and the fix for a path argument that cannot work, else None."""
+    for flag, folder in (("--extract", args.extract), ("--keep", args.keep)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            return f"{flag} {folder}: exists and is not a folder; pass a folder (created if missing)"
+    for flag, folder, fix in (("--repo", args.repo, "a checkout of this repository"),
+                              ("--run-dir", args.run_dir, "the folder the run was launched from (its data globs "
+                                                          "are relative to it)")):
+        if not os.path.isdir(folder):
+            return f"{flag} {folder}: {'not a folder' if os.path.exists(folder) else 'no such folder'}; pass {fix}"
+    if not os.path.isfile(args.log):  # a FIFO or device would block or never end
+        what = "no such file" if not os.path.exists(args.log) else "not a regular file (a folder, FIFO or device)"
+        return f"{args.log}: {what}; pass a run log (<log-dir>/<run_id>.txt, written by train_gpt.py)"
+    return None
 
 
 def main(argv=None):
@@ -522,12 +560,12 @@ def main(argv=None):
         print(f"verify.py: error: {message}", file=sys.stderr)
         return 2
 
-    if args.extract and os.path.exists(args.extract) and not os.path.isdir(args.extract):
-        return error(f"--extract {args.extract}: exists and is not a folder; pass a folder (created if missing)")
+    if path_problem(args):
+        return error(path_problem(args))
     try:
         lines = read_log_lines(args.log)
     except OSError as e:
-        return error(e)
+        return error(f"{args.log}: cannot read it ({e.strerror or e}); check its permissions")
     sources, problems, rest = extract(lines)
     if not split_snapshot(lines)[0]:
         return error(f"{args.log}: " + "; ".join(problems))
@@ -565,14 +603,28 @@ def main(argv=None):
     elif args.rerun:
         try:
             ok, report = rerun(lines, rest, sources, args.rerun, args.train_files, args.val_files,
-                               os.path.abspath(args.run_dir), args.tol, args.threads)
+                               os.path.abspath(args.run_dir), args.tol, args.threads, args.keep)
         except ValueError as e:
             ok, report = False, [f"rerun: {e}"]
+        except OSError as e:  # --keep not writable (the temp dir is removed all the same)
+            ok, report = False, [f"rerun: --keep {args.keep}: cannot write there ({e.strerror or e}); pass a "
+                                 "folder you can write"]
         print("\n".join(report))
         failed |= not ok
     print("FAILED" if failed else "OK")
     return 1 if failed else 0
 
 
+def _raise_interrupt(signum, frame):
+    """SIGTERM (``timeout``, a scheduler) stops verify like Ctrl-C."""
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the rerun (if any) is killed and its temp dir removed on the way out
+        print("verify.py: interrupted: no verdict; the rerun, if one was running, was stopped and its temp dir "
+              "removed", file=sys.stderr)
+        sys.exit(130)

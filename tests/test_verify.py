@@ -9,8 +9,10 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -24,12 +26,13 @@ import verify  # noqa: E402
 SEPARATOR = "\n" + "=" * 100 + "\n"
 
 
-def run_verify(tiny, log, *args, threads="1"):
-    """``records/verify.py LOG --repo <the run's code> ARGS`` from the repo root, as a user runs it."""
-    env = dict(subprocess_env(), OMP_NUM_THREADS=threads)
+def run_verify(tiny, log, *args, threads="1", tmpdir=None, timeout=600):
+    """``records/verify.py LOG --repo <the run's code> ARGS`` from the repo root, as a user runs it;
+    ``tmpdir``: where its temp dirs go (``TMPDIR``)."""
+    env = dict(subprocess_env(), OMP_NUM_THREADS=threads, **({"TMPDIR": str(tmpdir)} if tmpdir else {}))
     return subprocess.run([sys.executable, os.path.join(REPO, "records", "verify.py"), str(log),
                            "--repo", str(tiny["tree"]), *map(str, args)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -257,3 +260,96 @@ def test_a_file_the_logged_code_snapshots_but_the_log_lacks_is_missing():
 def test_threads_below_one_is_an_argument_error(tiny):
     proc = run_verify(tiny, tiny["log"], "--rerun", 1, "--threads", 0)
     assert proc.returncode == 2 and "--threads must be >= 1 (got 0)" in proc.stderr and "rerun:" not in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile input: nothing left behind, one line naming the flag or file
+
+
+def test_a_failed_rerun_leaves_no_temp_dir_and_keep_keeps_its_code_and_log(tiny, tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    forged = edited(tiny, tmp_path, "forged.txt", (r"^(step:1/8 train_loss:)\S+", r"\g<1>9.9999"))
+    proc = run_verify(tiny, forged, "--rerun", 1, tmpdir=temp)
+    assert proc.returncode == 1 and "train losses NOT reproduced" in proc.stdout, proc.stdout + proc.stderr
+    assert "rerun: temp dir removed; pass --keep DIR to keep the rerun's code and log" in proc.stdout
+    assert verify_dirs(temp) == []
+    kept = tmp_path / "kept"
+    proc = run_verify(tiny, forged, "--rerun", 1, "--keep", kept, tmpdir=temp)
+    assert proc.returncode == 1 and f"rerun: code and log kept in {kept}" in proc.stdout
+    assert verify_dirs(temp) == [] and {"train_gpt.py", "aurora_opt.py", "verify.txt"} <= set(os.listdir(kept))
+    assert re.search(r"^step:1/8 train_loss:", (kept / "verify.txt").read_text(), re.M)
+    # a trainer that stops at once (no data where the rerun runs): still nothing left
+    proc = run_verify(tiny, tiny["log"], "--rerun", 1, "--train-files", tmp_path / "none_*.bin", tmpdir=temp)
+    assert proc.returncode == 1 and f"exited with 2 (run from --run-dir {REPO}" in proc.stdout
+    assert "no file matches" in proc.stdout and verify_dirs(temp) == []
+
+
+def verify_dirs(folder):
+    """verify.py's temp dirs in ``folder`` (torch may keep its own cache there)."""
+    return [n for n in os.listdir(folder) if n.startswith("verify_")]
+
+
+def _processes_naming(text):
+    """Pids of the processes whose command line contains ``text``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_during_a_rerun_is_one_line_and_leaves_no_temp_dir_or_process(tiny, tmp_path, sig):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1", TMPDIR=str(temp))
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "records", "verify.py"), str(tiny["log"]),
+                             "--repo", str(tiny["tree"]), "--rerun", "8"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(_processes_naming(f"{temp}/verify_")):  # the trainer is running
+        time.sleep(0.05)
+    assert _processes_naming(f"{temp}/verify_"), "the rerun never started"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["verify.py: interrupted: no verdict; the rerun, if one was running, was "
+                                        "stopped and its temp dir removed"]
+    assert verify_dirs(temp) == []
+    deadline = time.time() + 10
+    while time.time() < deadline and _processes_naming(f"{temp}/verify_"):
+        time.sleep(0.1)
+    assert _processes_naming(f"{temp}/verify_") == []
+
+
+def test_bad_paths_are_one_line_naming_the_flag_or_file(tiny, tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")  # reading it would wait for a writer forever
+    (tmp_path / "a_file").write_text("x")
+    log, fix = str(tiny["log"]), "pass a run log (<log-dir>/<run_id>.txt, written by train_gpt.py)"
+    cases = [
+        ([tmp_path / "pipe.txt"], f"{tmp_path / 'pipe.txt'}: not a regular file (a folder, FIFO or device); {fix}"),
+        ([tmp_path], f"{tmp_path}: not a regular file (a folder, FIFO or device); {fix}"),
+        ([tmp_path / "none.txt"], f"{tmp_path / 'none.txt'}: no such file; {fix}"),
+        ([log, "--rerun", 1, "--run-dir", tmp_path / "none"],
+         f"--run-dir {tmp_path / 'none'}: no such folder; pass the folder the run was launched from"),
+        ([log, "--rerun", 1, "--keep", tmp_path / "a_file"],
+         f"--keep {tmp_path / 'a_file'}: exists and is not a folder; pass a folder (created if missing)"),
+    ]
+    for args, message in cases:
+        proc = run_verify(tiny, *args, tmpdir=tmp_path, timeout=60)  # reading the FIFO would never end
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"verify.py: error: {message}"), line
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "records", "verify.py"), log, "--repo",
+                           tmp_path / "a_file"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"verify.py: error: --repo {tmp_path / 'a_file'}: not a "
+                                                            "folder; pass a checkout of this repository")
+    proc = run_verify(tiny, log, "--keep", tmp_path / "k")
+    assert proc.returncode == 2 and f"--keep {tmp_path / 'k'}: keeps a rerun's code and log; add --rerun K" \
+        in proc.stderr
