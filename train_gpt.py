@@ -185,6 +185,7 @@ class DataError(ValueError):
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
+GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
 REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
 
 
@@ -260,8 +261,8 @@ class TokenStream:
         if self.vocab_size is not None and n and out.max() >= self.vocab_size:
             bad = int(np.argmax(out >= self.vocab_size))
             i, offset = self.locate(start + bad)
-            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= --vocab-size "
-                            f"{self.vocab_size}; not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
+            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
         return out
 
 
@@ -1364,16 +1365,19 @@ def check_architecture(cfg, need):
     layers = {}
     for name in ("short_window_layers", "no_attn_layers"):
         text = getattr(cfg, name)
-        try:
-            layers[name] = layer_set(text)
-        except ValueError:
-            raise ConfigError(f"{_flag(name)} {text!r}: give 0-based layer numbers separated by commas, "
-                              f"e.g. 1,2,5") from None
+        entries = [t.strip() for t in text.split(",")] if text.strip() else []
+        need(all(t.isdigit() for t in entries), f"{_flag(name)} {text!r}: give 0-based layer numbers separated "
+                                                f"by commas, e.g. 1,2,5 (no empty entry)")
+        need(len(set(map(int, entries))) == len(entries), f"{_flag(name)} {text!r}: a layer is given twice")
+        layers[name] = layer_set(text)
         bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
         need(not bad, f"{_flag(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})")
     need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
+    both = sorted(layers["short_window_layers"] & layers["no_attn_layers"])
+    need(not both, f"--short-window-layers: layer {both[0] if both else ''} has no attention (--no-attn-layers)")
     k, n = cfg.value_embeds, cfg.n_layer
-    need(0 <= 2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
+    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
     clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
     need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
                     f"without attention; drop it from --no-attn-layers or lower --value-embeds")
@@ -1465,6 +1469,9 @@ def resolve_files(pattern, flag):
     if not files:
         raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
                         f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
+    for f in files:  # a FIFO would block the first read, a folder fail it
+        if not os.path.isfile(f):
+            raise DataError(f"{f}: not a regular file (a folder, FIFO or device); {flag} must match shard files")
     return files
 
 
@@ -1502,8 +1509,9 @@ def find_data(cfg):
 
 def open_data(cfg, data):
     """(train TokenStream that wraps, val TokenStream) over the files of ``find_data``. Raises DataError."""
-    return (TokenStream([f for f, _ in data["train"]], wrap=True, vocab_size=cfg.vocab_size),
-            TokenStream([f for f, _ in data["val"]], vocab_size=cfg.vocab_size))
+    ids = min(cfg.vocab_size, GPT2_IDS)  # padding rows are never a token
+    return (TokenStream([f for f, _ in data["train"]], wrap=True, vocab_size=ids),
+            TokenStream([f for f, _ in data["val"]], vocab_size=ids))
 
 
 # ----------------------------------------------------------------------------------------------

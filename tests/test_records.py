@@ -547,15 +547,14 @@ def test_verify_rerun_catches_other_data_and_other_losses(fresh, tmp_path):
     bad = tmp_path / "other_loss.txt"
     write_text(bad, text[:m.start(1)] + f"{changed:.4f}" + text[m.end(1):])
     proc = run_tool("verify.py", bad, "--repo", fresh["tree"], "--rerun", 1,
-                    "--train-files", f"{DATA}/*_train_000002.bin")
+                    "--train-files", f"{DATA}/*_train_000002.bin", "--keep", tmp_path / "kept")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the data differ from the logged run's" in proc.stdout
     row = re.search(r"^\s+1\s+([\d.]+)\s+([\d.]+)\s+(\S+)  > tol$", proc.stdout, re.M)
     assert row and float(row[1]) == pytest.approx(changed) and float(row[3]) == pytest.approx(0.01, abs=2e-4)
     assert "train losses NOT reproduced" in proc.stdout and proc.stdout.strip().endswith("FAILED")
-    kept = re.search(r"^rerun: code and log in (\S+)$", proc.stdout, re.M)[1]  # kept for inspection
-    assert os.path.exists(os.path.join(kept, "verify.txt"))
-    shutil.rmtree(kept)
+    assert f"rerun: code and log kept in {tmp_path / 'kept'}" in proc.stdout  # kept for inspection
+    assert os.path.exists(tmp_path / "kept" / "verify.txt")
 
 
 def test_verify_says_truncated_not_edited(fresh, tmp_path):

@@ -417,15 +417,16 @@ def test_log_dir_that_is_a_file_names_the_flag(tmp_path, capsys):
     assert "--log-dir" in capsys.readouterr().err
 
 
-def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path, shard_dir):
+@pytest.mark.parametrize("bad_id", [50257, 50304])  # a padding row of the embedding, past the embedding
+def test_token_ids_beyond_the_vocabulary_name_the_shard(tmp_path, shard_dir, bad_id):
     tokens = np.arange(0, 3000) % 50000
-    tokens[1800] = 50304  # read during step 8 (tokens 1792..2048)
+    tokens[1800] = bad_id  # read during step 8 (tokens 1792..2048)
     bad = write_shard(shard_dir / "t_train_000002.bin", tokens[1700:])
     out = run_cli(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"),
                   "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0")
     assert out.returncode == 2
     errors = error_lines(out)
-    assert len(errors) == 1 and bad in errors[0] and "token id 50304 at token 100" in errors[0]
+    assert len(errors) == 1 and bad in errors[0] and f"token id {bad_id} at token 100 is >= 50257" in errors[0]
     assert read_log(tmp_path / "logs").splitlines()[-1].startswith("status:incomplete")
 
 
@@ -438,3 +439,12 @@ def test_the_first_non_finite_step_is_reported_not_the_next_log_step(tmp_path):
     assert "not finite since step" in line and "--adamw-lr" in line
     step = int(line.split("since step ")[1].split(";")[0])
     assert step < 5
+
+
+def test_a_fifo_among_the_shards_is_refused_at_once_not_read(tmp_path, shard_dir):
+    os.mkfifo(shard_dir / "t_train_000009.bin")  # opening it for reading would block forever
+    out = run_cli(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"),
+                  "--val-files", str(shard_dir / "t_val_*.bin"))
+    assert out.returncode == 2
+    assert error_lines(out) == [f"train_gpt.py: error: rank 0: {shard_dir / 't_train_000009.bin'}: not a regular "
+                                f"file (a folder, FIFO or device); --train-files must match shard files"]
