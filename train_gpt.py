@@ -1373,8 +1373,6 @@ def check_architecture(cfg, need):
         bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
         need(not bad, f"{_flag(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})")
     need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
-    both = sorted(layers["short_window_layers"] & layers["no_attn_layers"])
-    need(not both, f"--short-window-layers: layer {both[0] if both else ''} has no attention (--no-attn-layers)")
     k, n = cfg.value_embeds, cfg.n_layer
     need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
     need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")

@@ -501,7 +501,6 @@ def test_defaults_are_the_old_architecture():
     (["--value-embeds", "1", "--no-attn-layers", "3"], "--value-embeds"),
     (["--window", "8", "--short-window-layers", "1,1"], "--short-window-layers '1,1': a layer is given twice"),
     (["--window", "8", "--short-window-layers", "1,,2"], "no empty entry"),
-    (["--window", "8", "--short-window-layers", "2", "--no-attn-layers", "2"], "layer 2 has no attention"),
     (["--value-embeds", "-1"], "--value-embeds must be >= 0"),
     (["--attn-scale", "-0.1"], "--attn-scale"),
     (["--lr-floor", "1.5"], "--lr-floor"),
