@@ -443,9 +443,15 @@ def layer_set(text):
     """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
 
     Raises:
-        ValueError: an entry is not an integer.
+        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
     """
-    return frozenset(int(t) for t in text.split(",") if t.strip())
+    entries = [t.strip() for t in text.split(",")] if text.strip() else []
+    if not all(t.isdigit() for t in entries):
+        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
+    layers = frozenset(map(int, entries))
+    if len(layers) != len(entries):
+        raise ValueError("a layer is given twice")
+    return layers
 
 
 def window_at(step, cfg):
@@ -1365,11 +1371,10 @@ def check_architecture(cfg, need):
     layers = {}
     for name in ("short_window_layers", "no_attn_layers"):
         text = getattr(cfg, name)
-        entries = [t.strip() for t in text.split(",")] if text.strip() else []
-        need(all(t.isdigit() for t in entries), f"{_flag(name)} {text!r}: give 0-based layer numbers separated "
-                                                f"by commas, e.g. 1,2,5 (no empty entry)")
-        need(len(set(map(int, entries))) == len(entries), f"{_flag(name)} {text!r}: a layer is given twice")
-        layers[name] = layer_set(text)
+        try:
+            layers[name] = layer_set(text)
+        except ValueError as e:
+            raise ConfigError(f"{_flag(name)} {text!r}: {e}") from None
         bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
         need(not bad, f"{_flag(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})")
     need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
