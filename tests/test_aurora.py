@@ -197,6 +197,27 @@ def train_one_matrix(shape, steps=3, **kw):
     return p.detach()
 
 
+@pytest.mark.parametrize("ns_dtype, expected", [(None, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float64, torch.float64)])
+def test_newton_schulz_dtype_follows_the_device(monkeypatch, ns_dtype, expected):
+    # default: float32 on a CPU (bf16 matmuls are emulated there), bf16 on CUDA (checked by _dtype below)
+    seen = []
+    real = A.polar
+    monkeypatch.setattr(A, "polar", lambda U, ns="polar_express", dtype=None: seen.append(dtype) or real(U, ns, dtype))
+    p = torch.randn(16, 64, requires_grad=True)
+    opt = A.Aurora([p], ns_dtype=ns_dtype)
+    p.grad = torch.randn(16, 64)
+    opt.step()
+    assert seen and set(seen) == {expected}
+    assert opt._dtype(torch.device("cuda")) == (ns_dtype or torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad", ["bfloat16", torch.int64, torch.float16, torch.complex64, 3])
+def test_aurora_refuses_a_newton_schulz_dtype_it_cannot_use(bad):
+    with pytest.raises(ValueError, match="ns_dtype"):
+        A.Aurora([torch.randn(4, 4, requires_grad=True)], ns_dtype=bad)
+
+
 def test_nesterov_changes_the_update():
     a, b = train_one_matrix((32, 16), nesterov=True), train_one_matrix((32, 16), nesterov=False)
     assert (a - b).abs().max() > 1e-3
