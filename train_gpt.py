@@ -158,9 +158,9 @@ PRESETS = {
     "record_8xb200": RECORD,  # ... and on 8 B200s: the same run
     # 2 CPU cores, under 5 minutes: a tiny model of the same architecture on the real-text sample.
     "cpu_smoke": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
-                      micro_batch_seqs=8, num_iterations=120, momentum_warmup_steps=0, value_embeds=1,
+                      micro_batch_seqs=8, num_iterations=100, momentum_warmup_steps=0, value_embeds=1,
                       window_start=32, window=128, short_window_layers="1",
-                      embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=40),
+                      embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=50),
 }
 
 # Fields that change where files go or how a run executes, not what it computes; every other
@@ -625,13 +625,11 @@ class GPT(nn.Module):
             x = block(x, x0, masks[i in self.short], ve)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        logits = upcast(self.lm_head(rms_norm(x)))
-        c = self.cfg.logit_softcap
-        if c > 0:
-            logits = c * torch.tanh(logits / c)
-        if targets is None:
-            return logits
-        return mce_loss(logits, targets, reduction="sum")
+        logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
+        if targets is not None:  # the softcap is applied inside the fused loss
+            return mce_loss(logits, targets, reduction="sum", softcap=c)
+        logits = upcast(logits)
+        return c * torch.tanh(logits / c) if c > 0 else logits
 
 
 def attended_keys(seq_len, window):
@@ -716,53 +714,66 @@ def bag_mean(x):
 class _MCELossSum(torch.autograd.Function):
     """Sum over valid (position, label) pairs of ``logsumexp(z) - z[y]``, with a fused backward.
 
-    The backward writes one ``[N, V]`` tensor, ``c_i * softmax(z_i)`` minus 1 at each valid
-    label (``c_i`` = valid labels of position i), instead of autograd's separate logsumexp and
-    gather gradients: the same memory and time as plain cross-entropy, for any s.
+    ``z = c * tanh(x / c)`` for a softcap ``c > 0``, else ``z = x``. The backward writes one
+    ``[N, V]`` tensor, ``c_i * softmax(z_i)`` minus 1 at each valid label (``c_i`` = valid labels
+    of position i), times ``1 - tanh^2`` under a softcap, instead of autograd's separate
+    logsumexp, gather and tanh gradients: the memory of plain cross-entropy for any s, and
+    fewer passes over the ``[N, V]`` logits (they dominate a small model's step on a CPU).
     """
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx, logits, targets, softcap):
         valid = targets != IGNORE_INDEX
         index = targets.clamp_min(0)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)          # [N, 1]
-        picked = logits.gather(-1, index)                            # [N, s]
-        ctx.save_for_backward(logits, lse, index, valid)
+        tanh = logits.div(softcap).tanh_() if softcap else None     # kept for the backward
+        z = tanh * softcap if softcap else logits
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)               # [N, 1]
+        picked = z.gather(-1, index)                                 # [N, s]
+        ctx.softcap = softcap
+        ctx.save_for_backward(tanh if softcap else logits, lse, index, valid)
         return torch.where(valid, lse - picked, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        logits, lse, index, valid = ctx.saved_tensors
-        n_valid = valid.sum(dim=-1, keepdim=True).to(logits.dtype)   # [N, 1]
-        g = torch.sub(logits, lse).exp_().mul_(n_valid * grad)   # in place: one [N, V] allocation
-        g.scatter_add_(-1, index, valid.to(logits.dtype) * -grad)    # repeated labels add up
-        return g, None
+        saved, lse, index, valid = ctx.saved_tensors
+        c = ctx.softcap
+        n_valid = valid.sum(dim=-1, keepdim=True).to(saved.dtype)    # [N, 1]
+        g = saved.mul(c) if c else saved.clone()                     # z, then the gradient, in place
+        g.sub_(lse).exp_().mul_(n_valid * grad)
+        g.scatter_add_(-1, index, valid.to(saved.dtype) * -grad)     # repeated labels add up
+        if c:
+            g.addcmul_(g, saved.square(), value=-1.0)                # dz/dx = 1 - tanh(x / c)^2 (a 2nd [N, V])
+        return g, None, None
 
 
-def mce_loss(logits, targets, reduction="mean"):
+def mce_loss(logits, targets, reduction="mean", softcap=0.0):
     """Multi-hot cross-entropy (MCE) of TST; plain cross-entropy when s = 1.
 
     Args:
-        logits: float ``[..., V]``.
+        logits: float ``[..., V]`` (computed in float32; float64 stays float64).
         targets: int64 ``[..., s]``; ``-100`` marks a label to ignore. Repeated ids count each time.
         reduction: ``"mean"`` (over valid (position, label) pairs; 0 if none) or ``"sum"``.
+        softcap: c > 0 scores ``z = c * tanh(logits / c)`` (inside the fused loss); 0 = no cap.
 
     Returns:
-        float32 scalar: the mean (or sum) of ``logsumexp(z) - z[y]`` over valid pairs. Per
-        position with all s labels this is ``lse(z) - (1/s) sum_k z[y_k]`` (averaged), whose
-        gradient is ``softmax(z) - (1/s) sum_k onehot(y_k)``. One logsumexp per position and
+        float32 scalar (float64 for float64 logits): the mean (or sum) of ``logsumexp(z) - z[y]``
+        over valid pairs. Per position with all s labels this is ``lse(z) - (1/s) sum_k z[y_k]`` (averaged), whose
+        gradient in z is ``softmax(z) - (1/s) sum_k onehot(y_k)``. One logsumexp per position and
         an s-wide gather: no ``[..., s, V]`` tensor is ever built, forward or backward.
 
     Raises:
-        ValueError: unknown reduction, or logits/targets leading shapes differ.
+        ValueError: unknown reduction, a softcap that is not a finite number >= 0, or
+            logits/targets leading shapes differ.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not (isinstance(softcap, (int, float)) and 0 <= softcap < math.inf):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = no cap), got {softcap!r}")
     if logits.shape[:-1] != targets.shape[:-1]:
         raise ValueError(f"mce_loss: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
                          f"differ in their leading dims")
     V, s = logits.size(-1), targets.size(-1)
-    total = _MCELossSum.apply(upcast(logits).reshape(-1, V), targets.reshape(-1, s))
+    total = _MCELossSum.apply(upcast(logits).reshape(-1, V), targets.reshape(-1, s), float(softcap))
     if reduction == "sum":
         return total
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)

@@ -80,15 +80,15 @@ def test_dry_run_timing_reports_both_phases_and_the_flops_weighted_projection(dr
     assert t["phase1"]["raw_tokens_per_step"] == 4 * t["phase1"]["positions_per_step"]
     assert t["phase2"]["raw_tokens_per_step"] == t["phase2"]["positions_per_step"]
     pj = t["projection"]
-    assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (120, 36, 84)  # cpu_smoke: r = 0.3
-    full = dataclasses.replace(cfg, num_iterations=120)
+    assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (100, 30, 70)  # cpu_smoke: r = 0.3
+    full = dataclasses.replace(cfg, num_iterations=100)
     f1, f2 = (sum(T.model_flops_per_position(full, s) for s in steps) * full.batch_tokens
-              for steps in (range(36), range(36, 120)))
+              for steps in (range(30), range(30, 100)))
     assert (pj["phase1_flops"], pj["phase2_flops"]) == (f1, f2)
     p1, p2 = t["phase1"], t["phase2"]
     weighted = f1 * p1["ms_per_step"] / p1["flops_per_step"] + f2 * p2["ms_per_step"] / p2["flops_per_step"]
     assert abs(pj["projected_train_time_ms"] - weighted) <= 1
-    assert abs(pj["unweighted_train_time_ms"] - (36 * p1["ms_per_step"] + 84 * p2["ms_per_step"])) <= 1
+    assert abs(pj["unweighted_train_time_ms"] - (30 * p1["ms_per_step"] + 70 * p2["ms_per_step"])) <= 1
     assert t["peak_memory_mib"] > 0
     assert (out / "gpu_check_summary.txt").exists() and (out / "logs" / "timing.txt").exists()
     for d in ("synthetic_data", "synthetic_check"):

@@ -95,6 +95,35 @@ def test_mce_loss_and_gradient_match_float64_loop(s):
     assert total.item() == pytest.approx(ref.item() * (targets != -100).sum().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("s", [1, 4])
+@pytest.mark.parametrize("softcap", [2.0, 15.0])
+def test_softcapped_mce_matches_float64_autograd_of_the_capped_logits(s, softcap):
+    # the cap lives inside the fused loss: value and gradient = autograd through c * tanh(x / c)
+    torch.manual_seed(10 + s)
+    logits = (8 * torch.randn(3, 4, 61)).requires_grad_()  # big enough that the cap bends them
+    targets = random_targets((3, 4, s), 61, repeat=s > 1, seed=s)
+    targets[1, 2] = -100
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = mce_reference(softcap * torch.tanh(ref_logits / softcap), targets)
+    ref.backward()
+    loss = T.mce_loss(logits, targets, softcap=softcap)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-8)
+    exact = logits.detach().double().requires_grad_()
+    T.mce_loss(exact, targets, reduction="sum", softcap=softcap).backward()  # float64 in, float64 math
+    ref_sum = mce_reference(softcap * torch.tanh(exact.detach() / softcap), targets) * (targets != -100).sum()
+    assert T.mce_loss(exact.detach(), targets, reduction="sum", softcap=softcap).item() == pytest.approx(
+        ref_sum.item(), rel=1e-12)
+    torch.testing.assert_close(exact.grad, ref_logits.grad * (targets != -100).sum(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, "15"])
+def test_mce_loss_refuses_a_bad_softcap(bad):
+    with pytest.raises(ValueError, match="softcap"):
+        T.mce_loss(torch.randn(2, 5), torch.zeros(2, 1, dtype=torch.int64), softcap=bad)
+
+
 def test_mce_gradient_is_softmax_minus_mean_onehot_for_full_bags():
     s = 4
     logits = torch.randn(6, 50, dtype=torch.float64, requires_grad=True)
