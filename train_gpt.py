@@ -102,6 +102,8 @@ class Config:
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)")
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
     ns: str = _f("polar_express", "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
+    ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
+                       "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
     pp_iterations: int = _f(2, "Aurora row-equalization rounds K (ignored by --optimizer muon, which uses 0)")
     pp_beta: float = _f(0.5, "Aurora row-scale exponent beta")
     adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw")
@@ -830,7 +832,7 @@ def build_optimizers(model, cfg, compile=False):
                            lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum,
                            nesterov=cfg.nesterov, ns=cfg.ns, pp_beta=cfg.pp_beta,
                            pp_iterations=cfg.pp_iterations if cfg.optimizer == "aurora" else 0,
-                           compile=compile))
+                           compile=compile, ns_dtype=None if cfg.ns_dtype == "auto" else getattr(torch, cfg.ns_dtype)))
     else:
         opts.append(torch.optim.AdamW([p for _, p in matrices], lr=cfg.adamw_lr, betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=cfg.adamw_wd, fused=cuda))

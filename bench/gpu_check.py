@@ -28,7 +28,9 @@ of random length are written under --out; the timing run reads real shards when 
    a. CPU float32 eager vs device float32 eager, every train and val loss within ``--tol``
       (absolute, default 1e-3; the log prints 4 decimals). On CUDA this compares the
       FlexAttention path (block mask) with the CPU's masked SDPA. (Aurora's Newton-Schulz
-      runs in bf16 on both devices, so they agree closely but not bit for bit.)
+      runs in float32 on both, ``--ns-dtype float32``; the kernels still differ, so they
+      agree closely but not bit for bit.) The bf16 run b uses the device's default (bf16 on
+      CUDA).
    b. device bf16 (compiled on CUDA: the fused FlexAttention kernel; eager on CPU, where
       compiling takes minutes) vs device float32 eager (run a's), within ``--bf16-tol``
       (default 2e-2). Why 2e-2: bf16 keeps 8 significand bits (relative rounding 2^-9 ~ 2e-3
@@ -586,8 +588,10 @@ def data_args(args, out_dir):
 # 3. Agreement: the tiny model on CPU fp32, on the device fp32, on the device bf16 (+ compile)
 
 def check_argv(args, data, device_kind, out_dir, run_id, bf16=False, compile_=False, max_steps=0):
+    # float32 runs: Newton-Schulz in float32 on both devices (its default dtype follows the device)
     return [*TINY_MODEL, *CHECK_TRAIN, *data, "--num-iterations", str(args.correct_steps),
             "--max-steps", str(max_steps), "--bf16" if bf16 else "--no-bf16",
+            "--ns-dtype", "auto" if bf16 else "float32",
             "--compile" if compile_ else "--no-compile", "--device", device_kind,
             "--log-dir", os.path.join(out_dir, "logs"), "--run-id", run_id]
 

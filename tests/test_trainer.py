@@ -257,6 +257,12 @@ def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
     assert muon.param_groups[0]["pp_iterations"] == 0
     assert isinstance(T.build_optimizers(model, T.dataclasses.replace(cfg, optimizer="adamw"))[1],
                       torch.optim.AdamW)
+    # --ns-dtype: auto follows the device (float32 on this CPU); a named dtype is used as given
+    cpu = torch.device("cpu")
+    assert aurora._dtype(cpu) == torch.float32 and aurora._dtype(torch.device("cuda")) == torch.bfloat16
+    for name in ("bfloat16", "float32"):
+        opt = T.build_optimizers(model, T.dataclasses.replace(cfg, ns_dtype=name))[1]
+        assert opt._dtype(cpu) == opt._dtype(torch.device("cuda")) == getattr(torch, name)
 
 
 # ---------------------------------------------------------------------------------------------
