@@ -20,6 +20,9 @@ and the optimizer differ:
                  batch for the first r=0.3 of the steps, then the normal batch
   aurora_plain   aurora on the architecture before record #21's (every flag of train_gpt.ARCHITECTURE
                  and the windows off: plain causal attention, no value embeddings, skips or mixes)
+  aurora_no_<element>  ablations (--arms): aurora with one element of the architecture off
+                 (value_embeds, unet, x0_mix, doc_mask, window, attn_scale, lr_floor; softcap30:
+                 the logit softcap at the old 30 instead of 15); merged QKV is the same function
 
 Data orders (the noise includes the data). The benchmark writes ``--orders`` data orders of the
 corpus into ``<out>/data/`` (``bench/small_scale_data.py``; git-ignored, rebuilt from the corpus
@@ -144,6 +147,20 @@ ARMS = {
                                 "--value-embeds", "0", "--no-unet", "--no-x0-mix", "--no-merged-qkv",
                                 "--attn-scale", "0", "--logit-softcap", "30", "--lr-floor", "0"]),
 }
+# Ablations of record #21's architecture: aurora with one element set back to the old architecture's
+# value, paired with aurora (all on). Merged QKV is left out: it computes the same function (tested).
+_AURORA = ["--optimizer", "aurora", "--tst-frac", "0"]
+ABLATIONS = {
+    "aurora_no_value_embeds": ["--value-embeds", "0"],
+    "aurora_no_unet": ["--no-unet"],
+    "aurora_no_x0_mix": ["--no-x0-mix"],
+    "aurora_softcap30": ["--logit-softcap", "30"],
+    "aurora_no_doc_mask": ["--no-doc-mask"],
+    "aurora_no_window": ["--window", "0", "--window-start", "0", "--short-window-layers", ""],
+    "aurora_no_attn_scale": ["--attn-scale", "0"],
+    "aurora_no_lr_floor": ["--lr-floor", "0"],
+}
+ARMS.update({arm: ("aurora", _AURORA + flags) for arm, flags in ABLATIONS.items()})
 # equal-text control -> the TST arm whose phase-1 text (s * batch per step for round(r * N) steps) it reads
 EQTEXT = {"aurora_eqtext": "aurora_tst"}
 TST_VARIANTS = ["aurora_tst_s2", "aurora_tst_s8", "aurora_tst_r0.2", "aurora_tst_r0.4", "aurora_tst_input",
@@ -154,7 +171,8 @@ COMPARISONS = ([("aurora", "adamw", "final"), ("muon", "adamw", "final"), ("auro
                 ("aurora_tst", "aurora", "final")]
                + [(v, "aurora", "final") for v in TST_VARIANTS] + [(v, "aurora_tst", "final") for v in TST_VARIANTS]
                + [("aurora_eqtext", "aurora", "final"), ("aurora_tst", "aurora_eqtext", "final"),
-                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final")])
+                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final")]
+               + [("aurora", arm, "final") for arm in ABLATIONS])
 BASELINE = "adamw"
 
 # optimizer family -> (lr flag, the no-TST arm whose (order 0, seed 0) run the sweep run doubles as)
@@ -390,7 +408,25 @@ def expected_config(argv):
     train_gpt = trainer_module()
     cfg, _ = train_gpt.parse_config(argv[2:])
     keys = list(train_gpt.RUN_DEFINING) + ["train_files", "val_files", "val_every"]
-    return {k: getattr(cfg, k) for k in keys}
+    return {k: order_key(getattr(cfg, k)) if k == "train_files" else getattr(cfg, k) for k in keys}
+
+
+def order_key(pattern):
+    """A data order's shard glob by its last two parts (``mix_o0_<hash>/*_train_*.bin``).
+
+    The order folders are named by the hash of the tokens they hold, so these two parts name
+    the data wherever ``<out>`` lies: a moved output folder still resumes.
+    """
+    return "/".join(str(pattern).replace(os.sep, "/").rstrip("/").split("/")[-2:])
+
+
+def code_hashes(code_dir):
+    """``{file name: sha256}`` of the trainer snapshot's files (what every run's log header records)."""
+    out = {}
+    for name in ("train_gpt.py", "aurora_opt.py"):
+        with open(os.path.join(code_dir, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def read_json(path):
@@ -403,15 +439,24 @@ def read_json(path):
         return {}
 
 
-def logged_config(run_dir, run_id):
+def logged_run(run_dir, run_id):
+    """``(config, {file name: sha256} of its source snapshot)`` of a run's log; ``({}, {})`` if none."""
     path = os.path.join(run_dir, run_id + ".txt")
-    return compare.parse_log(path).config if os.path.exists(path) else {}
+    if not os.path.exists(path):
+        return {}, {}
+    files, _, _ = compare.split_snapshot(compare.read_log_lines(path))
+    return compare.parse_log(path).config, {f.name: f.sha256 for f in files}
 
 
 def same_config(run_dir, run_id, argv, say=True):
-    """True if the run's log was made with the config of ``argv`` (else says what differs)."""
-    logged = logged_config(run_dir, run_id)
+    """True if the run's log was made with the config of ``argv`` and by the code it runs (its
+    ``argv[1]``'s folder: the snapshot), else says what differs. A code change that no flag
+    shows (e.g. a numerics fix) thus retrains too: one folder's runs all share their code."""
+    logged, logged_code = logged_run(run_dir, run_id)
+    logged = {k: order_key(v) if k == "train_files" else v for k, v in logged.items()}
     diff = {k: (logged.get(k), v) for k, v in expected_config(argv).items() if logged.get(k, v) != v}
+    if logged_code != code_hashes(os.path.dirname(argv[1])):
+        diff["source (sha256)"] = ("the log's", "the snapshot's")
     if diff and say:
         print(f"  {run_id}: made with other flags {diff}; training it again", flush=True)
     return not diff
@@ -540,7 +585,7 @@ def snapshot_trainer(out):
     Other people edit the trainer while a benchmark runs for hours; the snapshot keeps every run
     of one output folder on the same code (each log still holds its full source). A resumed
     benchmark keeps using the snapshot it started with; delete ``<out>/code/`` to take the
-    current code (the resume check then retrains runs whose run-defining config changed).
+    current code (the resume check then retrains every run its logged source differs from).
     """
     code = os.path.join(out, "code")
     if not os.path.exists(os.path.join(code, "train_gpt.py")):

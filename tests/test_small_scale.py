@@ -365,6 +365,43 @@ def test_control_resumes_from_its_checkpoint_and_removes_it(ss, tmp_path, monkey
     assert ss.train(job, {})["status"] == "complete" and calls == []  # done: skipped
 
 
+def test_resume_check_names_the_data_by_its_order_folder_and_the_code_by_its_hash(ss, tmp_path):
+    import hashlib
+    code = tmp_path / "out" / "code"
+    code.mkdir(parents=True)
+    for name in ("train_gpt.py", "aurora_opt.py"):
+        (code / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read(), encoding="utf-8")
+    flags = ["--preset", "cpu_smoke", "--val-files", "data/sample/*_val_*.bin"]
+    argv = [sys.executable, str(code / "train_gpt.py"), "--train-files",
+            str(tmp_path / "out" / "data" / "mix_o0_0123456789" / "*_train_*.bin"), *flags]
+
+    def write_log(run_id, config, edit_code=False):
+        header = []
+        for name in ("train_gpt.py", "aurora_opt.py"):
+            text = (code / name).read_text(encoding="utf-8")
+            text += "# edited\n" if edit_code and name == "aurora_opt.py" else ""
+            digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+            header += [f"### file {name} lines={len(text.splitlines())} sha256={digest}\n", text]
+        (tmp_path / "arm" / f"{run_id}.txt").write_text("".join(header) + "config: " + json.dumps(config) + "\n",
+                                                           encoding="utf-8")
+
+    (tmp_path / "arm").mkdir()
+    train_gpt = ss.trainer_module()
+    cfg, _ = train_gpt.parse_config(argv[2:])
+    config = {k: getattr(cfg, k) for k in list(train_gpt.RUN_DEFINING) + ["train_files", "val_files", "val_every"]}
+    moved = dict(config, train_files="/elsewhere/out/data/mix_o0_0123456789/*_train_*.bin")
+    write_log("same", moved)  # the output folder was moved: the same order folder, the same code
+    assert ss.same_config(str(tmp_path / "arm"), "same", argv, say=False)
+    write_log("other_order", dict(config, train_files="/x/data/mix_o1_9876543210/*_train_*.bin"))
+    assert not ss.same_config(str(tmp_path / "arm"), "other_order", argv, say=False)
+    write_log("other_val", dict(config, val_files="/other/corpus/data/sample/*_val_*.bin"))
+    assert not ss.same_config(str(tmp_path / "arm"), "other_val", argv, say=False)  # val globs compare whole
+    write_log("other_code", config, edit_code=True)  # a change no flag shows still retrains
+    assert not ss.same_config(str(tmp_path / "arm"), "other_code", argv, say=False)
+    write_log("other_lr", dict(config, matrix_lr=config["matrix_lr"] * 2))
+    assert not ss.same_config(str(tmp_path / "arm"), "other_lr", argv, say=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 
