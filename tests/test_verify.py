@@ -308,9 +308,12 @@ def test_ctrl_c_during_a_rerun_is_one_line_and_leaves_no_temp_dir_or_process(tin
     temp = tmp_path / "temp"
     temp.mkdir()
     env = dict(subprocess_env(), OMP_NUM_THREADS="1", TMPDIR=str(temp))
+    # SIGINT back to its default in the child: a shell running the tests in the background
+    # (``pytest &``) passes SIGINT on as ignored, and Python then never turns it into Ctrl-C
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "records", "verify.py"), str(tiny["log"]),
                              "--repo", str(tiny["tree"]), "--rerun", "8"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and not any(_processes_naming(f"{temp}/verify_")):  # the trainer is running
         time.sleep(0.05)
