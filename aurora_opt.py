@@ -15,6 +15,7 @@ This file has no dependency on train_gpt.py. Public API:
 * ``aurora_direction(U, pp_iterations, pp_beta, ns, eps)``: Aurora's update direction.
 * ``Aurora``: the optimizer (a ``torch.optim.Optimizer``), sharded across processes
   when ``torch.distributed`` is initialized.
+* ``ns_dtype_on(device, ns_dtype)``: the Newton-Schulz dtype Aurora uses on a device.
 """
 import math
 
@@ -119,6 +120,14 @@ def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e
     return O * math.sqrt(max(1.0, m / n))
 
 
+def ns_dtype_on(device, ns_dtype=None):
+    """The Newton-Schulz dtype ``Aurora`` uses on ``device``: ``ns_dtype``, else bfloat16 on CUDA
+    (as Muon) and float32 elsewhere (CPUs emulate bfloat16 matmuls, dozens of times slower)."""
+    if ns_dtype is not None:
+        return ns_dtype
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def check_hparams(lr=0.05, weight_decay=0.025, momentum=0.95, ns="polar_express", pp_iterations=2,
                   pp_beta=0.5, eps=1e-7):
     """Raise ValueError for a value Aurora cannot use; the message starts with the argument's name."""
@@ -197,10 +206,8 @@ class Aurora(torch.optim.Optimizer):
         self._ns_dtype = ns_dtype
 
     def _dtype(self, device):
-        """Newton-Schulz dtype on ``device``: ``ns_dtype``, else bfloat16 on CUDA and float32 elsewhere."""
-        if self._ns_dtype is not None:
-            return self._ns_dtype
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        """Newton-Schulz dtype on ``device`` (``ns_dtype_on``)."""
+        return ns_dtype_on(device, self._ns_dtype)
 
     def _shards(self):
         """(world, rank) of the process group, (1, 0) without one."""

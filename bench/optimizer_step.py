@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from aurora_opt import NS_COEFFICIENTS, Aurora  # noqa: E402
+from aurora_opt import NS_COEFFICIENTS, Aurora, ns_dtype_on  # noqa: E402
 
 
 def gpt2_small_matrices(device, n_layer=12, d=768, hidden=3072):
@@ -71,7 +71,7 @@ def main(argv=None):
     n_params = sum(p.numel() for p in params)
     print(f"{len(params)} matrices ({n_params / 1e6:.1f}M parameters), device {args.device} "
           f"({torch.get_num_threads()} threads), torch {torch.__version__}, compile {args.compile}, "
-          f"Newton-Schulz dtype {Aurora(params[:1], ns_dtype=ns_dtype)._dtype(params[0].device)}\n")
+          f"Newton-Schulz dtype {ns_dtype_on(params[0].device, ns_dtype)}\n")
     head = ["ns", "optimizer", "step ms", "x Muon"]
     if args.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

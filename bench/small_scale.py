@@ -444,8 +444,9 @@ def logged_run(run_dir, run_id):
     path = os.path.join(run_dir, run_id + ".txt")
     if not os.path.exists(path):
         return {}, {}
-    files, _, _ = compare.split_snapshot(compare.read_log_lines(path))
-    return compare.parse_log(path).config, {f.name: f.sha256 for f in files}
+    lines = compare.read_log_lines(path)  # read once: the config and the snapshot's hashes
+    files, _, _ = compare.split_snapshot(lines)
+    return compare.parse_lines(lines, path).config, {f.name: f.sha256 for f in files}
 
 
 def same_config(run_dir, run_id, argv, say=True):
