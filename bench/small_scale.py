@@ -819,8 +819,39 @@ def own_plot(stats, arms, path, x, target):
     plt.close(fig)
 
 
+def differences_plot(rows, path):
+    """Every comparison's paired differences ``a - b`` (one dot per (order, seed)), their mean and 95%
+    interval, one row each: the figure of results.md's comparison table. Rows with under 2 pairs are left out."""
+    rows = [r for r in rows if r["n"] >= 2]
+    if not rows:
+        return False
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.42 * len(rows)), dpi=110)
+    colours = {sst.BETTER: "tab:green", sst.WORSE: "tab:red"}
+    for i, r in enumerate(rows):
+        y = len(rows) - 1 - i
+        c = colours.get(r["verdict"], "tab:grey")
+        ax.scatter(r["diffs"], np.full(len(r["diffs"]), y), s=12, color=c, alpha=0.45, zorder=2)
+        ax.errorbar(r["mean"], y, xerr=[[r["mean"] - r["ci"][0]], [r["ci"][1] - r["mean"]]], fmt="o",
+                    color=c, ms=6, capsize=4, lw=2, zorder=3)
+    ax.axvline(0.0, color="black", lw=1)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['a']} - {r['b']}" + (" (at equal FLOPs, mid-run)" if r["at"] == "flops" else "")
+                        for r in reversed(rows)], fontsize=8)
+    ax.set_xlabel("final val loss difference a - b (nats; < 0: a better); dots: the (order, seed) pairs, "
+                  "bar: mean and 95% t-interval")
+    ax.set_title("paired differences: green better, red worse, grey no measurable difference", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def make_plots(out, arms, stats, target):
-    """val loss vs FLOPs and vs train time via records/compare.py (one arm folder = one group)."""
+    """val loss vs FLOPs and vs train time via records/compare.py (one arm folder = one group, pooled
+    over the data orders)."""
     plots, compare_text = [], ""
     folders = [os.path.join(out, a) for a in arms if stats.get(a, {}).get("n")]
     tool = os.path.join(REPO, "records", "compare.py")
@@ -829,7 +860,7 @@ def make_plots(out, arms, stats, target):
         what = f"val loss vs {'training FLOPs' if x == 'flops' else 'train time'}, every run"
         ok = False
         if folders:
-            cmd = [sys.executable, tool, *folders, "--plot", path, "--x", x]
+            cmd = [sys.executable, tool, *folders, "--pool-train-data", "--plot", path, "--x", x]
             if target is not None:
                 cmd += ["--target", f"{target:.4f}"]
             try:
@@ -1217,6 +1248,9 @@ def analyse_and_report(spec, sweep, results, timing_of):
     target = stats.get(BASELINE, {}).get("mean")
     target = target if target is not None and math.isfinite(target) else None
     plots, compare_text = make_plots(out, spec["arms"], stats, target)
+    if differences_plot(rows, os.path.join(out, "differences.png")):
+        plots.insert(0, (os.path.join(out, "differences.png"), "the paired differences of every comparison in the table above, "
+                                                               "with their 95% intervals"))
     if rec:
         plots.append((os.path.join(out, "recency.png"), f"val curves of {spec['recency_arm']} (seed 0) over the "
                                                         "data orders: docs orders vs mix orders"))

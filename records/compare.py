@@ -11,6 +11,7 @@ does not know.
     python records/compare.py --json DIR                            # the tables as JSON
     python records/compare.py --markdown DIR...                     # the tables as Markdown
     python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
+    python records/compare.py --pool-train-data ARM_DIR...          # one group over data orders
 
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
@@ -23,7 +24,9 @@ Runs of one group must have measured the same thing: where their logged configs 
 field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), or their
 ``data train:`` / ``data val:`` lines name other data (other fingerprints; other paths to the
 same shards do not count), the group is split into ``<group> [field=value ... val data <id>]``,
-with a warning naming what differs.
+with a warning naming what differs. ``--pool-train-data`` keeps runs that differ only in their
+training data in one group: for a benchmark whose noise deliberately includes the data order
+(bench/small_scale.py's orders), where the spread over orders is what the group measures.
 modded-nanogpt logs have no config line and are grouped as given.
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
@@ -305,8 +308,10 @@ def unreadable_run(path, group, err):
 NOT_LOGS = {".png", ".pdf", ".svg", ".jpg", ".json", ".md", ".py"}
 
 
-def collect(paths, group_by="auto", warn=None):
+def collect(paths, group_by="auto", warn=None, pool_train_data=False):
     """Parse every log named by ``paths`` (files, or folders of ``*.txt``); runs in a stable order.
+
+    Groups are then split by ``split_mixed_groups(runs, warn, pool_train_data)``.
 
     A log that cannot be read (``OSError``: a folder named ``*.txt``, a symlink loop, no
     permission) becomes an incomplete run with reason ``unreadable: ...`` and is reported through
@@ -342,7 +347,7 @@ def collect(paths, group_by="auto", warn=None):
                 if warn:
                     warn(f"cannot read {f} ({runs[-1].reason[len('unreadable: '):]}); "
                          "listed as unreadable, not counted")
-    split_mixed_groups(runs, warn)
+    split_mixed_groups(runs, warn, pool_train_data)
     return runs
 
 
@@ -407,7 +412,7 @@ def data_labels(keys):
     return names
 
 
-def split_mixed_groups(runs, warn=None):
+def split_mixed_groups(runs, warn=None, pool_train_data=False):
     """Split every group whose runs differ in a run-defining config field or in their data; renames ``run.group``.
 
     The runs of a group ``g`` that differ in fields ``f1, f2`` go to groups named
@@ -416,8 +421,11 @@ def split_mixed_groups(runs, warn=None):
     ``val data <id>`` (``data_labels``). Complete runs without a config line (modded-nanogpt
     logs) mixed with ours go to ``g [no config line]``. Each split is reported through
     ``warn(message)``, naming the fields. Runs without a config line alone are grouped as given.
+    With ``pool_train_data`` other training data alone splits nothing (the benchmark's data orders:
+    the spread over them is part of what the group measures); other val data still does.
     Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``).
     """
+    kinds = [k for k in DATA_KINDS if not (pool_train_data and k == "train data")]
     operational = None
     split = []
     for g in list(dict.fromkeys(r.group for r in runs)):
@@ -432,7 +440,7 @@ def split_mixed_groups(runs, warn=None):
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
         data = {id(r): data_identity(r) for r in configured}
         labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in DATA_KINDS}
-        differ += [kind for kind in DATA_KINDS if len(labels[kind]) > 1]
+        differ += [kind for kind in kinds if len(labels[kind]) > 1]
         bare = any(r.complete and not r.config for r in members)
         if not differ and not bare:
             continue
@@ -861,6 +869,9 @@ def _fit_ylim(ax, ys):
     return lo - pad, hi + pad
 
 
+LEGEND_INSIDE_MAX = 8  # groups whose legend fits inside the val panel; more go to its right
+
+
 def draw_figure(runs, x="time", target=3.28):
     """The figure of ``plot`` (matplotlib, Agg), unsaved: returns ``(fig, notes)``; close it after use.
 
@@ -870,7 +881,8 @@ def draw_figure(runs, x="time", target=3.28):
     otherwise the title says where it is. Bottom panel (only when a drawn run logs train losses):
     the train loss, a centered running mean over ``SMOOTH_FRAC`` of each run's steps, y fitted
     after the first tenth of the steps, the TST phase-1 part (a bag loss, not comparable with
-    next-token CE) faint and dashed. ``notes``: the runs left out and why.
+    next-token CE) faint and dashed. More than ``LEGEND_INSIDE_MAX`` groups put the legend to the
+    right of the panels, outside the curves. ``notes``: the runs left out and why.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -887,8 +899,11 @@ def draw_figure(runs, x="time", target=3.28):
     groups = list(dict.fromkeys(r.group for r in runs))
     cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     colour = {g: cmap(i % cmap.N) for i, g in enumerate(groups)}
+    outside = len(groups) > LEGEND_INSIDE_MAX  # a long legend would cover the curves: put it to the right
     fig, axes = plt.subplots(2 if train else 1, 1, sharex=True, squeeze=False, dpi=110,
-                             figsize=(11, 9.5 if train else 6.5), height_ratios=[3, 2] if train else [1])
+                             figsize=(15 if outside else 11, 9.5 if train else 6.5),
+                             height_ratios=[3, 2] if train else [1])
+    legend = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if outside else dict(loc="upper right")
     ax = axes[0, 0]
     lo, hi = _fit_ylim(ax, draw_panel(ax, runs, curves, colour, scale))
     title = f"val loss vs {x}"
@@ -898,7 +913,7 @@ def draw_figure(runs, x="time", target=3.28):
         title += f" (target {target} is {'below' if target < lo else 'above'} the range shown)"
     ax.set_title(title + ("; y fitted after the first val point" if curves else ""))
     ax.set_ylabel("val loss (cross-entropy, nats/token)")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, **legend)
     if train:
         tax = axes[1, 0]
         _fit_ylim(tax, draw_panel(tax, runs, train, colour, scale, train=True))
@@ -909,7 +924,7 @@ def draw_figure(runs, x="time", target=3.28):
         if any(c["phase1"].any() for c in train.values()):
             tax.plot([], [], color="grey", ls="--", alpha=0.5,
                      label="TST phase 1: bag loss (MCE), not next-token CE")
-            tax.legend(fontsize=8, loc="upper right")
+            tax.legend(fontsize=8, **legend)
     for a in axes[:, 0]:
         a.grid(True, alpha=0.3)
         a.set_xlim(left=0)
@@ -964,6 +979,8 @@ def main(argv=None):
     ap.add_argument("--group-by", choices=("auto", "prefix", "folder"), default="auto",
                     help="auto: a folder is one group, a file its own group; prefix: by the file-name part "
                          "before the last '__' (names of copied modded-nanogpt record logs); folder: by the folder a file lies in")
+    ap.add_argument("--pool-train-data", action="store_true",
+                    help="keep runs that differ only in their training data (e.g. a benchmark's data orders) in one group")
     ap.add_argument("--target", type=finite_float, default=3.28,
                     help="val loss to beat (one-sided t-test, time to target)")
     ap.add_argument("--baseline", metavar="GROUP",
@@ -987,7 +1004,8 @@ def main(argv=None):
         return error(f"--plot {args.plot}: {problem}")
     try:
         runs = collect(args.paths, args.group_by,
-                       warn=lambda message: print(f"compare.py: warning: {message}", file=sys.stderr))
+                       warn=lambda message: print(f"compare.py: warning: {message}", file=sys.stderr),
+                       pool_train_data=args.pool_train_data)
     except OSError as e:
         return error(e)
     except ImportError as e:  # train_gpt.OPERATIONAL is needed to compare configs (see run_defining)

@@ -1006,6 +1006,51 @@ def group_band(folder):
     return ys.mean(0) - ys.std(0, ddof=1), ys.mean(0) + ys.std(0, ddof=1)
 
 
+def test_pool_train_data_keeps_data_orders_in_one_group_but_not_other_val_data(tmp_path):
+    src = {seed: os.path.join(TST, f"tst_seed{seed}.txt") for seed in (0, 1)}
+    grp = tmp_path / "arm"
+    grp.mkdir()
+    shutil.copyfile(src[0], grp / "o0.txt")  # two data orders: other training shards, same val shard
+    with_data(src[1], grp / "o1.txt", "train", lambda i, path, fp: (path, "0123456789abcdef"))
+    warnings = []
+    assert len({r.group for r in compare.collect([str(grp)], warn=warnings.append)}) == 2 and len(warnings) == 1
+    runs = compare.collect([str(grp)], warn=warnings.append, pool_train_data=True)
+    assert {r.group for r in runs} == {"arm"} and len(warnings) == 1  # pooled, nothing to warn about
+    [row] = compare.group_stats(runs)
+    assert row["runs"] == 2
+    # other val data still splits: the val loss measured something else
+    with_data(src[1], grp / "v.txt", "val", lambda i, path, fp: (path, "fedcba9876543210"))
+    groups = {r.name: r.group for r in compare.collect([str(grp)], warn=warnings.append, pool_train_data=True)}
+    assert groups["o0"] == groups["o1"] != groups["v"] and "differ in val data" in warnings[-1]
+    assert "train data" not in warnings[-1]
+    proc = run_tool("compare.py", grp, "--pool-train-data")
+    assert proc.returncode == 0 and "differ in val data" in proc.stderr and "train data" not in proc.stderr
+
+
+def test_plot_legend_moves_outside_the_curves_for_many_groups(tmp_path):
+    import matplotlib.pyplot as plt
+
+    def legend_right_of_axes(n):
+        folder = tmp_path / f"n{n}"
+        folder.mkdir()
+        paths = []
+        for g in range(n):
+            curve_log(folder / f"g{g}.txt", [(0, 10.8, 0), (100, 4.0 + 0.1 * g, 1000), (200, 3.5 + 0.1 * g, 2000)])
+            paths.append(str(folder / f"g{g}.txt"))
+        fig, _ = compare.draw_figure(compare.collect(paths), "time", 3.28)
+        try:
+            fig.canvas.draw()
+            ax = fig.axes[0]
+            box, frame = ax.get_legend().get_window_extent(), ax.get_window_extent()
+            assert len(ax.get_legend().get_texts()) == n
+            return box.x0 >= frame.x1
+        finally:
+            plt.close(fig)
+
+    assert not legend_right_of_axes(compare.LEGEND_INSIDE_MAX)
+    assert legend_right_of_axes(compare.LEGEND_INSIDE_MAX + 1)
+
+
 def test_plot_fits_the_range_to_the_curves_and_draws_the_target_only_inside(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection

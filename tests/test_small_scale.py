@@ -248,6 +248,41 @@ def test_comparisons_pair_by_order_and_seed_and_name_missing_pairs(ss, capsys):
     assert at["n"] == 4 and at["mean"] == pytest.approx(np.mean(want))
 
 
+def test_differences_plot_draws_each_pair_its_mean_and_interval(ss, sst, tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [dict(sst.paired_difference({k: a for k, a in enumerate(xa)}, {k: b for k, b in enumerate(xb)}),
+                 a=name, b="aurora", at="final")
+            for name, xa, xb in (("adamw", [7.3, 7.4, 7.35], [7.2, 7.28, 7.26]),
+                                 ("muon", [7.1, 7.2, 7.0], [7.2, 7.3, 7.15]), ("lone", [7.0], [7.1]))]
+    saved = {}
+    real_close = plt.close
+    plt.close = lambda fig: saved.setdefault("fig", fig)  # keep the figure to inspect it
+    try:
+        assert ss.differences_plot(rows, str(tmp_path / "d.png")) and os.path.getsize(tmp_path / "d.png") > 0
+    finally:
+        plt.close = real_close
+    fig = saved["fig"]
+    try:
+        [ax] = fig.axes
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels == ["muon - aurora", "adamw - aurora"]  # top row first; the 1-pair row is left out
+        dots = [c.get_offsets() for c in ax.collections if len(c.get_offsets()) == 3]
+        for y, r in ((1, rows[0]), (0, rows[1])):  # every pair drawn at its row
+            assert any(np.allclose(np.sort(d[:, 0]), np.sort(r["diffs"])) and np.all(d[:, 1] == y) for d in dots)
+        means = [ln.get_xydata()[0] for ln in ax.get_lines() if ln.get_marker() == "o"]
+        assert sorted(map(tuple, np.round(means, 12))) == sorted(
+            (round(r["mean"], 12), float(y)) for y, r in ((1, rows[0]), (0, rows[1])))
+        colour = {int(ln.get_xydata()[0][1]): ln.get_color() for ln in ax.get_lines() if ln.get_marker() == "o"}
+        assert rows[0]["verdict"] == sst.WORSE and rows[1]["verdict"] == sst.BETTER
+        assert colour == {1: "tab:red", 0: "tab:green"}  # worse red, better green
+    finally:
+        real_close(fig)
+    assert not ss.differences_plot(rows[2:], str(tmp_path / "none.png")) and not os.path.exists(tmp_path / "none.png")
+
+
 def test_arm_stats_and_recency_spread(ss):
     results = {("adamw", "mix", o, 0): summary(v, 1e9) for o, v in enumerate([7.0, 7.1, 7.3])}
     results.update({("adamw", "docs", o, 0): summary(v, 1e9) for o, v in enumerate([7.0, 7.5, 7.2])})
