@@ -82,14 +82,15 @@ How to run (from the repo root)
     python bench/small_scale.py --arms adamw --seeds 1 --adamw-lrs 0.002 --sweep-extend 0
                                           # the recency check alone: adamw on 3 mix + 3 docs orders
 
-Budget. Before anything runs the script prints its plan: every group of runs with its count
-and estimated time, from a cost model of measured run times (COST below: trainer start-up,
-seconds per training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one
-thread each). Full mode on data/sample: at most 78 trainings (9 sweep runs + at most 3
-extensions, 66 arm runs of which 3 are sweep runs, 3 recency runs; a control run costs ~1.8
-runs), estimated 110 min (on a 1.02M-token corpus with 100k val tokens: 134 min); quick mode:
-12 trainer processes, ~3 min. results.md records the real times, the ratio to the estimate and
-the 1-minute load average around each run (other jobs on the cores slow runs down).
+Budget. Before anything runs the script prints its plan: every group of runs with its count and
+estimated time, from a cost model of measured run times (COST below: trainer start-up, seconds per
+training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one thread each). Full
+mode on data/sample (6 arms): 46 runs in 52 trainer processes (9 sweep runs, muon's and aurora's
+best also serving as their (order 0, seed 0) runs; 34 more arm runs, the 6 equal-text controls two
+processes each; 3 recency runs), estimated 95 min on two idle cores with the current trainer; the
+six TST variants add 36 runs, ~68 min, with ``--arms``. Quick mode: 12 trainer processes, ~3 min.
+results.md records the real times, the ratio to the estimate and the 1-minute load average around
+each run (other jobs on the cores slow runs down).
 Resumable: a run whose JSON says ``complete`` (with the same run-defining config) is skipped, so
 rerunning the same command after a crash continues where it stopped; for a run started on an
 earlier day pass its folder with ``--out``.
@@ -180,8 +181,8 @@ FAMILIES = {"adamw": ("--adamw-lr", "adamw"), "muon": ("--matrix-lr", "muon"), "
 
 MODES = {
     "full": dict(
-        # 6 arms x 3 orders x 2 seeds at 256 positions per step: about 80 min on 2 idle cores; the TST
-        # variants (s, r, modes) with --arms
+        # 6 arms x 3 orders x 2 seeds at 256 positions per step: about 95 min on 2 idle cores (COST); the
+        # TST variants (s, r, modes), ~68 min more, with --arms
         arms=["adamw", "muon", "aurora", "aurora_tst", "aurora_eqtext", "aurora_plain"], orders=3, seeds=2,
         steps=300, batch_tokens=256, val_tokens=None, val_every=None,
         sweep={"adamw": [0.002, 0.004, 0.008], "muon": [0.00625, 0.0125, 0.025], "aurora": [0.00625, 0.0125, 0.025]},
@@ -194,13 +195,14 @@ MODES = {
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
 # training FLOP + seconds per val (forward) FLOP, measured on a 2-core AMD EPYC (torch 2.13.0 CPU,
-# float32, one thread, another job's trainer on the cores) at the MODEL shape: 0.62 s per 512-position
-# adamw step (1.21 ms a position, 5.8e-11 s per training FLOP), 38.6 s per eval of the 63,483-token
-# val shard (0.61 ms a position: half a training position, not the third of its FLOPs, since the
-# 50304-wide softmax dominates at this width), 8 s start-up. Two runs at a time on two cores each ran
-# as fast as one alone in the earlier 4 x 128 benchmark (records/cpu/2026-11-29_small_scale).
+# float32, one thread) at the MODEL shape with the current trainer (float32 Newton-Schulz on the CPU,
+# the softcap inside the fused loss), two aurora runs at a time on otherwise idle cores: 0.42 s per
+# 256-position step (127 s of train time for 1.59e12 FLOPs: 8.0e-11 s per training FLOP), 38 s per
+# eval of the 63,483-token val shard (0.61 ms a position: half a training position, not the third of
+# its FLOPs, since the 50304-wide softmax dominates at this width), 8 s start-up; 216 s a run in all
+# (the model says 211). The trainer of 2026-11-29 (bf16 Newton-Schulz on the CPU) took 0.60 s a step.
 # results.md reports the measured time / this estimate of every run.
-COST = dict(startup_s=8.0, s_per_train_flop=5.8e-11, s_per_val_flop=8.75e-11)
+COST = dict(startup_s=8.0, s_per_train_flop=8.0e-11, s_per_val_flop=8.75e-11)
 
 
 # ----------------------------------------------------------------------------------------------
