@@ -70,8 +70,9 @@ seed 0) of that arm (same flags): it is copied into the arm's folder instead of 
 
 Output: ``results.md`` (+ ``results.json``), one folder of logs per arm
 (``<out>/<arm>/<arm>_o<order>_seed<k>.txt`` + ``.json``, the trainer's own), ``lr_sweep/``,
-``recency_docs/``, ``recency.png`` and plots of val loss vs FLOPs and vs train time drawn by
-``records/compare.py`` (or by this script if that fails).
+``recency_docs/``, ``recency.png``, ``differences.png`` (every comparison's pairs, mean and 95%
+interval) and plots of val loss vs FLOPs and vs train time drawn by ``records/compare.py
+--pool-train-data`` (one group per arm over its data orders; or by this script if that fails).
 
 How to run (from the repo root)
 -------------------------------
@@ -88,7 +89,7 @@ training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one 
 mode on data/sample (6 arms): 46 runs in 52 trainer processes (9 sweep runs, muon's and aurora's
 best also serving as their (order 0, seed 0) runs; 34 more arm runs, the 6 equal-text controls two
 processes each; 3 recency runs), estimated 95 min on two idle cores with the current trainer; the
-six TST variants add 36 runs, ~68 min, with ``--arms``. Quick mode: 12 trainer processes, ~3 min.
+six TST variants add 36 runs, ~68 min, with ``--arms``. Quick mode: 11 runs in 13 trainer processes, ~4 min.
 results.md records the real times, the ratio to the estimate and the 1-minute load average around
 each run (other jobs on the cores slow runs down).
 Resumable: a run whose JSON says ``complete`` (with the same run-defining config) is skipped, so
@@ -833,18 +834,18 @@ def differences_plot(rows, path):
     for i, r in enumerate(rows):
         y = len(rows) - 1 - i
         c = colours.get(r["verdict"], "tab:grey")
-        ax.scatter(r["diffs"], np.full(len(r["diffs"]), y), s=12, color=c, alpha=0.45, zorder=2)
+        ax.scatter(r["diffs"], np.full(len(r["diffs"]), y - 0.22), s=12, color=c, alpha=0.6, zorder=2)
         ax.errorbar(r["mean"], y, xerr=[[r["mean"] - r["ci"][0]], [r["ci"][1] - r["mean"]]], fmt="o",
                     color=c, ms=6, capsize=4, lw=2, zorder=3)
     ax.axvline(0.0, color="black", lw=1)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{r['a']} - {r['b']}" + (" (at equal FLOPs, mid-run)" if r["at"] == "flops" else "")
                         for r in reversed(rows)], fontsize=8)
-    ax.set_xlabel("final val loss difference a - b (nats; < 0: a better); dots: the (order, seed) pairs, "
-                  "bar: mean and 95% t-interval")
+    ax.set_xlabel("val loss difference a - b (nats; < 0: a better; final vs final except where marked); "
+                  "dots below: the (order, seed) pairs; bar: mean and 95% t-interval", fontsize=9)
     ax.set_title("paired differences: green better, red worse, grey no measurable difference", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -1036,7 +1037,7 @@ def report(spec, sweep, stats, rows, rec, corpus, timing, plots, compare_text):
     L += ["## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots] + [""]
     L += timing_lines(timing)
     if compare_text:
-        L += ["## `records/compare.py` on the arm folders", "", "```", compare_text.rstrip(), "```"]
+        L += ["## `records/compare.py --pool-train-data` on the arm folders", "", "```", compare_text.rstrip(), "```"]
     return "\n".join(L) + "\n"
 
 
@@ -1251,8 +1252,8 @@ def analyse_and_report(spec, sweep, results, timing_of):
     target = target if target is not None and math.isfinite(target) else None
     plots, compare_text = make_plots(out, spec["arms"], stats, target)
     if differences_plot(rows, os.path.join(out, "differences.png")):
-        plots.insert(0, (os.path.join(out, "differences.png"), "the paired differences of every comparison in the table above, "
-                                                               "with their 95% intervals"))
+        plots.insert(0, (os.path.join(out, "differences.png"), "the paired differences of every comparison in the table above "
+                                                               "with at least 2 pairs, with their 95% intervals"))
     if rec:
         plots.append((os.path.join(out, "recency.png"), f"val curves of {spec['recency_arm']} (seed 0) over the "
                                                         "data orders: docs orders vs mix orders"))

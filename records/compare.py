@@ -441,6 +441,8 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
         data = {id(r): data_identity(r) for r in configured}
         labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in DATA_KINDS}
         differ += [kind for kind in kinds if len(labels[kind]) > 1]
+        if warn and pool_train_data and len(labels["train data"]) > 1:
+            warn(f"group {g}: pools runs on {len(labels['train data'])} different training data (--pool-train-data)")
         bare = any(r.complete and not r.config for r in members)
         if not differ and not bare:
             continue
@@ -454,7 +456,9 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
         if warn:
             why = f"differ in {', '.join(differ)}" if differ else "mix logs with and without a config line"
             parts = ", ".join(dict.fromkeys(r.group for r in members))
-            warn(f"group {g}: its runs {why} (they measured different things); split into {parts}")
+            hint = ("; --pool-train-data keeps them in one group where the data order is part of the noise "
+                    "measured" if differ == ["train data"] else "")
+            warn(f"group {g}: its runs {why} (they measured different things); split into {parts}{hint}")
     return split
 
 
@@ -870,6 +874,17 @@ def _fit_ylim(ax, ys):
 
 
 LEGEND_INSIDE_MAX = 8  # groups whose legend fits inside the val panel; more go to its right
+LEGEND_ENTRY_IN = 0.2  # inches of figure height per legend entry at font size 8 (with its spacing)
+LEGEND_CHAR_IN = 0.065  # inches of width per character of a legend entry at font size 8 (DejaVu Sans)
+PHASE1_LABEL = "TST phase 1: bag loss (MCE), not next-token CE"
+
+
+def group_colours(plt, n):
+    """``n`` colours, distinct up to 60 groups (tab10; tab20; then tab20, tab20b and tab20c), repeating after."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(n)]
+    pool = [plt.get_cmap(name)(i) for name in ("tab20", "tab20b", "tab20c") for i in range(20)]
+    return [pool[i % len(pool)] for i in range(n)]
 
 
 def draw_figure(runs, x="time", target=3.28):
@@ -882,7 +897,9 @@ def draw_figure(runs, x="time", target=3.28):
     the train loss, a centered running mean over ``SMOOTH_FRAC`` of each run's steps, y fitted
     after the first tenth of the steps, the TST phase-1 part (a bag loss, not comparable with
     next-token CE) faint and dashed. More than ``LEGEND_INSIDE_MAX`` groups put the legend to the
-    right of the panels, outside the curves. ``notes``: the runs left out and why.
+    right of the panels (a figure legend in a column as wide as its longest entry), in a figure tall
+    enough for all its entries.
+    ``notes``: the runs left out and why.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -897,13 +914,14 @@ def draw_figure(runs, x="time", target=3.28):
         scale, unit = (60000.0, "min") if longest > 10 * 60000 else (1000.0, "s")
         label = f"train time ({unit}, validation and compile excluded)"
     groups = list(dict.fromkeys(r.group for r in runs))
-    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
-    colour = {g: cmap(i % cmap.N) for i, g in enumerate(groups)}
+    colour = dict(zip(groups, group_colours(plt, len(groups))))
     outside = len(groups) > LEGEND_INSIDE_MAX  # a long legend would cover the curves: put it to the right
+    height = 9.5 if train else 6.5
+    if outside:  # tall enough for one legend entry per group (and the target line) in one column
+        height = max(height, LEGEND_ENTRY_IN * (len(groups) + 2) + 1.0)
     fig, axes = plt.subplots(2 if train else 1, 1, sharex=True, squeeze=False, dpi=110,
-                             figsize=(15 if outside else 11, 9.5 if train else 6.5),
-                             height_ratios=[3, 2] if train else [1])
-    legend = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if outside else dict(loc="upper right")
+                             figsize=(11, height), height_ratios=[3, 2] if train else [1])
+    phase1 = bool(train) and any(c["phase1"].any() for c in train.values())
     ax = axes[0, 0]
     lo, hi = _fit_ylim(ax, draw_panel(ax, runs, curves, colour, scale))
     title = f"val loss vs {x}"
@@ -913,7 +931,10 @@ def draw_figure(runs, x="time", target=3.28):
         title += f" (target {target} is {'below' if target < lo else 'above'} the range shown)"
     ax.set_title(title + ("; y fitted after the first val point" if curves else ""))
     ax.set_ylabel("val loss (cross-entropy, nats/token)")
-    ax.legend(fontsize=8, **legend)
+    if phase1 and outside:  # one legend to the right, not two that overlap
+        ax.plot([], [], color="grey", ls="--", alpha=0.5, label=PHASE1_LABEL + " (train panel)")
+    if not outside:
+        ax.legend(fontsize=8, loc="best")
     if train:
         tax = axes[1, 0]
         _fit_ylim(tax, draw_panel(tax, runs, train, colour, scale, train=True))
@@ -921,15 +942,21 @@ def draw_figure(runs, x="time", target=3.28):
         tax.set_title(f"train loss (running mean over {SMOOTH_FRAC:.0%} of the steps; y fitted after the "
                       f"first 10%{only})", fontsize=10)
         tax.set_ylabel("train loss")
-        if any(c["phase1"].any() for c in train.values()):
-            tax.plot([], [], color="grey", ls="--", alpha=0.5,
-                     label="TST phase 1: bag loss (MCE), not next-token CE")
-            tax.legend(fontsize=8, **legend)
+        if phase1 and not outside:
+            tax.plot([], [], color="grey", ls="--", alpha=0.5, label=PHASE1_LABEL)
+            tax.legend(fontsize=8, loc="upper right")
     for a in axes[:, 0]:
         a.grid(True, alpha=0.3)
         a.set_xlim(left=0)
     axes[-1, 0].set_xlabel(label)
-    fig.tight_layout()
+    if outside:  # a figure legend in a column of its own to the right of the panels, as wide as its longest entry
+        handles, labels = ax.get_legend_handles_labels()
+        width = LEGEND_CHAR_IN * max(len(t) for t in labels) + 0.8
+        fig.set_size_inches(11 + width, height)
+        fig.tight_layout(rect=(0, 0, 11 / (11 + width), 1))
+        fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(11 / (11 + width), 0.99))
+    else:
+        fig.tight_layout()
     return fig, notes
 
 

@@ -1014,17 +1014,20 @@ def test_pool_train_data_keeps_data_orders_in_one_group_but_not_other_val_data(t
     with_data(src[1], grp / "o1.txt", "train", lambda i, path, fp: (path, "0123456789abcdef"))
     warnings = []
     assert len({r.group for r in compare.collect([str(grp)], warn=warnings.append)}) == 2 and len(warnings) == 1
+    assert "differ in train data" in warnings[0] and "--pool-train-data keeps them in one group" in warnings[0]
     runs = compare.collect([str(grp)], warn=warnings.append, pool_train_data=True)
-    assert {r.group for r in runs} == {"arm"} and len(warnings) == 1  # pooled, nothing to warn about
+    assert {r.group for r in runs} == {"arm"} and len(warnings) == 2  # pooled, and said so
+    assert warnings[1] == "group arm: pools runs on 2 different training data (--pool-train-data)"
     [row] = compare.group_stats(runs)
     assert row["runs"] == 2
     # other val data still splits: the val loss measured something else
     with_data(src[1], grp / "v.txt", "val", lambda i, path, fp: (path, "fedcba9876543210"))
     groups = {r.name: r.group for r in compare.collect([str(grp)], warn=warnings.append, pool_train_data=True)}
     assert groups["o0"] == groups["o1"] != groups["v"] and "differ in val data" in warnings[-1]
-    assert "train data" not in warnings[-1]
+    assert "train data" not in warnings[-1] and "--pool-train-data" not in warnings[-1]
     proc = run_tool("compare.py", grp, "--pool-train-data")
-    assert proc.returncode == 0 and "differ in val data" in proc.stderr and "train data" not in proc.stderr
+    assert proc.returncode == 0 and "differ in val data" in proc.stderr and "split into" in proc.stderr
+    assert "pools runs on 2 different training data" in proc.stderr
 
 
 def test_plot_legend_moves_outside_the_curves_for_many_groups(tmp_path):
@@ -1041,14 +1044,21 @@ def test_plot_legend_moves_outside_the_curves_for_many_groups(tmp_path):
         try:
             fig.canvas.draw()
             ax = fig.axes[0]
-            box, frame = ax.get_legend().get_window_extent(), ax.get_window_extent()
-            assert len(ax.get_legend().get_texts()) == n
+            [legend] = [ax.get_legend()] if ax.get_legend() else fig.legends
+            box, frame, page = legend.get_window_extent(), ax.get_window_extent(), fig.bbox
+            assert len([t for t in legend.get_texts() if t.get_text().startswith("g")]) == n
+            # every entry on the page, none cut off; the panel keeps a usable height
+            assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+            assert frame.height > 0.5 * page.height
+            colours = {tuple(ln.get_color()) for ln in ax.get_lines() if ln.get_label().startswith("g")}
+            assert len(colours) == n  # distinct up to 60 groups
             return box.x0 >= frame.x1
         finally:
             plt.close(fig)
 
     assert not legend_right_of_axes(compare.LEGEND_INSIDE_MAX)
     assert legend_right_of_axes(compare.LEGEND_INSIDE_MAX + 1)
+    assert legend_right_of_axes(45)  # the small-scale folder's arms split by data order
 
 
 def test_plot_fits_the_range_to_the_curves_and_draws_the_target_only_inside(tmp_path):
