@@ -841,7 +841,7 @@ def differences_plot(rows, path):
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{r['a']} - {r['b']}" + (" (at equal FLOPs, mid-run)" if r["at"] == "flops" else "")
                         for r in reversed(rows)], fontsize=8)
-    ax.set_xlabel("val loss difference a - b (nats; < 0: a better; final vs final except where marked); "
+    ax.set_xlabel("val loss difference a - b (nats; < 0: a better; final vs final except where marked)\n"
                   "dots below: the (order, seed) pairs; bar: mean and 95% t-interval", fontsize=9)
     ax.set_title("paired differences: green better, red worse, grey no measurable difference", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
