@@ -923,7 +923,7 @@ def header_lines(spec, stats, corpus):
         f"* Model: {MODEL['n_layer']} layers x {MODEL['model_dim']} wide ({MODEL['n_head']} heads), seq_len "
         f"{MODEL['seq_len']}, vocab 50304 (GPT-2), {spec['batch_tokens']} positions/step, {spec['steps']} steps, "
         f"{num(flops_step, '.3g')} FLOPs/step (every arm but the control); `--preset cpu_smoke` otherwise: lr "
-        "flat, then linear decay to 0 over the last 40% of steps, no warmup; float32, no compile.",
+        "flat, then linear decay over the last 40% of steps to the preset lr floor (0.1x; 0 in aurora_no_lr_floor), no warmup; float32, no compile.",
         f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`mix`: "
         f"{MODEL['seq_len']}-token chunks shuffled by the order's seed, `data/`), x {spec['seeds']} init seeds = "
         f"{keys} runs per arm. Val loss on {spec['val_tokens']:,} tokens of `{spec['val_files']}` "
