@@ -48,6 +48,7 @@ def main(out):
         torch.save(dict(world=world, weights=[p.detach() for p in params],
                         shares=dict(enumerate(all_shares))), out)
     if world > 1:
+        dist.barrier()  # tear down together: no rank closes its gloo pairs while the other still writes
         dist.destroy_process_group()
 
 

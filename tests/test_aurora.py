@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -270,8 +271,13 @@ def test_two_process_update_equals_single_process(tmp_path):
                          env=subprocess_env(), timeout=300)
     assert out.returncode == 0, out.stderr
     multi = tmp_path / "multi.pt"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          worker, str(multi)], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(multi)]
+    out = subprocess.run(torchrun, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    if out.returncode != 0 and "SIGABRT" in out.stderr:
+        # once in CI a rank died in gloo's C++ (std::terminate, no Python error; not reproduced in
+        # 40 local launches): one relaunch tells that from a real failure, with a warning
+        warnings.warn(f"torchrun rank aborted (SIGABRT), relaunched once:\n{out.stderr[-1500:]}")
+        out = subprocess.run(torchrun, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = torch.load(single), torch.load(multi)
     assert a["world"] == 1 and b["world"] == 2
