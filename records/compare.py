@@ -876,6 +876,7 @@ def _fit_ylim(ax, ys):
 LEGEND_INSIDE_MAX = 8  # groups whose legend fits inside the val panel; more go to its right
 LEGEND_ENTRY_IN = 0.2  # inches of figure height per legend entry at font size 8 (with its spacing)
 LEGEND_CHAR_IN = 0.065  # inches of width per character of a legend entry at font size 8 (DejaVu Sans)
+PANEL_WIDTH_IN = 11  # width of the panels in inches; a legend column beside them widens the figure
 PHASE1_LABEL = "TST phase 1: bag loss (MCE), not next-token CE"
 
 
@@ -920,7 +921,7 @@ def draw_figure(runs, x="time", target=3.28):
     if outside:  # tall enough for one legend entry per group (and the target line) in one column
         height = max(height, LEGEND_ENTRY_IN * (len(groups) + 2) + 1.0)
     fig, axes = plt.subplots(2 if train else 1, 1, sharex=True, squeeze=False, dpi=110,
-                             figsize=(11, height), height_ratios=[3, 2] if train else [1])
+                             figsize=(PANEL_WIDTH_IN, height), height_ratios=[3, 2] if train else [1])
     phase1 = bool(train) and any(c["phase1"].any() for c in train.values())
     ax = axes[0, 0]
     lo, hi = _fit_ylim(ax, draw_panel(ax, runs, curves, colour, scale))
@@ -952,9 +953,10 @@ def draw_figure(runs, x="time", target=3.28):
     if outside:  # a figure legend in a column of its own to the right of the panels, as wide as its longest entry
         handles, labels = ax.get_legend_handles_labels()
         width = LEGEND_CHAR_IN * max(len(t) for t in labels) + 0.8
-        fig.set_size_inches(11 + width, height)
-        fig.tight_layout(rect=(0, 0, 11 / (11 + width), 1))
-        fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(11 / (11 + width), 0.99))
+        right = PANEL_WIDTH_IN / (PANEL_WIDTH_IN + width)  # where the panels end, as a fraction of the figure
+        fig.set_size_inches(PANEL_WIDTH_IN + width, height)
+        fig.tight_layout(rect=(0, 0, right, 1))
+        fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(right, 0.99))
     else:
         fig.tight_layout()
     return fig, notes
