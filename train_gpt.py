@@ -1259,9 +1259,16 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag gets its one error line, not the 40-line usage above it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
 def build_parser():
     """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="train_gpt.py",
         description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
                     "--preset sets several at once and explicit flags override it.",

@@ -109,6 +109,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -1089,8 +1090,9 @@ def parse_list(text, flag, kind):
     if not text.strip() or any(not w for w in words):
         raise SystemExit(f"{flag} {text!r}: give a comma list without empty items, e.g. "
                          + ("adamw,aurora" if kind is str else "0.002,0.004"))
-    if len(set(words)) != len(words):
-        raise SystemExit(f"{flag} {text!r}: an item is repeated")
+    repeated = sorted({w for w in words if words.count(w) > 1})
+    if repeated:
+        raise SystemExit(f"{flag} {text!r}: {', '.join(repeated)} named more than once; name each once")
     if kind is str:
         return words
     try:
@@ -1189,9 +1191,10 @@ def build_spec(args, argv):
     spec["val_every"] = spec["val_every"] or spec["steps"]  # default: val at the start and the end only
     spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
     spec["recency_arm"] = None if spec["recency_arm"] == "none" else spec["recency_arm"]
-    bad = [a for a in spec["arms"] + [spec["recency_arm"] or "adamw"] if a not in ARMS]
-    if bad:
-        raise SystemExit(f"--arms/--recency-arm: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    for flag, names in (("--arms", spec["arms"]), ("--recency-arm", [spec["recency_arm"] or "adamw"])):
+        bad = [a for a in names if a not in ARMS]
+        if bad:
+            raise SystemExit(f"{flag}: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
     for fam in FAMILIES:
         given = getattr(args, f"{fam}_lrs")
         if given is not None:
@@ -1217,6 +1220,13 @@ def build_spec(args, argv):
     out = out if os.path.isabs(out) else os.path.join(REPO, out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"--out {out}: exists and is not a folder; name a folder")
+    parent = out
+    while not os.path.exists(parent):  # the folder that would hold it must take a new entry (--dry-run too)
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_test.", dir=parent))  # a probe, removed at once
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot write in {parent} ({e.strerror}); name a writable folder") from None
     spec.update(out=out, train_files=args.train_files, val_files=args.val_files, date=date,
                 trainer=os.path.join(REPO, "train_gpt.py"),
                 machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
@@ -1322,5 +1332,16 @@ def main(argv=None):
     return 0
 
 
+def cli(argv=None):
+    """``main`` for the command line: a message-carrying SystemExit becomes one error line and exit 2."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(f"small_scale.py: error: {e.code}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -173,6 +173,7 @@ class Run:
     config: dict = dataclasses.field(default_factory=dict)
     data: list = dataclasses.field(default_factory=list)  # per start: {"train": [fingerprint, ...], "val": [...]}
     group: str = ""
+    unreadable: list = dataclasses.field(default_factory=list)  # (line number, text) of step lines not parsed
 
     @property
     def complete(self):
@@ -213,6 +214,7 @@ def parse_lines(lines, path="", group=""):
     run = Run(path=path, name=os.path.splitext(os.path.basename(path))[0], group=group)
     files, start, truncated = split_snapshot(lines)
     body = [ln.rstrip("\r\n") for ln in lines[start:]]
+    first_line = start + 1  # the line number of body[0] in the file
     if body and not lines[-1].endswith(("\n", "\r")):
         body.pop()  # a last line without its newline was cut while being written: "3.27" of "3.2791"
     if files or any(ln.startswith(OURS_MARKERS) for ln in body):
@@ -223,12 +225,12 @@ def parse_lines(lines, path="", group=""):
         # (then the separator was not a code/run boundary).
         first = body.index(SEPARATOR)
         if any(parse_step_line(ln) for ln in body[first + 1:]):
-            body = body[first + 1:]
+            body, first_line = body[first + 1:], first_line + first + 1
 
     status_reason = ""
     last_train = None  # nearest preceding train line: gives tokens/FLOPs to the val lines
     in_data = False  # every start (a resume too) logs its data files as one block of lines
-    for ln in body:
+    for number, ln in enumerate(body, first_line):
         m = DATA_RE.match(ln)
         if m and not in_data:
             run.data.append({"train": [], "val": []})
@@ -242,7 +244,8 @@ def parse_lines(lines, path="", group=""):
             point = dict(step=step, train_time_ms=f.get("train_time"),
                          tokens=f.get("tokens"), flops=f.get("flops"), phase=f.get("phase"))
             if not all(isinstance(f.get(k, 0.0), (int, float)) for k in ("val_loss", "train_loss", "train_time")):
-                continue  # a step line with a non-numeric loss/time is not one we know
+                run.unreadable.append((number, ln))  # a non-numeric loss/time: an edited or damaged line
+                continue
             if "val_loss" in f:
                 for key in ("tokens", "flops"):  # val lines may lack them: take the train line's
                     if point[key] is None and step == 0:
@@ -256,7 +259,9 @@ def parse_lines(lines, path="", group=""):
                 _append(run.train, point)
                 last_train = point
             continue
-        if ln.startswith("status:"):
+        if run.fmt == "ours" and ln.startswith("step:"):  # our step lines all parse; this one is damaged
+            run.unreadable.append((number, ln))
+        elif ln.startswith("status:"):
             f = ln[len("status:"):].split(" reason:", 1)
             run.status = f[0].strip()  # the last one wins: a resumed run writes a later status
             status_reason = f[1].strip() if len(f) > 1 else ""
@@ -268,20 +273,29 @@ def parse_lines(lines, path="", group=""):
             except json.JSONDecodeError:
                 pass
 
-    # Completeness: our logs need status:complete; every log needs its last val line at step N.
-    if truncated:
-        run.reason = "log ends inside its source snapshot"
-    elif run.fmt == "ours" and not run.status:
-        run.reason = "no status line (truncated, crashed or killed)"
-    elif run.fmt == "ours" and run.status != "complete":
-        run.reason = f"status:{run.status}" + (f" reason:{status_reason}" if status_reason else "")
-    elif not run.val:
-        run.reason = "no val_loss line"
-    elif run.val[-1]["step"] != run.total_steps:
-        run.reason = f"last val_loss line is at step {run.val[-1]['step']} of {run.total_steps}"
-    elif not math.isfinite(run.final["val_loss"]):  # a diverged run: its nan/inf would poison the mean
-        run.reason = f"non-finite final val loss ({run.final['val_loss']})"
+    run.reason = incomplete_reason(run, lines, truncated, status_reason)
     return run
+
+
+def incomplete_reason(run, lines, truncated, status_reason):
+    """Why a parsed run does not count ("" if it does): our logs need status:complete; every log
+    needs its last val line at step N of N, with a finite loss."""
+    if not lines:
+        return "empty file (0 bytes)"
+    if truncated:
+        return "log ends inside its source snapshot"
+    if run.fmt == "ours" and not run.status:
+        return "no status line (truncated, crashed or killed)"
+    if run.fmt == "ours" and run.status != "complete":
+        return f"status:{run.status}" + (f" reason:{status_reason}" if status_reason else "")
+    if not run.val:
+        return "no val_loss line"
+    if run.val[-1]["step"] != run.total_steps:
+        damaged = f" (line {run.unreadable[-1][0]} is a step line that cannot be read)" if run.unreadable else ""
+        return f"last val_loss line is at step {run.val[-1]['step']} of {run.total_steps}{damaged}"
+    if not math.isfinite(run.final["val_loss"]):  # a diverged run: its nan/inf would poison the mean
+        return f"non-finite final val loss ({run.final['val_loss']})"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,6 +322,15 @@ def unreadable_run(path, group, err):
 NOT_LOGS = {".png", ".pdf", ".svg", ".jpg", ".json", ".md", ".py"}
 
 
+def file_digest(path):
+    """sha256 of a file's bytes (a copy of a log elsewhere is the same run), or None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
 def collect(paths, group_by="auto", warn=None, pool_train_data=False):
     """Parse every log named by ``paths`` (files, or folders of ``*.txt``); runs in a stable order.
 
@@ -315,9 +338,11 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
 
     A log that cannot be read (``OSError``: a folder named ``*.txt``, a symlink loop, no
     permission) becomes an incomplete run with reason ``unreadable: ...`` and is reported through
-    ``warn(message)`` if given. Raises FileNotFoundError for a path that does not exist.
+    ``warn(message)`` if given, as are a log named twice or a byte-identical copy of one of our
+    logs already read (counted once) and step lines that cannot be parsed (skipped). Raises
+    FileNotFoundError for a path that does not exist.
     """
-    runs, seen = [], set()
+    runs, seen, seen_content = [], set(), {}
     for p in paths:
         if os.path.isdir(p):
             files = sorted(f for f in glob.glob(os.path.join(p, "*.txt")) if os.path.basename(f) != "README.txt")
@@ -347,6 +372,18 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
                 if warn:
                     warn(f"cannot read {f} ({runs[-1].reason[len('unreadable: '):]}); "
                          "listed as unreadable, not counted")
+                continue
+            digest = file_digest(f) if runs[-1].fmt == "ours" else None  # ours hold a run id and start time:
+            if digest is not None and digest in seen_content:            # equal bytes can only be a copy
+                runs.pop()
+                if warn:
+                    warn(f"{f}: the same bytes as {seen_content[digest]} (a copy); counted once")
+                continue
+            seen_content.setdefault(digest, f)
+            if runs[-1].unreadable and warn:
+                number, text = runs[-1].unreadable[0]
+                warn(f"{f}: {len(runs[-1].unreadable)} step line(s) cannot be read and are skipped "
+                     f"(line {number}: {text[:80]!r})")
     split_mixed_groups(runs, warn, pool_train_data)
     return runs
 

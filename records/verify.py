@@ -168,6 +168,12 @@ def first_difference(name, logged, current):
     return f"{name}: differs only in line endings"
 
 
+def read_text(path):
+    """A source file's text as written (no newline translation), to compare with a snapshot's."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return f.read()
+
+
 def compare_with_tree(sources, repo):
     """Messages for every stored file that differs from (or is missing in) the tree at ``repo``."""
     out = []
@@ -176,16 +182,16 @@ def compare_with_tree(sources, repo):
         if not os.path.exists(path):
             out.append(f"{name}: not in the working tree {repo}")
             continue
-        with open(path, encoding="utf-8", newline="") as f:
-            diff = first_difference(name, text, f.read())
+        diff = first_difference(name, text, read_text(path))
         if diff:
             out.append(diff)
     return out
 
 
 def write_sources(sources, folder):
-    """Write the extracted files byte for byte (no newline translation)."""
-    os.makedirs(folder, exist_ok=True)
+    """Write the extracted files byte for byte (no newline translation); no folder for no files."""
+    if sources:
+        os.makedirs(folder, exist_ok=True)
     for name, text in sources.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -583,12 +589,18 @@ def main(argv=None):
         print(f"FAIL snapshot: {p}")
     failed = bool(problems)
     if args.extract:
+        clash = [n for n in sources if os.path.isfile(os.path.join(args.extract, n))
+                 and read_text(os.path.join(args.extract, n)) != sources[n]]
+        if clash:
+            return error(f"--extract {args.extract}: would overwrite {', '.join(clash)} there (different content); "
+                         "pass an empty or new folder")
         try:
             write_sources(sources, args.extract)
         except OSError as e:
             return error(f"--extract {args.extract}: cannot write there ({e.strerror or e}); pass a folder "
                          "you can write (created if missing)")
-        print(f"extracted {', '.join(sources) or 'nothing'} to {args.extract}")
+        print(f"extracted {', '.join(sources)} to {args.extract}" if sources else
+              f"extracted nothing: the snapshot holds no complete file (nothing written to {args.extract})")
     else:
         diffs = compare_with_tree(sources, os.path.abspath(args.repo))
         for d in diffs:
@@ -611,6 +623,9 @@ def main(argv=None):
                                  "folder you can write"]
         print("\n".join(report))
         failed |= not ok
+    if not args.rerun and not failed:
+        print("not checked: the numbers after the snapshot (losses, counts, summary) carry no checksum; "
+              "--rerun K recomputes those of the first K steps")
     print("FAILED" if failed else "OK")
     return 1 if failed else 0
 

@@ -519,6 +519,15 @@ def test_bad_flag_through_main_is_one_line(tmp_path, capsys):
     assert err.startswith("train_gpt.py: error:") and "--value-embeds" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, says", [(["--preset", "bogus"], "invalid choice: 'bogus'"),
+                                        (["--num-iterations", "x"], "invalid int value: 'x'")])
+def test_an_unparseable_flag_is_one_line_without_the_usage(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_config(argv)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and line.startswith("train_gpt.py: error: argument ") and says in line, line
+
+
 # ---------------------------------------------------------------------------------------------
 # training the new architecture
 

@@ -437,8 +437,8 @@ def test_json_output_keys_and_values(peer_logs):
 
 
 def test_folder_and_file_grouping(fresh, tmp_path):
-    f = tmp_path / "fresh.txt"  # a copy: the same file named twice counts once
-    shutil.copyfile(fresh["log"], f)
+    f = tmp_path / "fresh.txt"  # not byte-identical (a byte-identical copy counts once): one more newline
+    write_text(f, read_text(fresh["log"]) + "\n")
     rows = compare.group_stats(compare.collect([str(f), os.path.dirname(fresh["log"])]))
     assert [r["group"] for r in rows] == ["fresh", "logs"]  # a file alone; a folder as one group
     assert rows[0]["tokens"] == fresh["json"]["raw_tokens"]
@@ -587,6 +587,30 @@ def test_verify_extract_onto_a_file_is_one_error_line(fresh, tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"verify.py: error: --extract {target}: ") and "not a folder" in line, line
     assert target.read_text() == "keep me"
+
+
+def test_verify_extract_never_overwrites_other_content(fresh, tmp_path):
+    out = tmp_path / "code"
+    out.mkdir()
+    (out / "train_gpt.py").write_text("mine\n")
+    proc = run_tool("verify.py", fresh["log"], "--extract", out)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == f"verify.py: error: --extract {out}: would overwrite train_gpt.py there (different content); " \
+                   "pass an empty or new folder", line
+    assert (out / "train_gpt.py").read_text() == "mine\n" and not (out / "aurora_opt.py").exists()
+    (out / "train_gpt.py").unlink()
+    assert run_tool("verify.py", fresh["log"], "--extract", out).returncode == 0
+    again = run_tool("verify.py", fresh["log"], "--extract", out)  # the same content again: allowed
+    assert again.returncode == 0 and again.stdout.strip().endswith("OK"), again.stdout + again.stderr
+    assert "not checked: the numbers after the snapshot" in again.stdout
+
+
+def test_verify_extracting_nothing_makes_no_folder(tmp_path):
+    log = tmp_path / "no_snapshot_files.txt"
+    write_text(log, "### file train_gpt.py lines=3 sha256=" + "0" * 64 + "\nx = 1\n")  # cut inside its file
+    proc = run_tool("verify.py", log, "--extract", tmp_path / "out")
+    assert proc.returncode == 1 and "extracted nothing" in proc.stdout and not (tmp_path / "out").exists()
 
 
 def test_verify_documents_what_it_does_not_check():
@@ -849,6 +873,32 @@ def test_runs_differing_in_a_run_defining_field_are_not_pooled(tmp_path):
     proc = run_tool("compare.py", grp, "--baseline", "grp")
     assert proc.returncode == 2 and "more than one group starts with 'grp'" in proc.stderr
     assert "compare.py: warning: group grp: its runs differ in val_tokens" in proc.stderr
+
+
+def test_a_copy_counts_once_and_damaged_step_lines_are_named(tmp_path):
+    src = os.path.join(TST, "tst_seed0.txt")
+    for name in ("a.txt", "b.txt"):  # the same bytes in two files: one run
+        shutil.copyfile(src, tmp_path / name)
+    lines = read_text(src).splitlines(keepends=True)
+    train = next(i for i, ln in enumerate(lines) if re.match(r"step:\d+/120 train_loss:", ln))
+    final = next(i for i, ln in enumerate(lines) if ln.startswith("step:120/120 val_loss:"))
+    damaged = list(lines)
+    damaged[train] = re.sub(r"train_loss:[0-9.]+", "train_loss:GARBAGE!!", damaged[train])
+    write_text(tmp_path / "c_train.txt", "".join(damaged))
+    damaged[final] = damaged[final].replace("val_loss:7.", "val_loss:7.2x#")
+    write_text(tmp_path / "d_final.txt", "".join(damaged))
+    write_text(tmp_path / "e_empty.txt", "")
+    warnings = []
+    runs = {r.name: r for r in compare.collect([str(tmp_path)], warn=warnings.append)}
+    assert sorted(runs) == ["a", "c_train", "d_final", "e_empty"]
+    assert f"b.txt: the same bytes as {tmp_path / 'a.txt'} (a copy); counted once" in warnings[0]
+    assert runs["c_train"].complete and runs["c_train"].unreadable == [(train + 1, damaged[train].rstrip("\n"))]
+    assert len(runs["c_train"].train) == len(runs["a"].train) - 1  # the damaged point alone is left out
+    assert any(f"c_train.txt: 1 step line(s) cannot be read and are skipped (line {train + 1}:" in w
+               for w in warnings)
+    assert not runs["d_final"].complete and f"line {final + 1} is a step line that cannot be read" \
+        in runs["d_final"].reason
+    assert runs["e_empty"].reason == "empty file (0 bytes)"
 
 
 def test_a_trainer_that_cannot_be_imported_is_one_error_line(tmp_path, monkeypatch, capsys):
