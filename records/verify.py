@@ -174,6 +174,14 @@ def read_text(path):
         return f.read()
 
 
+def same_text(path, text):
+    """True if the file at ``path`` holds exactly ``text`` (False if it cannot be read as UTF-8)."""
+    try:
+        return read_text(path) == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def compare_with_tree(sources, repo):
     """Messages for every stored file that differs from (or is missing in) the tree at ``repo``."""
     out = []
@@ -589,8 +597,8 @@ def main(argv=None):
         print(f"FAIL snapshot: {p}")
     failed = bool(problems)
     if args.extract:
-        clash = [n for n in sources if os.path.isfile(os.path.join(args.extract, n))
-                 and read_text(os.path.join(args.extract, n)) != sources[n]]
+        clash = [n for n in sources if os.path.lexists(os.path.join(args.extract, n))
+                 and not same_text(os.path.join(args.extract, n), sources[n])]
         if clash:
             return error(f"--extract {args.extract}: would overwrite {', '.join(clash)} there (different content); "
                          "pass an empty or new folder")
