@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import harness as H
 import train_gpt as T
 from conftest import loss_lines, read_log, sample_args
 
@@ -30,7 +31,7 @@ def tiny(**kw):
     base = dict(n_layer=4, model_dim=32, n_head=2, seq_len=16, batch_tokens=64, micro_batch_seqs=4,
                 num_iterations=10, val_tokens=64, tst_bag_size=4, logit_softcap=15.0)
     cfg = T.Config(**{**base, **kw})
-    T.validate_config(cfg)
+    H.validate_config(cfg)
     return cfg
 
 

@@ -1,4 +1,5 @@
 """The trainer end to end: config, shard reader, loader, model, schedule, log snapshot, bad input."""
+import dataclasses
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import harness as H
 import train_gpt as T
 from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
@@ -17,8 +19,8 @@ from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, writ
 
 
 def test_every_config_field_is_a_flag_with_its_default_in_help():
-    text = T.build_parser().format_help()
-    for f in T.fields(T.Config):
+    text = H.build_parser(T.TRAINER).format_help()
+    for f in dataclasses.fields(T.Config):
         assert "--" + f.name.replace("_", "-") in text
 
 
@@ -106,7 +108,7 @@ def test_shard_reader_rejects_file_shorter_than_header(tmp_path):
 
 def test_empty_glob_names_the_flag(tmp_path):
     with pytest.raises(T.DataError, match="--train-files"):
-        T.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
+        H.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
 
 
 def test_token_stream_reads_across_shards_and_wraps(shard_dir):
@@ -142,7 +144,7 @@ def test_loader_slices_are_the_same_for_any_split_of_processes_and_micro_steps(s
     ("record_h200", 1, None, 8), ("record_8xb200", 8, None, 1), ("cpu_smoke", 2, 8, 1), ("cpu_smoke", 1, 4, 4)])
 def test_grad_accum_steps_fill_the_global_batch(preset, world, micro, accum):
     cfg, _ = T.parse_config(["--preset", preset] + (["--micro-batch-seqs", str(micro)] if micro else []))
-    assert T.grad_accum_steps(cfg, world) == accum
+    assert H.grad_accum_steps(cfg, world) == accum
     assert accum * cfg.micro_batch_seqs * world * cfg.seq_len == cfg.batch_tokens
 
 
@@ -152,7 +154,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
     cfg, _ = T.parse_config(["--preset", preset])
     seqs = cfg.batch_tokens // cfg.seq_len
     with pytest.raises(T.ConfigError, match="run with a process count in") as err:
-        T.grad_accum_steps(cfg, world)
+        H.grad_accum_steps(cfg, world)
     counts = [int(c) for c in str(err.value).split("[")[1].rstrip("]").split(",")]
     assert counts and all(seqs % c == 0 for c in counts) and world not in counts and 8 in counts
     assert "--micro-batch-seqs" not in str(err.value).split("whatever")[0]  # no flag value can fix it
@@ -161,7 +163,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
 def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
     cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--micro-batch-seqs", "3"])
     with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 3 x 2 .* use one of \[1, 2, 4, 8\]"):
-        T.grad_accum_steps(cfg, 2)
+        H.grad_accum_steps(cfg, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +279,10 @@ def run_main(tmp_path, *extra):
 def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
     code, text = run_main(tmp_path, "--run-id", "e2e", "--tst-frac", "0.5")
     assert code == 0
-    head, rest = text.split(T.SEPARATOR + "\n", 1)
-    for name in T.SOURCE_FILES:  # the exact source of both files
+    head, rest = text.split(H.SEPARATOR + "\n", 1)
+    assert [l.split()[2] for l in head.splitlines() if l.startswith("### file ")] == list(H.SOURCE_FILES)
+    assert H.SOURCE_FILES == ("train_gpt.py", "aurora_opt.py", "harness.py")
+    for name in H.SOURCE_FILES:  # the exact source of every snapshotted file
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             src = f.read()
         assert f"### file {name} lines={len(src.splitlines())}" in head
@@ -318,14 +322,14 @@ def test_reading_past_the_end_of_the_train_shards_is_logged(tmp_path, shard_dir)
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0"))
     assert code == 0
-    text = read_log(tmp_path / "logs", "w").split(T.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
+    text = read_log(tmp_path / "logs", "w").split(H.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
     summary = json.loads((tmp_path / "logs" / "w.json").read_text())
     assert summary["train_epochs"] == pytest.approx(8 * 256 / 3000, abs=1e-4)
     assert "wrapped around" not in text
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w2",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0.5"))
     assert code == 0  # 4 steps x 1024 + 4 x 256 = 5120 tokens > 3000: wraps during step 3
-    text = read_log(tmp_path / "logs", "w2").split(T.SEPARATOR)[1]
+    text = read_log(tmp_path / "logs", "w2").split(H.SEPARATOR)[1]
     assert "wrapped around during step 3; from here on tokens are read again (epoch 2)" in text
     assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5120 / 3000,
                                                                                                     abs=1e-4)
