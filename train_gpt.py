@@ -164,8 +164,119 @@ PRESETS = {
 # Fields that change where files go or how a run executes, not what it computes; every other
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
 OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout", "checkpoint_dir",
-               "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"})
+                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout",
+                         "checkpoint_dir", "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"})
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage table: every per-step quantity of a run, in one place. A stage is a run of steps that
+# share one graph shape (TST phase, bag size, mode) and tokens per step; each step's row adds
+# the ramps (lr scale, momentum, attention windows) and the FLOPs they imply. The loop,
+# warm-up (one graph per distinct shape), --describe, the token counts and run.sh read it.
+
+@dataclass(frozen=True)
+class Stage:
+    """Optimizer steps [start, end) of one graph shape: TST ``phase`` (1 = bags, 2 = next-token),
+    ``bag_size`` s and ``mode`` of its objective, ``batch_tokens`` latent positions per step."""
+    start: int
+    end: int
+    phase: int
+    bag_size: int
+    mode: str
+    batch_tokens: int
+
+    def raw_tokens(self, seq_len):
+        """Raw text tokens a step of this stage reads (TST bags read s times the positions)."""
+        return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions)."""
+    stage: Stage
+    lr_scale: float
+    momentum: float
+    window: tuple
+    flops_per_position: float
+
+
+def stages(cfg):
+    """The stages of a run, in order, covering steps [0, N): TST phase 1 for the first round(r N)
+    steps (``--tst-bag-size``, ``--tst-mode``; none when r N = 0), then next-token training.
+
+    A bag-size schedule (e.g. s = 8, then 4, then next-token) is more rows here; the loader's
+    layout, warm-up graphs, token counts and --describe follow from the table."""
+    switch, N = tst_switch_step(cfg), cfg.num_iterations
+    rows = [Stage(0, switch, 1, cfg.tst_bag_size, cfg.tst_mode, cfg.batch_tokens)] if switch else []
+    return rows + ([Stage(switch, N, 2, 1, "full", cfg.batch_tokens)] if switch < N else [])
+
+
+class Schedule:
+    """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
+
+    def __init__(self, cfg):
+        self.stages = stages(cfg)
+        self.rows = []
+        for step in range(cfg.num_iterations + 1):
+            stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
+            window = window_at(step, cfg)
+            self.rows.append(StepRow(stage, lr_scale(step, cfg), momentum_at(step, cfg), window,
+                                     model_flops_per_position(cfg, step)))
+
+    def __getitem__(self, step):
+        return self.rows[step]
+
+    def graphs(self):
+        """Distinct ``(bag_size, mode)`` objectives of the stages, in order: one compiled graph each."""
+        return list(dict.fromkeys((s.bag_size, s.mode) for s in self.stages))
+
+
+def train_tokens_needed(cfg):
+    """Raw train tokens a whole run reads (a TST stage reads s times more per step), labels included."""
+    run_stages = stages(cfg)
+    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) for st in run_stages)
+    return total + max(cfg.tst_bag_size, *(st.bag_size for st in run_stages)) * cfg.seq_len  # last labels
+
+
+def tst_switch_step(cfg):
+    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
+    With ``--tst-bag-size 1`` phase 1 is next-token training: a run repeats one without TST bit for bit."""
+    return int(round(cfg.tst_frac * cfg.num_iterations))
+
+
+def lr_scale(step, cfg):
+    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to --lr-floor at step N."""
+    N = cfg.num_iterations
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    cooldown = cfg.cooldown_frac * N
+    if cooldown > 0 and step >= N - cooldown:
+        return cfg.lr_floor + (1 - cfg.lr_floor) * max(0.0, (N - step) / cooldown)
+    return 1.0
+
+
+def momentum_at(step, cfg):
+    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps."""
+    if cfg.momentum_warmup_steps == 0:
+        return cfg.momentum
+    frac = min(step / cfg.momentum_warmup_steps, 1.0)
+    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
+
+
+def window_at(step, cfg):
+    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
+
+    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window`` at
+    step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to 1,792 in
+    blocks of 128), else it is ``--window``. ``--short-window-layers`` see half of it (at least 1).
+    """
+    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
+    if w == 0:
+        return 0, 0
+    if w0:
+        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
+        w = min(w, w0 * -(-grown // (w0 * N)))
+    return w, max(w // 2, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,24 +420,6 @@ def layer_set(text):
     return layers
 
 
-def window_at(step, cfg):
-    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
-
-    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window``
-    at step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to
-    1,792 in blocks of 128), else it is ``--window`` throughout. The layers of
-    ``--short-window-layers`` attend over half of it (at least 1 position; record #21's
-    long/short pattern).
-    """
-    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
-    if w == 0:
-        return 0, 0
-    if w0:
-        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
-        w = min(w, w0 * -(-grown // (w0 * N)))
-    return w, max(w // 2, 1)
-
-
 def _linear(d_in, d_out, zero=False):
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
@@ -445,9 +538,8 @@ class GPT(nn.Module):
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
 
-    def set_window(self, step):
-        """Put the windows of optimizer ``step`` in the ``windows`` buffer (a device write only if they change)."""
-        window = window_at(step, self.cfg)
+    def set_window(self, window):
+        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
         if window != self._window:
             self.windows[0], self.windows[1] = window
             self._window = window
@@ -659,19 +751,24 @@ class TrainLoader:
 
     def __init__(self, stream, global_seqs, micro_seqs, rank, world):
         self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
-        self.rank, self.accum = rank, global_seqs // (micro_seqs * world)
+        self.rank, self.world = rank, world
         self.position, self.wrapped = 0, False
 
-    def next_batch(self, seq_tokens, advance):
-        """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``."""
+    def next_batch(self, seq_tokens, advance, global_seqs=None):
+        """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``.
+
+        ``global_seqs``: the step's sequences (its stage's tokens per step; None = the constructor's).
+        """
+        global_seqs = global_seqs or self.global_seqs
+        accum = global_seqs // (self.micro_seqs * self.world)
         micro = []
-        for m in range(self.accum):
-            first = (self.rank * self.accum + m) * self.micro_seqs
+        for m in range(accum):
+            first = (self.rank * accum + m) * self.micro_seqs
             n = (self.micro_seqs - 1) * advance + seq_tokens
             flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
             micro.append(flat.unfold(0, seq_tokens, advance))
         epoch = self.position // self.stream.total
-        self.position += self.global_seqs * advance
+        self.position += global_seqs * advance
         self.wrapped = (self.position - 1) // self.stream.total > epoch
         return micro
 
@@ -800,44 +897,15 @@ def mce_loss(logits, targets, reduction="mean", softcap=0.0):
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
 
 
-def tst_switch_step(cfg):
-    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
-
-    With ``--tst-bag-size 1`` phase 1 is plain next-token training through the TST code path,
-    so a run with s = 1 repeats a run without TST bit for bit.
-    """
-    return int(round(cfg.tst_frac * cfg.num_iterations))
-
-
-def phase_of(step, cfg):
-    """(phase, bag size, mode) of an optimizer step: phase 1 (TST) before the switch, else 2."""
-    if step < tst_switch_step(cfg):
-        return 1, cfg.tst_bag_size, cfg.tst_mode
-    return 2, 1, "full"
-
-
-def next_micro_batches(loader, step, cfg, rt):
-    """This rank's ``[(inputs, targets)]`` for optimizer ``step`` (its phase's layout), on the device.
+def next_micro_batches(loader, stage, seq_len, rt):
+    """This rank's ``[(inputs, targets)]`` for a step of ``stage`` (its layout and batch), on the device.
 
     Returns ``(micro_batches, raw_tokens)``: ``raw_tokens`` is what the whole step read from the stream.
     """
-    _, s, mode = phase_of(step, cfg)
-    seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
-    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance)]
-    return micro, loader.global_seqs * advance
-
-
-def raw_tokens_per_step(cfg, step):
-    """Raw text tokens optimizer ``step`` reads from the train stream (TST phase 1: s times the positions)."""
-    _, s, mode = phase_of(step, cfg)
-    return cfg.batch_tokens // cfg.seq_len * sequence_layout(mode, s, cfg.seq_len)[1]
-
-
-def train_tokens_needed(cfg):
-    """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
-    switch, N = tst_switch_step(cfg), cfg.num_iterations
-    total = switch * raw_tokens_per_step(cfg, 0) + (N - switch) * raw_tokens_per_step(cfg, N - 1)
-    return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
+    s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
+    seq_tokens, advance = sequence_layout(mode, s, seq_len)
+    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance, global_seqs)]
+    return micro, global_seqs * advance
 
 
 # ----------------------------------------------------------------------------------------------
@@ -875,36 +943,16 @@ def build_optimizers(model, cfg, compile=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule
+# Optimizer settings of a step (from the stage table)
 
-def lr_scale(step, cfg):
-    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to --lr-floor at step N."""
-    N = cfg.num_iterations
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    cooldown = cfg.cooldown_frac * N
-    if cooldown > 0 and step >= N - cooldown:
-        return cfg.lr_floor + (1 - cfg.lr_floor) * max(0.0, (N - step) / cooldown)
-    return 1.0
-
-
-def momentum_at(step, cfg):
-    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps."""
-    if cfg.momentum_warmup_steps == 0:
-        return cfg.momentum
-    frac = min(step / cfg.momentum_warmup_steps, 1.0)
-    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
-
-
-def apply_schedule(opts, step, cfg):
-    """Set every group's lr (and Aurora's momentum) for ``step``; returns the lr scale."""
-    scale = lr_scale(step, cfg)
+def apply_schedule(opts, row):
+    """Set every group's lr (and Aurora's momentum) from a stage-table ``row``; returns the lr scale."""
     for opt in opts:
         for g in opt.param_groups:
-            g["lr"] = g["initial_lr"] * scale
+            g["lr"] = g["initial_lr"] * row.lr_scale
             if isinstance(opt, Aurora):
-                g["momentum"] = momentum_at(step, cfg)
-    return scale
+                g["momentum"] = row.momentum
+    return row.lr_scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1062,9 +1110,10 @@ class NanGuard:
 
 @dataclass
 class Run:
-    """What the loop works on: config, runtime, the model (``net``: compiled, if it is), optimizers,
-    data, progress, the run log and the stop flag the signal handler sets."""
+    """What the loop works on: config and its stage table, runtime, the model (``net``: compiled, if
+    it is), optimizers, data, progress, the run log and the stop flag the signal handler sets."""
     cfg: Config
+    schedule: Schedule
     rt: Runtime
     log: harness.RunLog
     model: GPT
@@ -1079,26 +1128,26 @@ class Run:
 
     def phase_at(self, step):
         """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
-        return phase_of(step, self.cfg)[0]
+        return self.schedule[step].stage.phase
 
 
-def count_step(progress, cfg, raw_tokens, step):
+def count_step(progress, row, raw_tokens):
     progress.raw_tokens += raw_tokens
-    progress.positions += cfg.batch_tokens
-    progress.flops += model_flops_per_position(cfg, step) * cfg.batch_tokens
+    progress.positions += row.stage.batch_tokens
+    progress.flops += row.flops_per_position * row.stage.batch_tokens
 
 
 def validate(run, step):
     """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
     cfg, rt = run.cfg, run.rt
-    phase = phase_of(max(step - 1, 0), cfg)[0]  # the phase that trained the model so far
-    run.model.set_window(step)  # the window schedule's value at this step (the full window at the end)
+    stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
+    run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
-    extra = {"phase": phase}
-    if phase == 1:
-        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
+    extra = {"phase": stage.phase}
+    if stage.phase == 1:
+        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}"
     p = run.progress
     extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
     run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
@@ -1110,13 +1159,17 @@ def log_train_line(run, step, loss, scale):
     value, p = loss.item(), run.progress
     run.log.summary.setdefault("train_losses", []).append([step, value])
     run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
-        phase=phase_of(step - 1, run.cfg)[0], tokens=p.raw_tokens, positions=p.positions,
+        phase=run.phase_at(step - 1), tokens=p.raw_tokens, positions=p.positions,
         flops=f"{p.flops:.3e}", lr_scale=f"{scale:.4f}")))
 
 
-def log_switch(run, step):
-    run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {run.cfg.tst_bag_size} -> 1, mode "
-                 f"{run.cfg.tst_mode} -> next-token); same weights and optimizer state; "
+def log_stage(run, step):
+    """The line at the first step of a stage: ``tst_switch`` when TST ends, else ``stage``."""
+    was, now = run.schedule[step - 1].stage, run.schedule[step].stage
+    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
+    into = "next-token" if now.phase == 2 else now.mode
+    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
+                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
                  f"tokens:{run.progress.raw_tokens}")
 
 
@@ -1135,11 +1188,12 @@ def step_line(step, cfg, what, value, train_time_ms, extra):
 
 
 def log_model_line(run):
-    cfg, rt, switch = run.cfg, run.rt, tst_switch_step(run.cfg)
+    cfg, rt = run.cfg, run.rt
     n_params = sum(p.numel() for p in run.model.parameters())
-    tst = "off" if switch == 0 else f"{cfg.tst_mode} s={cfg.tst_bag_size} for steps [0, {switch})"
-    run.log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,.0f} FLOPs per latent position "
-                 f"at step 0; "
+    tst = ", ".join(f"{st.mode} s={st.bag_size} for steps [{st.start}, {st.end})"
+                    for st in run.schedule.stages if st.phase == 1) or "off"
+    run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
+                 f"position at step 0; "
                  f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
 
@@ -1148,7 +1202,7 @@ def compiled_graphs():
 
 
 def warm_up(run):
-    """Compile every graph the run will use (both phases, train and val) before the clock starts.
+    """Compile every graph the stage table implies (one per distinct objective, train and val) before the clock.
 
     Returns the warm-up time in ms (0 without --compile); reported, not counted in train_time.
     """
@@ -1156,8 +1210,8 @@ def warm_up(run):
     if not rt.compile:
         return 0.0
     t0 = time.perf_counter()
-    phases = sorted({phase_of(s, cfg) for s in (0, tst_switch_step(cfg), cfg.num_iterations - 1)})
-    for _, s, mode in phases:
+    graphs = list(dict.fromkeys(run.schedule.graphs() + [(1, "full")]))  # + the val metric's next-token
+    for s, mode in graphs:
         seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
         dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
         inputs, targets = make_batch(rt.to_device(dummy), mode, s)
@@ -1172,7 +1226,7 @@ def warm_up(run):
             opt.warmup()
     rt.sync()
     ms = 1000 * (time.perf_counter() - t0)
-    run.log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {ms:.0f}ms (not in train_time)")
+    run.log.line(f"compile: warm-up of {len(graphs)} phase graph(s) took {ms:.0f}ms (not in train_time)")
     return ms
 
 
@@ -1182,24 +1236,24 @@ def training_loop(run, start_step, end_step):
     Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
     """
     cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
-    switch = tst_switch_step(cfg)
     if start_step == 0:
         validate(run, 0)
     clock.start()
     for step in range(start_step, end_step):
-        if step == switch > 0:
-            log_switch(run, step)
-        micro, raw_tokens = next_micro_batches(run.loader, step, cfg, rt)
+        row = run.schedule[step]  # every per-step quantity comes from the stage table
+        if step == row.stage.start > 0:
+            log_stage(run, step)
+        micro, raw_tokens = next_micro_batches(run.loader, row.stage, cfg.seq_len, rt)
         if run.loader.wrapped:
             log_wrap(run, step + 1)
-        scale = apply_schedule(run.opts, step, cfg)
-        run.model.set_window(step)
+        scale = apply_schedule(run.opts, row)
+        run.model.set_window(row.window)
         loss = accumulate_gradients(run.net, micro, rt)
         for opt in run.opts:
             opt.step()
         run.model.zero_grad(set_to_none=True)
         run.guard.update(loss, step + 1)
-        count_step(run.progress, cfg, raw_tokens, step)
+        count_step(run.progress, row, raw_tokens)
 
         done = step + 1
         last, stopping = done == end_step, harness.stop_requested(run)
@@ -1230,7 +1284,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
-    run = Run(cfg, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
+    run = Run(cfg, Schedule(cfg), rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
               build_optimizers(model, cfg, compile=rt.compile),
               TrainLoader(train_stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
@@ -1256,25 +1310,23 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
 def plan(cfg):
     """What a run would do, for ``--describe`` (``harness.Trainer.plan``): no data, no device.
 
-    Lines for the parameter count (the model built on the meta device) and, per phase, its
+    Lines for the parameter count (the model built on the meta device) and, per stage, its
     steps, latent positions, raw tokens (text read) and FLOPs per step; ``flops_total`` (model
-    FLOPs of all N steps), ``tokens_total`` (raw train tokens read), ``steps``.
+    FLOPs of all N steps), ``tokens_total`` (raw train tokens read), ``steps``: all from the stage table.
     """
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    N, switch = cfg.num_iterations, tst_switch_step(cfg)
-    flops = [model_flops_per_position(cfg, step) * cfg.batch_tokens for step in range(N)]
+    table, N, L = Schedule(cfg), cfg.num_iterations, cfg.seq_len
+    flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
     lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
-             f"sequences of {cfg.seq_len:,} latent positions, window {window_at(0, cfg)[0]} -> {window_at(N, cfg)[0]}"]
-    for phase, (first, last) in ((1, (0, switch)), (2, (switch, N))):
-        if last > first:
-            _, s, mode = phase_of(first, cfg)
-            what = f"TST {mode} s={s}" if phase == 1 else "next-token"
-            lines.append(f"phase {phase} ({what}): steps [{first}, {last}): {cfg.batch_tokens:,} positions and "
-                         f"{raw_tokens_per_step(cfg, first):,} raw tokens per step, "
-                         f"{min(flops[first:last]):.3e} - {max(flops[first:last]):.3e} FLOPs per step")
-    return dict(lines=lines, flops_total=sum(flops), tokens_total=sum(raw_tokens_per_step(cfg, t) for t in range(N)),
-                steps=N)
+             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+    for st in table.stages:
+        what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
+                     f"{st.raw_tokens(L):,} raw tokens per step, "
+                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
+    tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
+    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, steps=N)
 
 
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,

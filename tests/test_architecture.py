@@ -180,7 +180,7 @@ def ref_windows(cfg, step):
 
 def compare_with_reference(cfg, inputs, targets, step=0, seed=0):
     model = float64_model(cfg, seed)
-    model.set_window(step)
+    model.set_window(T.window_at(step, cfg))
     logits = model(inputs)
     loss = model(inputs, targets)
     loss.backward()
@@ -312,7 +312,7 @@ def test_set_window_equals_a_model_built_with_that_fixed_window(step):
     inputs, targets = plain_batch(cfg, seed=4, p_eot=0.1)
     grown = float64_model(cfg)
     for s in (10, 0, step):  # move the schedule around first: no stale mask or cached window
-        grown.set_window(s)
+        grown.set_window(T.window_at(s, cfg))
     long, _ = T.window_at(step, cfg)
     fixed_cfg = dataclasses.replace(cfg, window=long, window_start=0)
     fixed = float64_model(fixed_cfg)
@@ -325,9 +325,9 @@ def test_growing_window_changes_the_output():
     cfg = tiny(**ALL_ON)
     model = float64_model(cfg)
     inputs, _ = plain_batch(cfg, seed=4)
-    model.set_window(0)
+    model.set_window(T.window_at(0, cfg))
     a = model(inputs)
-    model.set_window(10)
+    model.set_window(T.window_at(10, cfg))
     assert (a - model(inputs)).abs().amax() > 1e-3
 
 
@@ -541,7 +541,7 @@ def test_accumulation_is_exact_in_float64(s):
     seq_tokens, _ = T.sequence_layout("full", s, cfg.seq_len)
     inputs, targets = T.make_batch(random_tokens((8, seq_tokens), seed=s, p_eot=0.05), "full", s)
     model = float64_model(cfg)
-    model.set_window(3)
+    model.set_window(T.window_at(3, cfg))
     one = T.accumulate_gradients(model, [(inputs, targets)], rt)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
