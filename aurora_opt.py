@@ -16,6 +16,11 @@ This file has no dependency on train_gpt.py. Public API:
 * ``Aurora``: the optimizer (a ``torch.optim.Optimizer``), sharded across processes
   when ``torch.distributed`` is initialized.
 * ``ns_dtype_on(device, ns_dtype)``: the Newton-Schulz dtype Aurora uses on a device.
+* ``equalized_polar(U, ...)``: Aurora's direction without the shape scale (plain polar at K = 0).
+* ``NorMuon``: modded-nanogpt record #89's NorMuon (docs/METHODS.md §3), an ``Aurora`` subclass
+  with the same sharding; a group's ``pp_iterations`` >= 1 gives Aurora's polar + NorMuon.
+* ``CautiousAdam``: record #89's Adam, cautious decay, updating every other ``step()`` call.
+* ``normuon_normalize``, ``cautious_update_``: NorMuon's two elementwise pieces.
 """
 import math
 
@@ -524,3 +529,76 @@ class CautiousAdam(torch.optim.Optimizer):
         P = p.to(g.dtype)
         u.addcmul_(P, (u * P) > 0, value=lr * lr * group["weight_decay"])  # cautious decay (HEAD: > 0, lr^2)
         p.copy_(P - u)
+
+
+# Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of HEAD's param table.
+RECORD89_ADAM = {
+    "embed": ((0.5, 0.95), 1.0, 150.0),          # token embedding (tied to the head until stage 3)
+    "lm_head": ((0.5, 0.95), 1.0, 150.0),
+    "value_embeds": ((0.75, 0.95), 75.0, 5.0),
+    "bigram_embed": ((0.75, 0.95), 75.0, 5.0),
+    "scalars": ((0.9, 0.99), 5.0, 0.0),          # attention/skip lambdas (no decay: record #50)
+    "smear_gate": ((0.9, 0.99), 0.01, 0.0),
+    "ve_gates": ((0.9, 0.99), 1.0, 1.0),
+    "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
+    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+}
+
+
+def record89_adam_groups(roles, lr=0.008, weight_decay=0.005):
+    """``CautiousAdam`` param groups with record #89's per-role betas, lr and wd (docs/METHODS.md §3).
+
+    Args:
+        roles: ``{role: [params]}`` with roles from ``RECORD89_ADAM``; empty lists are skipped.
+        lr, weight_decay: HEAD's Adam base values, multiplied by each role's multipliers.
+
+    Returns:
+        A list of group dicts (``params``, ``betas``, ``lr``, ``weight_decay``, ``role``).
+
+    Raises:
+        ValueError: an unknown role.
+    """
+    groups = []
+    for role, params in roles.items():
+        if role not in RECORD89_ADAM:
+            raise ValueError(f"unknown Adam role {role!r}; choose from {sorted(RECORD89_ADAM)}")
+        betas, lr_mul, wd_mul = RECORD89_ADAM[role]
+        if params:
+            groups.append(dict(params=list(params), betas=betas, lr=lr * lr_mul, weight_decay=weight_decay * wd_mul,
+                               role=role))
+    return groups
+
+
+def record89_matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations=2):
+    """``NorMuon`` param groups matching record #89's blocks and lr factors, for ``[out, in]`` matrices.
+
+    Args:
+        qk: ``[(name, W)]`` of the query and key matrices (``[n_head * head_dim, d]``), cut into head pairs.
+        vo: ``[(name, W)]`` of the value and attention output matrices (whole blocks).
+        mlp_in: ``[(name, W)]`` of the MLP input projections (``[hidden, d]``, tall).
+        mlp_out: ``[(name, W)]`` of the MLP output projections (``[d, hidden]``, wide).
+        head_dim: rows per head; a block is ``2 * head_dim`` rows (record #80).
+        aurora: use Aurora's row-equalized polar (``pp_iterations``) on the MLP matrices, the tall
+            ones in HEAD's layout (docs/METHODS.md §3); NorMuon's normalization stays on.
+
+    Returns:
+        A list of group dicts. The MLP output's ``lr_mul`` gives HEAD's total factor
+        ``2 * sqrt(hidden / d)`` (HEAD stores it as ``[hidden, d]``; here the shape factor is 1).
+
+    Raises:
+        ValueError: ``2 * head_dim`` does not divide a Q/K matrix's rows (from ``NorMuon``), or
+            the MLP output projections have different shapes.
+    """
+    K = pp_iterations if aurora else 0
+    groups = [dict(params=[w for _, w in qk], names=[n for n, _ in qk], block_rows=2 * head_dim, pp_iterations=0),
+              dict(params=[w for _, w in vo], names=[n for n, _ in vo], pp_iterations=0),
+              dict(params=[w for _, w in mlp_in], names=[n for n, _ in mlp_in], pp_iterations=K)]
+    shapes = {tuple(w.shape) for _, w in mlp_out}
+    if len(shapes) > 1:
+        raise ValueError(f"MLP output projections must share one shape (got {sorted(shapes)})")
+    if mlp_out:
+        m, n = shapes.pop()
+        lr_mul = 2.0 * math.sqrt(max(m, n) / min(m, n)) / math.sqrt(max(1.0, m / n))
+        groups.append(dict(params=[w for _, w in mlp_out], names=[n_ for n_, _ in mlp_out], pp_iterations=K,
+                           lr_mul=lr_mul))
+    return [g for g in groups if g["params"]]

@@ -274,8 +274,8 @@ def test_cautious_adam_matches_float64_reference(every):
     settings = [(0.05, (0.5, 0.95), 0.75), (0.3, (0.9, 0.99), 0.0)]  # lr, betas, wd (times wd_mul)
     ws = [torch.randn(*s, dtype=torch.float64) for s in shapes]
     params = [w.clone().requires_grad_() for w in ws]
-    opt = A.CautiousAdam([dict(params=[p], lr=lr, betas=b, weight_decay=wd) for p, (lr, b, wd) in zip(params, settings)],
-                         every=every)
+    groups = [dict(params=[p], lr=lr, betas=b, weight_decay=wd) for p, (lr, b, wd) in zip(params, settings)]
+    opt = A.CautiousAdam(groups, every=every)
     grads_per_step = [[torch.randn(*s, dtype=torch.float64) for s in shapes] for _ in range(7)]
     history = adam_reference(ws, grads_per_step, settings, every)
     for call, grads in enumerate(grads_per_step):
@@ -346,3 +346,36 @@ def test_two_processes_match_one(tmp_path):
     # blocks per shape: 4 head-pair blocks of (8, 32) from q and k, 2 x (32, 32), 1 x (64, 32), 1 x (32, 64)
     assert b["shares"] == {0: [4, 1, 1, 1] * 3, 1: [4, 1, 1, 1] * 3}
     assert a["shares"] == {0: [8, 2, 1, 1] * 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# record #89's groups
+
+
+def test_record89_matrix_groups_give_heads_lr_factors_and_blocks():
+    d, hidden, head_dim = 32, 128, 4
+    mats = {n: torch.randn(*s, requires_grad=True) for n, s in
+            [("q", (d, d)), ("k", (d, d)), ("v", (d, d)), ("o", (d, d)), ("fc", (hidden, d)), ("proj", (d, hidden))]}
+    for aurora in (False, True):
+        groups = A.record89_matrix_groups([("q", mats["q"]), ("k", mats["k"])], [("v", mats["v"]), ("o", mats["o"])],
+                                          [("fc", mats["fc"])], [("proj", mats["proj"])], head_dim, aurora=aurora)
+        opt = A.NorMuon(groups, pp_iterations=2)  # a stray default must not turn Aurora on for attention
+        total = {}  # total lr factor: lr_mul * sqrt(max(1, rows/cols)) of the block, as HEAD's table
+        for g, by_shape in zip(opt.param_groups, opt._by_shape):
+            for (rows, cols), index in by_shape.items():
+                for i in index:
+                    total[g["names"][i]] = (g["lr_mul"] * math.sqrt(max(1, rows / cols)), rows, g["pp_iterations"])
+        assert {n: round(t[0], 12) for n, t in total.items()} == dict(q=1, k=1, v=1, o=1, fc=2, proj=4)
+        assert total["q"][1] == total["k"][1] == 2 * head_dim and total["v"][1] == d
+        K = 2 if aurora else 0
+        assert [total[n][2] for n in ("q", "k", "v", "o", "fc", "proj")] == [0, 0, 0, 0, K, K]
+
+
+def test_record89_adam_groups():
+    e, s = torch.randn(10, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+    groups = A.record89_adam_groups({"embed": [e], "scalars": [s], "smear_gate": []})
+    assert [(g["role"], g["betas"], g["lr"], g["weight_decay"]) for g in groups] == [
+        ("embed", (0.5, 0.95), 0.008, 0.005 * 150), ("scalars", (0.9, 0.99), 0.008 * 5, 0.0)]
+    A.CautiousAdam(groups)  # accepted as they are
+    with pytest.raises(ValueError, match="unknown Adam role 'gates'"):
+        A.record89_adam_groups({"gates": [s]})
