@@ -20,7 +20,7 @@ This file has no dependency on train_gpt.py. Public API:
 * ``NorMuon``: modded-nanogpt record #89's NorMuon (docs/METHODS.md §3), an ``Aurora`` subclass
   with the same sharding; a group's ``pp_iterations`` >= 1 gives Aurora's polar + NorMuon.
 * ``CautiousAdam``: record #89's Adam, cautious decay, updating every other ``step()`` call.
-* ``normuon_normalize``, ``cautious_update_``: NorMuon's two elementwise pieces.
+* ``normuon_normalize``, ``cautious_update_``, ``normuon_finish_``: NorMuon's elementwise pieces.
 """
 import math
 
@@ -324,6 +324,17 @@ def cautious_update_(p, update, lr, wd):
     p.copy_(P)
 
 
+def normuon_finish_(p, O, second_moment, beta2, lr_eff, wd_lr):
+    """``normuon_normalize`` (skipped when ``second_moment`` is None), then ``cautious_update_`` of ``p``.
+
+    ``lr_eff`` and ``wd_lr`` are floats, or 0-D float64 CPU tensors when compiled (a new lr then
+    needs no new graph, record #48's trick). ``p`` ``[b, rows, cols]``, ``O`` the same shape.
+    """
+    if second_moment is not None:
+        O = normuon_normalize(O, second_moment, beta2)
+    cautious_update_(p, O, lr_eff, wd_lr)
+
+
 class NorMuon(Aurora):
     """NorMuon of modded-nanogpt record #89 for hidden 2-D matrices; Aurora's direction per group on request.
 
@@ -348,7 +359,8 @@ class NorMuon(Aurora):
         beta2: NorMuon's EMA factor (0.9). lr_mul: the group's lr multiplier (2 on the MLP output
             projection in HEAD). block_rows: rows per orthogonalized block, None = the whole matrix.
         normalize: apply ``normuon_normalize`` (True). pp_iterations: 0 = NorMuon (default); K >= 1
-            uses Aurora's row-equalized polar (non-square blocks). Others: see ``Aurora``.
+            uses Aurora's row-equalized polar (non-square blocks). compile: also compiles
+            ``normuon_finish_`` (one graph per block shape). Others: see ``Aurora``.
 
     Raises:
         ValueError: as ``Aurora``, or ``beta2`` not in [0, 1), ``lr_mul`` < 0, or ``block_rows``
@@ -375,6 +387,9 @@ class NorMuon(Aurora):
         # blocks of one shape are orthogonalized together: {block shape: [param index, ...]} per group
         self._by_shape = [self._block_shapes(group) for group in self.param_groups]
         self._direction = torch.compile(equalized_polar, dynamic=False) if compile else equalized_polar
+        self._finish = torch.compile(normuon_finish_, dynamic=False) if compile else normuon_finish_
+        # compiled: lr and wd * lr reach the graph as 0-D CPU tensors (filled on the host, no sync)
+        self._scalars = (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)) if compile else None
 
     @staticmethod
     def _block_shapes(group):
@@ -424,15 +439,21 @@ class NorMuon(Aurora):
     def _apply(self, p, O, group):
         """Normalize one matrix's block directions ``O`` ``[b, rows, cols]`` and take the cautious step."""
         rows, cols = O.shape[-2:]
+        second_moment = None
         if group["normalize"]:
             state = self.state[p]
             if "second_moment" not in state:
                 shape = (O.size(0), rows, 1) if rows >= cols else (O.size(0), 1, cols)
                 state["second_moment"] = torch.zeros(shape, device=O.device, dtype=O.dtype)
-            O = normuon_normalize(O, state["second_moment"], group["beta2"])
+            second_moment = state["second_moment"]
         lr = group["lr"]
         lr_eff = lr * group["lr_mul"] * math.sqrt(max(1.0, rows / cols))  # record #42's shape factor
-        cautious_update_(p.view(-1, rows, cols), O, lr_eff, group["weight_decay"] * lr)
+        scalars = (lr_eff, group["weight_decay"] * lr)
+        if self._scalars is not None:
+            for t, value in zip(self._scalars, scalars):
+                t.fill_(value)
+            scalars = self._scalars
+        self._finish(p.view(-1, rows, cols), O, second_moment, group["beta2"], *scalars)
 
 
 class CautiousAdam(torch.optim.Optimizer):
@@ -453,12 +474,13 @@ class CautiousAdam(torch.optim.Optimizer):
             scales it by the schedule). betas: (b1, b2). eps: 1e-10 (HEAD).
         weight_decay: 0.005 times the parameter's wd multiplier (0 for scalars).
         every: update every this many calls (2, record #39); 1 = plain Adam every step.
+        compile: compile the update (``adam_finish_``, one graph per shape and betas).
 
     Raises:
         ValueError: lr or weight_decay < 0, a beta not in [0, 1), eps <= 0, or every < 1.
     """
 
-    def __init__(self, params, lr=0.008, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.005, every=2):
+    def __init__(self, params, lr=0.008, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.005, every=2, compile=False):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1 (got {every!r})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -472,6 +494,9 @@ class CautiousAdam(torch.optim.Optimizer):
                 raise ValueError(f"eps must be > 0 (got {group['eps']!r})")
         self.every = every
         self.calls = 0  # step() calls so far; saved in state_dict
+        self._finish = torch.compile(adam_finish_, dynamic=False) if compile else adam_finish_
+        # compiled: the step size and lr^2 wd reach the graph as 0-D CPU tensors (no recompile, no sync)
+        self._scalars = (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)) if compile else None
 
     @property
     def updates_next(self):
@@ -515,20 +540,33 @@ class CautiousAdam(torch.optim.Optimizer):
         return loss
 
     def _update(self, p, g, group, state):
-        """One Adam update of ``p`` with the float32 gradient ``g``."""
+        """One Adam update of ``p`` with the float32 (float64) gradient ``g``."""
         if "exp_avg" not in state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(g)  # float32 (float64 for a float64 p)
             state["exp_avg_sq"] = torch.zeros_like(g)
         state["step"] += 1
         t, (b1, b2), lr = state["step"], group["betas"], group["lr"]
-        state["exp_avg"].lerp_(g, 1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        u = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-        u.mul_(lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
-        P = p.to(g.dtype)
-        u.addcmul_(P, (u * P) > 0, value=lr * lr * group["weight_decay"])  # cautious decay (HEAD: > 0, lr^2)
-        p.copy_(P - u)
+        scalars = (lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t), lr * lr * group["weight_decay"])
+        if self._scalars is not None:
+            for s, value in zip(self._scalars, scalars):
+                s.fill_(value)
+            scalars = self._scalars
+        self._finish(p, g, state["exp_avg"], state["exp_avg_sq"], b1, b2, group["eps"], *scalars)
+
+
+def adam_finish_(p, g, exp_avg, exp_avg_sq, b1, b2, eps, step_size, wd_lr2):
+    """One cautious Adam update of ``p`` in place (``CautiousAdam``); moments updated in place.
+
+    ``step_size = lr sqrt(1-b2^t)/(1-b1^t)`` and ``wd_lr2 = lr^2 wd`` are floats, or 0-D float64 CPU
+    tensors when compiled. ``g`` and the moments are float32 (float64 for a float64 ``p``).
+    """
+    exp_avg.lerp_(g, 1 - b1)
+    exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+    u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
+    P = p.to(g.dtype)
+    u = u + wd_lr2 * (((u * P) > 0) * P)  # cautious decay (HEAD's Adam: strict > 0, scaled by lr^2)
+    p.copy_(P - u)
 
 
 # Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of HEAD's param table.

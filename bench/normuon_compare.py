@@ -1,10 +1,11 @@
 """Muon, NorMuon and Aurora + NorMuon on two small CPU problems: loss and the shape of the update.
 
-    python bench/normuon_compare.py               # about a minute on 2 cores
+    python bench/normuon_compare.py               # about 10 minutes on 2 idle cores
     python bench/normuon_compare.py --markdown    # the table as markdown (docs/METHODS.md §3)
 
 Problems (float32, seeded): ``mlp``, a student 2-layer MLP (d=32 -> 4d=128 -> 32, ReLU^2, as the
-trainer's MLP) fitting a random teacher of the same shape on Gaussian inputs (MSE);
+trainer's MLP) fitting a random teacher of the same shape on Gaussian inputs (MSE); ``mlp8``, the
+same with an 8x expansion (256 hidden units: Aurora's authors report gains growing with it);
 ``lsq``, least squares ``min |X W^T - Y|^2`` for a tall ``W`` (128 x 32) whose target rows
 differ in scale by 30x, so a plain polar update starves the small rows. Every variant is
 ``NorMuon`` with the same momentum 0.95, cautious wd 1.2, lr schedule (linear decay to 0.15)
@@ -30,15 +31,28 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from aurora_opt import NorMuon  # noqa: E402
 
+PROBLEMS = ("mlp", "mlp8", "lsq")
 VARIANTS = {"muon": dict(pp_iterations=0, normalize=False), "normuon": dict(pp_iterations=0, normalize=True),
             "aurora": dict(pp_iterations=2, normalize=False), "aurora+normuon": dict(pp_iterations=2, normalize=True)}
 
 
 def make_problem(name, seed):
-    """``(params, loss_fn, neuron_views)`` for problem ``name``; ``neuron_views[i]`` maps a matrix to [neurons, fan]."""
+    """One seeded problem.
+
+    Args:
+        name: one of ``PROBLEMS``.
+        seed: generator seed of the data, the teacher and the initial weights.
+
+    Returns:
+        ``(params, loss_fn, neuron_views)``: the trained matrices, a closure giving the normalized
+        MSE, and per matrix a function mapping it to ``[neurons, fan]`` (the hidden units as rows).
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
     g = torch.Generator().manual_seed(seed)
-    if name == "mlp":
-        d, h = 32, 128
+    if name in ("mlp", "mlp8"):
+        d, h = 32, 128 if name == "mlp" else 256
         teacher = [torch.randn(h, d, generator=g) / d ** 0.5, torch.randn(d, h, generator=g) / h ** 0.5]
         fc = (torch.rand(h, d, generator=g) * 2 - 1) * (3 / d) ** 0.5 * 0.5
         params = [fc.requires_grad_(), torch.zeros(d, h, requires_grad=True)]
@@ -55,11 +69,20 @@ def make_problem(name, seed):
         Y = X @ A.T + 0.01 * torch.randn(1024, m, generator=g)
         W = torch.zeros(m, n, requires_grad=True)
         return [W], lambda: (X @ W.T - Y).square().mean() / Y.square().mean(), [lambda w: w]
-    raise ValueError(f"normuon_compare.py: unknown problem {name!r}; choose mlp or lsq")
+    raise ValueError(f"normuon_compare.py: unknown problem {name!r}; choose mlp, mlp8 or lsq")
 
 
 def run(problem, variant, lr, seed, steps):
-    """Train once. Returns ``(final loss, mean spread, mean condition number, starved fraction)``."""
+    """Train once.
+
+    Args:
+        problem: one of ``PROBLEMS``. variant: a key of ``VARIANTS``.
+        lr: peak learning rate (linear decay to 0.15 of it). seed: ``make_problem``'s seed.
+        steps: optimizer steps.
+
+    Returns:
+        ``(final loss, mean spread, mean condition number, starved fraction)`` (module docstring).
+    """
     params, loss_fn, views = make_problem(problem, seed)
     opt = NorMuon(params, lr=lr, **VARIANTS[variant])
     spread, cond, total = [], [], [torch.zeros(views[i](p).size(0)) for i, p in enumerate(params)]
@@ -87,19 +110,29 @@ def run(problem, variant, lr, seed, steps):
 def parse_args(argv=None):
     """Command line: --problems, --lrs, --seeds, --steps, --markdown."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--problems", default="mlp,lsq", help="comma-separated: mlp, lsq")
-    ap.add_argument("--lrs", default="0.01,0.02,0.04,0.08", help="comma-separated learning rates to sweep")
+    ap.add_argument("--problems", default="mlp,mlp8,lsq", help="comma-separated: mlp, mlp8, lsq")
+    ap.add_argument("--lrs", default="0.04,0.08,0.16,0.32", help="comma-separated learning rates to sweep")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per (variant, lr)")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    bad = [p for p in args.problems.split(",") if p not in PROBLEMS]
+    if bad:
+        ap.error(f"--problems: unknown {bad[0]!r}; choose from {', '.join(PROBLEMS)}")
+    try:
+        args.lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        ap.error(f"--lrs: {args.lrs!r} is not a comma-separated list of numbers, e.g. 0.08,0.16")
+    if args.seeds < 1 or args.steps < 1:
+        ap.error("--seeds and --steps must be >= 1")
+    return args
 
 
 def main(argv=None):
     """Run the sweep and print one row per (problem, variant) at its best lr."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    lrs = [float(x) for x in args.lrs.split(",")]
+    lrs = args.lrs
     rows = []
     for problem in args.problems.split(","):
         for variant in VARIANTS:
@@ -112,7 +145,7 @@ def main(argv=None):
                     best = (lr, mean, spread_loss)
             rows.append((problem, variant, best[0], *best[1], best[2]))
     head = ["problem", "variant", "best lr", "final loss", "spread", "orth", "starved", "loss range (seeds)"]
-    fmt = lambda r: [r[0], r[1], f"{r[2]:g}", f"{r[3]:.4f}", f"{r[4]:.2f}", f"{r[5]:.2f}", f"{r[6]:.2f}", f"{r[7]:.4f}"]
+    fmt = lambda r: [r[0], r[1], f"{r[2]:g}", f"{r[3]:.3g}", f"{r[4]:.2f}", f"{r[5]:.2f}", f"{r[6]:.2f}", f"{r[7]:.2g}"]
     if args.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
