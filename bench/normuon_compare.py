@@ -1,6 +1,6 @@
 """Muon, NorMuon and Aurora + NorMuon on two small CPU problems: loss and the shape of the update.
 
-    python bench/normuon_compare.py               # about 10 minutes on 2 idle cores
+    python bench/normuon_compare.py --lrs 0.08,0.16,0.32   # 20 minutes on 2 cores shared at load 15
     python bench/normuon_compare.py --markdown    # the table as markdown (docs/METHODS.md §3)
 
 Problems (float32, seeded): ``mlp``, a student 2-layer MLP (d=32 -> 4d=128 -> 32, ReLU^2, as the
