@@ -1,4 +1,4 @@
-"""Muon, NorMuon and Aurora + NorMuon on two small CPU problems: loss and the shape of the update.
+"""Muon, NorMuon and Aurora + NorMuon on three small CPU problems: loss and the shape of the update.
 
     python bench/normuon_compare.py --lrs 0.08,0.16,0.32   # 20 minutes on 2 cores shared at load 15
     python bench/normuon_compare.py --markdown    # the table as markdown (docs/METHODS.md §3)
