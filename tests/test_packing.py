@@ -152,6 +152,29 @@ def test_packing_real_text_sample():
     assert wraps >= 1
 
 
+def test_cap_zero_means_no_cap(tmp_path):
+    rng = np.random.default_rng(12)
+    tokens = random_tokens(rng, 60, huge=1)
+    stream = open_stream(tmp_path, tokens, rng)
+    a, b = T.PackedLoader(stream, 0, 1), T.PackedLoader(stream, 0, 1)
+    for _ in range(5):
+        got = check_step(a, tokens, 4, 2, 40, 41)                  # cap = seq_tokens: never binding
+        assert torch.equal(torch.cat(b.next_batch(4, 2, 40, 0)[0]), got) and b.position == a.position
+
+
+def test_tst_sequences_cut_into_bags(tmp_path):
+    """Phase-1 layout: (L + 1) * s raw tokens a sequence; each sequence's first bag opens with an EOT."""
+    rng = np.random.default_rng(13)
+    tokens = random_tokens(rng, 80)
+    loader = T.PackedLoader(open_stream(tmp_path, tokens, rng), 0, 1)
+    micro, _, positions = loader.next_batch(4, 2, 16, 24, bag_size=4, mode="full")
+    for m in micro:
+        bags, targets = T.make_batch(m, "full", 4)
+        assert bags.shape == targets.shape == (2, 16, 4)
+        assert (bags[:, 0, 0] == EOT).all()
+    assert positions == 4 * 16
+
+
 # ---------------------------------------------------------------------------------------------
 # properties the training loop relies on
 
