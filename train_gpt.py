@@ -315,6 +315,147 @@ class TrainLoader:
         return micro
 
 
+# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
+# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
+
+def document_spans(window, start, total):
+    """The documents of a read-ahead window whose whole extent lies inside it.
+
+    Args:
+        window: int64 ``[n]``, stream tokens ``[start, start + n)``.
+        start: stream position of ``window[0]`` (may exceed ``total``: later epochs).
+        total: tokens in one pass of the stream.
+
+    Returns:
+        ``(starts, ends)``, int64 absolute positions: a document starts at an EOT (50256) and
+        ends at the next EOT or at the end of the pass (an epoch boundary), whichever comes
+        first. Tokens before the first EOT of a pass belong to no document (a stream or pass
+        that starts mid-document). The last document is dropped when its end is past the window.
+    """
+    stop = start + window.size
+    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
+    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
+    keep = ends <= stop
+    return starts[keep], ends[keep]
+
+
+def pack_plan(lengths, seq_tokens, n_seqs):
+    """Which documents fill each of ``n_seqs`` packed sequences of ``seq_tokens`` tokens.
+
+    Documents (clipped ``lengths``, int64 ``[D]``) go whole, in order, into the current
+    sequence; the one that crosses its end is cut there (its rest skipped) and the next
+    sequence starts with the next document. Returns ``(first, last, tail)``, int64
+    ``[n_seqs]``: the first and last document of each sequence and the tokens taken from its
+    last one; None when the D documents cannot fill ``n_seqs`` sequences (read further).
+    """
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    first = np.empty(n_seqs, dtype=np.int64)
+    last = np.empty(n_seqs, dtype=np.int64)
+    doc = 0
+    for j in range(n_seqs):  # one binary search per sequence, none per token
+        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
+        if end == bounds.size:
+            return None
+        first[j], last[j], doc = doc, end - 1, end
+    return first, last, bounds[first] + seq_tokens - bounds[last]
+
+
+class PackedLoader:
+    """Document-packed train batches over a TokenStream, sized per call (a stage may change them).
+
+    Every packed sequence of ``seq_tokens`` raw tokens (labels included, ``sequence_layout``)
+    starts at a document's EOT (record #26) and holds whole documents in stream order, each
+    clipped to ``cap`` tokens with the clipped tail skipped (records #29, #72); the document
+    that crosses the sequence's end is cut there and its rest skipped too, so there is no
+    padding and every position has a label (HEAD's ``Shard.next_batch``, record #89). As in
+    HEAD the last kept token of a clipped document is labelled with the next document's EOT.
+
+    A step's global batch is the ``global_seqs`` sequences packed from ``position``; the chunk of
+    ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and micro-step, so
+    one process with accumulation and many processes train on the same data. Every rank plans
+    the whole step (binary searches over a read-ahead window's EOT positions) and gathers only
+    its own tokens. ``position`` (an int) is the only state: after a step it is the end of the
+    last document used, and a new loader set to it yields the same next batches. ``wrapped``
+    tells whether the last step read past the end of the stream, as ``TrainLoader``.
+
+    TST phase 1 (``bag_size`` s > 1): the cap counts raw tokens and a sequence holds
+    ``(L + 1) * s`` of them (``input``/``full``; ``L + s`` for ``output``); bags are cut from
+    the packed tokens by ``make_batch``, so a bag that straddles two documents belongs to the
+    document of its last token (``latent_document_ids``); each sequence's first bag starts
+    with an EOT.
+    """
+
+    def __init__(self, stream, rank, world):
+        self.stream, self.rank, self.world = stream, rank, world
+        self.position, self.wrapped = 0, False
+
+    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
+        """This rank's micro-batches of one step.
+
+        Args:
+            global_seqs: packed sequences in the whole step (all ranks and micro-steps).
+            micro_seqs: sequences per micro-batch; ``global_seqs`` must split into
+                ``micro_seqs * world * accum``.
+            seq_len: latent positions per sequence (L).
+            cap: most tokens of one document (EOT included) in a sequence; 0 = no cap.
+            bag_size, mode: the phase's TST layout (``sequence_layout``).
+
+        Returns:
+            ``(micro, raw_tokens, positions)``: a list of ``accum`` int64
+            ``[micro_seqs, seq_tokens]`` tensors (same shapes for the same arguments), the
+            stream tokens the step consumed (the advance of ``position``: kept, clipped, cut
+            and skipped tokens alike) and the positions trained (``global_seqs * seq_len``).
+
+        Raises:
+            ValueError: ``global_seqs`` does not split evenly over ranks and micro-batches, or ``cap < 0``.
+            DataError: the stream has no EOT, or (without wrap) too few documents are left.
+        """
+        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
+            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
+                             f"over {self.world} process(es)")
+        if cap < 0:
+            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
+        accum = global_seqs // (micro_seqs * self.world)
+        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
+        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
+        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
+        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
+        piece = lengths[lo:hi].copy()
+        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
+        offset = np.cumsum(piece) - piece                           # where each piece lands
+        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
+        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
+        epoch, old = self.position // self.stream.total, self.position
+        self.position = int(ends[last[-1]])
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
+
+    def _plan(self, n_seqs, seq_tokens, cap):
+        """Read ahead from ``position`` (doubling the window) until ``n_seqs`` sequences pack.
+
+        Returns ``(window, starts, ends, lengths, pack_plan(...))``; ``lengths`` are the clipped ones.
+        """
+        stream, start = self.stream, self.position
+        room = None if stream.wrap else max(0, stream.total - start)
+        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
+        while True:
+            n = n if room is None else min(n, room)
+            window = stream.read(start, n)
+            starts, ends = document_spans(window, start, stream.total)
+            lengths = np.minimum(ends - starts, cap)
+            plan = pack_plan(lengths, seq_tokens, n_seqs)
+            if plan is not None:
+                return window, starts, ends, lengths, plan
+            if n == room:
+                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
+                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
+            if n >= stream.total and not (window == EOT_TOKEN).any():
+                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
+                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
+                                f"document: re-tokenize with data/tokenize_text.py")
+            n *= 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with the record
 # history's elements behind flags: document masks and sliding windows, value embeddings, U-net skips,
