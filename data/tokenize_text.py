@@ -354,11 +354,15 @@ def _worker_died(processes):
     return f"a tokenizer worker {how}; use fewer --workers or free memory"
 
 
-def _ignore_sigint():
-    """Worker initializer: Ctrl-C and SIGTERM are the main process's to handle (it removes the
-    temporary shards and stops the workers); a worker whose main process dies dies too (Linux)."""
+def _worker_init():
+    """Worker initializer. Ctrl-C (SIGINT, sent to the whole foreground process group) is the main
+    process's to handle: it removes the temporary shards and stops the workers. SIGTERM keeps its
+    default action, death: when one worker dies the pool stops the others with SIGTERM, and a
+    worker ignoring it can block forever on a queue lock the dead worker held (the pool then never
+    shuts down). A SIGTERM sent to the whole group also reaches the main process, which reports an
+    interruption (see ``encode_stream``). A worker whose main process dies dies too (Linux)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's handler, inherited by fork
     try:
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -366,8 +370,12 @@ def _ignore_sigint():
         pass
 
 
+_STOP_SIGNALS = []  # signals the main process received (``_raise_interrupt``)
+
+
 def _raise_interrupt(signum, frame):
     """SIGTERM (a scheduler, ``timeout``, ``docker stop``) stops the run like Ctrl-C: nothing written."""
+    _STOP_SIGNALS.append(signum)
     raise KeyboardInterrupt
 
 
@@ -384,7 +392,7 @@ def encode_stream(docs, workers):
             yield split, encode_document(where, text)
         return
     context = _RecordingContext()
-    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init)
     in_flight = collections.deque()
     try:
         batches = iter(lambda: list(itertools.islice(docs, BATCH_DOCS)), [])
@@ -396,6 +404,8 @@ def encode_stream(docs, workers):
             yield from in_flight.popleft().result()
     except BrokenProcessPool:
         executor.shutdown(wait=True, cancel_futures=True)  # joins the workers: exit codes are known
+        if _STOP_SIGNALS:  # a SIGTERM to the whole process group ended the workers too: an interruption
+            raise KeyboardInterrupt from None
         raise TokenizeError(_worker_died(context.processes)) from None
     finally:
         executor.shutdown(wait=True, cancel_futures=True)

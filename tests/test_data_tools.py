@@ -646,6 +646,106 @@ def test_sigterm_stops_like_ctrl_c_and_takes_the_workers_along(tmp_path, no_torc
     assert not os.path.exists(f"/proc/{worker}") or "zombie" in open(f"/proc/{worker}/status").read()
 
 
+# Installed as sitecustomize: the worker that meets the marked document writes its pid, then stalls
+# (as on a very long document), so that the test can SIGKILL a worker at a chosen moment.
+_STALLING_WORKER = """
+import multiprocessing, os, time
+import tiktoken.core
+_encode = tiktoken.core.Encoding.encode_ordinary
+def encode_ordinary(self, text):
+    if "STALL-HERE" in text and multiprocessing.parent_process() is not None:
+        with open(os.environ["STALL_PID"] + ".part", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.environ["STALL_PID"] + ".part", os.environ["STALL_PID"])
+        time.sleep(30)
+    return _encode(self, text)
+tiktoken.core.Encoding.encode_ordinary = encode_ordinary
+"""
+KILL_MOMENTS = ("before-first-batch", "mid-batch", "main-waits-on-it", "other-idle-queue-full")
+
+
+def _proc_stat(pid):
+    """(state, ppid, pgid) of a process from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _processes(match):
+    """Pids of the live (non-zombie) processes whose (ppid, pgid) satisfy ``match``."""
+    out = []
+    for name in os.listdir("/proc"):
+        st = _proc_stat(name) if name.isdigit() else None
+        if st and st[0] != "Z" and match(st[1], st[2]):
+            out.append(int(name))
+    return out
+
+
+def _kill_a_worker_at(proc, moment, stall_pid, pause):
+    """SIGKILL one worker of the tool ``proc`` at ``moment`` (one of KILL_MOMENTS); returns its pid."""
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if moment == "before-first-batch":
+            workers = _processes(lambda ppid, _: ppid == proc.pid)
+            if workers:  # the first worker as soon as it exists: it has not finished a batch yet
+                os.kill(min(workers), signal.SIGKILL)
+                return min(workers)
+        elif os.path.exists(stall_pid):  # a worker is inside its batch (stalled on the marked document)
+            stalled = int(open(stall_pid).read())
+            if moment != "mid-batch":  # the other worker drains the in-flight batches; the main process waits
+                time.sleep(pause)
+            others = [p for p in _processes(lambda ppid, _: ppid == proc.pid) if p != stalled]
+            victim = others[0] if moment == "other-idle-queue-full" and others else stalled
+            os.kill(victim, signal.SIGKILL)
+            return victim
+        time.sleep(0.002)
+    pytest.fail(f"{moment}: the tool ended or never started a worker: {proc.communicate()[1][-2000:]}")
+
+
+def test_worker_killed_at_any_moment_ends_the_run_with_one_line(tmp_path, no_torch):
+    """A worker SIGKILLed (as by the out-of-memory killer) before its first batch, mid-batch, while
+    the main process waits on its result, or idle while the in-flight window is full: each time
+    the run ends (no hang), exit 1, one error line, no shard or temporary file, no process left."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_STALLING_WORKER)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "token", "shard", "speed", "run", "the", "of"]
+    rows = [{"text": " ".join(rng.choice(words, size=200)) + f" doc {i}."} for i in range(600)]
+    rows[100]["text"] += " STALL-HERE"  # batch 7: the in-flight window (8 batches) is full when it stalls
+    src = write_jsonl(tmp_path / "docs.jsonl", rows)
+    message = "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"
+    for attempt in range(12):
+        moment, pause = KILL_MOMENTS[attempt % 4], (0.3, 0.6, 1.0)[attempt // 4]
+        out, stall_pid = tmp_path / f"out{attempt}", tmp_path / f"stall{attempt}.pid"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([no_torch, str(site)]), STALL_PID=str(stall_pid))
+        proc = subprocess.Popen([sys.executable, "data/tokenize_text.py", src, "--output-dir", str(out),
+                                 "--prefix", "k", "--shard-size", "5000", "--workers", "2"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _kill_a_worker_at(proc, moment, str(stall_pid), pause)
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # the hang: end the tool and its workers, then fail
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"try {attempt}: a worker killed at {moment!r} left the tokenizer hanging")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        where = f"try {attempt}, killed at {moment!r}: {stderr[-1500:]}"
+        assert proc.returncode == 1 and "Traceback" not in stderr, where
+        assert [line for line in stderr.splitlines() if line.startswith("error:")] == [message], where
+        assert not out.exists(), where  # no shard, no *.tmp<pid>, not even the folder the run made
+        deadline = time.time() + 10  # the survivors end (SIGTERM from the pool, or SIGKILL at parent death)
+        while _processes(lambda _, pgid: pgid == proc.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _processes(lambda _, pgid: pgid == proc.pid) == [], f"{where}: processes left behind"
+
+
 def test_uint16_refusal_from_worker_processes_via_cli(tmp_path, no_torch):
     """The refusal raised inside a worker process reaches the user as one message."""
     site = tmp_path / "site"
