@@ -63,8 +63,8 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 from tqdm import tqdm
 
-from check_shards import GPT2_MAX_ID, check_shards
-from shard_format import EOT_TOKEN, not_a_file, write_shard
+from check_shards import check_shards
+from shard_format import EOT_TOKEN, GPT2_MAX_ID, not_a_file, write_shard
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as the FineWeb-10B shards
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # shards store uint16 tokens

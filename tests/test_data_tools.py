@@ -28,6 +28,7 @@ sys.path.append(DATA)  # the tools import each other as `python data/X.py` runs 
 import cached_fineweb10B as dl  # noqa: E402
 import check_shards as chk  # noqa: E402
 import tokenize_text as tok  # noqa: E402
+import shard_format as sf  # noqa: E402
 from shard_format import ShardError, read_header  # noqa: E402
 
 EOT = 50256
@@ -279,7 +280,9 @@ def test_good_shards_pass_on_both_sides(tmp_path):
         with open(path, "wb") as f:
             f.write(_shard_bytes(tokens))
         assert train_gpt.read_shard_header(path) == read_header(path) == len(tokens)
-        assert dl.shard_status(path) is None
+        # the downloader also checks the tokens: an id above 50256 is another tokenizer's
+        assert dl.shard_status(path) == (f"{path}: token id 65535 > 50256: not GPT-2 BPE ids; re-tokenize with "
+                                         "data/tokenize_text.py" if name == "max_id" else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -826,6 +829,126 @@ def test_check_reports_token_ids_above_gpt2(tmp_path, script, first, no_torch):
     assert lines["wide.bin"].split()[1:4] == ["5", "1", "60000"]
     assert "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py" in lines["wide.bin"]
     assert run_cli(script, *first, tmp_path / "gpt2_max.bin", no_torch=no_torch).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# token checks: ids of another tokenizer, zero-filled or single-id stretches (shard_format)
+
+
+def _slow_runs(tokens):
+    """Every run of one repeated id as (length, start, id), in order: an obviously-right loop."""
+    runs, i = [], 0
+    while i < len(tokens):
+        j = i
+        while j < len(tokens) and tokens[j] == tokens[i]:
+            j += 1
+        runs.append((j - i, i, int(tokens[i])))
+        i = j
+    return runs
+
+
+def _random_tokens(rng, n):
+    """Random GPT-2 ids with ~1 EOT in 300 tokens and a few planted runs of one id (zero, EOT, any),
+    some just under and some at or above CORRUPT_RUN, some at the tail."""
+    tokens = rng.integers(0, EOT, n, dtype=np.uint16)
+    tokens[rng.random(n) < 1 / 300] = EOT
+    for _ in range(rng.integers(0, 4)):
+        length = min(n, int(rng.choice([sf.CORRUPT_RUN - 1, sf.CORRUPT_RUN, sf.CORRUPT_RUN + 5, 50])))
+        start = n - length if rng.random() < 0.3 else int(rng.integers(0, n - length + 1))
+        tokens[start:start + length] = rng.choice([0, EOT, int(rng.integers(1, EOT))])
+    return tokens
+
+
+def test_token_scan_matches_a_slow_reference_on_random_shards():
+    rng = np.random.default_rng(28)
+    for case in range(24):
+        tokens = _random_tokens(rng, int(rng.integers(1, 3 * sf.CORRUPT_RUN)) if case else 5)
+        chunk = int(rng.choice([1, 7, 1000, sf.CORRUPT_RUN + 3, sf.SCAN_CHUNK]))  # runs cross chunk edges
+        runs = _slow_runs(tokens.tolist())
+        longest = max(runs, key=lambda r: (r[0], -r[1]))  # the first of the longest
+        corrupt = [r for r in runs if r[2] != EOT and r[0] >= sf.CORRUPT_RUN]
+        expected_run = max(corrupt, key=lambda r: (r[0], -r[1])) if corrupt else (0, 0, -1)
+        where = f"case {case}, chunk {chunk}, n {len(tokens)}"
+        assert sf.max_token_id(tokens, chunk) == max(tokens.tolist()), where
+        assert sf.longest_run(tokens, chunk) == longest, where
+        assert sf.scan_tokens(tokens, chunk) == (tokens.tolist().count(EOT), max(tokens.tolist()), expected_run), where
+    assert sf.max_token_id(np.zeros(0, np.uint16)) == -1 and sf.longest_run(np.zeros(0, np.uint16)) == (0, 0, -1)
+    assert sf.scan_tokens(np.zeros(0, np.uint16)) == (0, -1, (0, 0, -1))
+
+
+def test_real_text_never_trips_the_token_checks():
+    """The repository's sample: documents up to ~20k tokens, no run of one id longer than a few tokens."""
+    for name in sorted(os.listdir(SAMPLE_DIR)):
+        if name.endswith(".bin"):
+            path = os.path.join(SAMPLE_DIR, name)
+            n_docs, top, run = sf.scan_tokens(sf.read_tokens(path))
+            assert top == EOT and n_docs > 0 and run == (0, 0, -1), name
+            assert sf.check_shard(path) == read_header(path)
+            assert sf.longest_run(sf.read_tokens(path))[0] < sf.CORRUPT_RUN // 100, name  # far from the limit
+
+
+# A sample shard whose tail was overwritten, keeping its size (as a partial download or write leaves it)
+TAILS = {"zero_tail": (0, "are zero-filled, with no <|endoftext|>: a partial download or write that kept its size"),
+         "one_id_tail": (1234, "are one id (1234) repeated, with no <|endoftext|>"),
+         "foreign_ids": (60000, "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py")}
+
+
+def _damaged_sample(path, kind, length):
+    """Copy the sample's last train shard to ``path`` with its last ``length`` tokens set to TAILS[kind]'s id."""
+    raw = bytearray(open(os.path.join(SAMPLE_DIR, "wikipedia_train_000003.bin"), "rb").read())
+    tokens = np.frombuffer(raw, dtype="<u2", offset=1024)
+    tokens[len(tokens) - length:] = TAILS[kind][0]
+    path.write_bytes(bytes(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", sorted(TAILS))
+def test_damaged_shard_is_refused_by_every_tool(tmp_path, kind, no_torch):
+    path = _damaged_sample(tmp_path / "x_train_000001.bin", kind, 50_000)
+    with pytest.raises(ShardError) as err:
+        sf.check_shard(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and TAILS[kind][1] in message and "\n" not in message
+    if kind != "foreign_ids":
+        assert "50,000 tokens from token 120,284" in message and message.endswith(sf.REDO)
+    assert dl.shard_status(path) == message
+    row, bad = chk.shard_row(path)
+    assert bad and row[4] == message[len(path) + 2:]
+    res = run_cli("check_shards.py", path, os.path.join(SAMPLE_DIR, "*.bin"), no_torch=no_torch)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [bad_line] = [line for line in res.stdout.splitlines() if not line.endswith(" ok")][1:]
+    assert bad_line.startswith(path) and bad_line.endswith(message[len(path) + 2:])
+    if kind != "foreign_ids":  # one token short of the limit is left alone
+        assert sf.check_shard(_damaged_sample(tmp_path / "y.bin", kind, sf.CORRUPT_RUN - 1)) == 170_284
+
+
+@pytest.mark.parametrize("kind", sorted(TAILS))
+def test_download_refetches_a_damaged_shard_and_refuses_a_damaged_download(tmp_path, monkeypatch, capsys, kind):
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    damaged = _damaged_sample(fw / "fineweb_val_000000.bin", kind, 20_000)
+    good = open(os.path.join(SAMPLE_DIR, "wikipedia_train_000003.bin"), "rb").read()
+    payload = {"data": open(damaged, "rb").read()}  # first the Hub serves a damaged file too
+
+    def fake_download(repo_id, filename, *, repo_type, local_dir):
+        os.makedirs(local_dir, exist_ok=True)
+        path = os.path.join(local_dir, filename)
+        with open(path, "wb") as f:
+            f.write(payload["data"])
+        return path
+
+    monkeypatch.setattr(dl, "check_hub_reachable", lambda filename: None)
+    monkeypatch.setattr(dl, "hf_hub_download", fake_download)
+    assert dl.main(["0", "--local-dir", str(fw)]) == 1
+    out = capsys.readouterr().out
+    assert f"invalid, to be replaced by a fresh download: {damaged}: " in out and TAILS[kind][1] in out
+    assert "0 of 1 shards already present and valid" in out and "invalid download, deleted" in out
+    assert bin_files(tmp_path) == [damaged]  # kept until a valid replacement arrives
+    payload["data"] = good
+    assert dl.main(["0", "--local-dir", str(fw)]) == 0
+    assert open(damaged, "rb").read() == good
+    assert "1 of 1 shards already present and valid" in (dl.main(["0", "--local-dir", str(fw)]) == 0 and
+                                                         capsys.readouterr().out)
 
 
 # ---------------------------------------------------------------------------------------------
