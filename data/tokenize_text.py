@@ -371,10 +371,21 @@ def _worker_init():
 
 
 _STOP_SIGNALS = []  # signals the main process received (``_raise_interrupt``)
+_MAIN_PID = os.getpid()  # forked workers inherit this value, not the pid
 
 
 def _raise_interrupt(signum, frame):
-    """SIGTERM (a scheduler, ``timeout``, ``docker stop``) stops the run like Ctrl-C: nothing written."""
+    """Ctrl-C and SIGTERM (a scheduler, ``timeout``, ``docker stop``) stop the run: nothing written.
+
+    A worker inherits this handler when it is forked and keeps it until its initializer runs. In
+    that window a SIGTERM (the pool stopping it because another worker died) ends it as the
+    default action would, and a Ctrl-C is left to the main process, as after the initializer;
+    neither raises KeyboardInterrupt inside the new process."""
+    if os.getpid() != _MAIN_PID:
+        if signum == signal.SIGTERM:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        return
     _STOP_SIGNALS.append(signum)
     raise KeyboardInterrupt
 
@@ -663,6 +674,8 @@ def main(argv=None):
     if args.split_key is not None and args.val_docs is not None:
         parser.error("--split-key and --val-docs both choose the val documents; give one of them")
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
+        signal.signal(signal.SIGINT, _raise_interrupt)
     empty = []
     try:
         written = tokenize_to_shards(args.inputs, args.output_dir, args.prefix, args.shard_size, args.val_docs,
