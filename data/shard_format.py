@@ -118,7 +118,8 @@ def _eot_free_spans(tokens, min_len, chunk):
         eots = np.flatnonzero(block == EOT_TOKEN) + start
         n_eot += len(eots)
         bounds = np.concatenate(([last], eots))
-        spans += [(int(a) + 1, int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b - a - 1 >= min_len]
+        for i in np.flatnonzero(np.diff(bounds) - 1 >= min_len):  # few: documents of min_len tokens or more
+            spans.append((int(bounds[i]) + 1, int(bounds[i + 1])))
         last = int(bounds[-1])
     if len(tokens) - last - 1 >= min_len:
         spans.append((last + 1, len(tokens)))
