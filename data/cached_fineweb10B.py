@@ -11,13 +11,13 @@ Files come from the dataset repo ``kjj0/fineweb10B-gpt2``: ``fineweb_val_000000.
 A file already there and valid (header, size and tokens, checked by ``shard_format.check_shard``:
 no id above 50256, no zero-filled or single-id stretch left by a partial download that kept the
 file's size) is skipped; an invalid one is reported and downloaded again. The check reads each
-file once (about 0.1-0.2 s per 100M-token shard from the page cache, at disk speed otherwise). Each download lands in a hidden staging
-folder (``<dir>/.download/``, where the Hub also keeps its ``.incomplete`` partial files), is
-validated there, and only then moved under its final name (``os.replace``), so an interrupted or
-corrupt download never appears as a ``.bin`` that the trainer's globs would pick up. An invalid
-file already there is left as it is until its validated replacement takes its name: when the Hub
-cannot be reached (checked first, only if something needs downloading) or the download fails,
-nothing in the folder changes.
+file once (well under a second per 100M-token shard from the page cache, at disk speed otherwise).
+Each download lands in a hidden staging folder (``<dir>/.download/``, where the Hub also keeps its
+``.incomplete`` partial files), is validated there, and only then moved under its final name
+(``os.replace``), so an interrupted or corrupt download never appears as a ``.bin`` that the
+trainer's globs would pick up. An invalid file already there is left as it is until its validated
+replacement takes its name: when the Hub cannot be reached (checked first, only if something needs
+downloading) or the download fails, nothing in the folder changes.
 
 Exit status: 0 when every requested shard is present and valid, 1 otherwise (Hub unreachable,
 Hub error, invalid download), 2 on bad arguments. Errors are one message, no traceback.

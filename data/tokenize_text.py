@@ -57,7 +57,9 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
@@ -77,6 +79,7 @@ BPE_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0b
               "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 BATCH_DOCS = 16  # documents per task sent to a worker process
 IN_FLIGHT_PER_WORKER = 4  # tasks queued per worker: bounds memory whatever the input size
+DEAD_WORKER_GRACE_S = 1.0  # a worker dead this long without the pool breaking: break it (``_result``)
 
 
 class TokenizeError(Exception):
@@ -390,6 +393,32 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _result(future, executor, processes):
+    """``future.result()``, which also ends when a worker was killed while writing a result.
+
+    The pool's reader thread then waits forever for the rest of that message (the main process
+    holds a write end of the result pipe too), so the pool never notices the death. A worker
+    found dead for ``DEAD_WORKER_GRACE_S`` seconds with the pool unbroken: kill the other workers
+    and close the main process's write end (``executor._result_queue``, a private attribute of
+    ProcessPoolExecutor); the reader meets end-of-file and the pool breaks as usual. Raises
+    BrokenProcessPool then, or whatever the task raised.
+    """
+    dead_since = None
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except FutureTimeout:
+            pass
+        if not any(p.exitcode for p in processes):
+            continue
+        dead_since = dead_since or time.monotonic()
+        if time.monotonic() - dead_since >= DEAD_WORKER_GRACE_S:
+            for p in processes:
+                if p.exitcode is None:
+                    p.kill()
+            executor._result_queue._writer.close()
+
+
 def encode_stream(docs, workers):
     """Yield ``(split, tokens)`` for every document of ``docs``, in order.
 
@@ -410,9 +439,9 @@ def encode_stream(docs, workers):
         for batch in batches:
             in_flight.append(executor.submit(encode_batch, batch))
             if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
-                yield from in_flight.popleft().result()
+                yield from _result(in_flight.popleft(), executor, context.processes)
         while in_flight:
-            yield from in_flight.popleft().result()
+            yield from _result(in_flight.popleft(), executor, context.processes)
     except BrokenProcessPool:
         executor.shutdown(wait=True, cancel_futures=True)  # joins the workers: exit codes are known
         if _STOP_SIGNALS:  # a SIGTERM to the whole process group ended the workers too: an interruption

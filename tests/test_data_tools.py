@@ -650,21 +650,32 @@ def test_sigterm_stops_like_ctrl_c_and_takes_the_workers_along(tmp_path, no_torc
 
 
 # Installed as sitecustomize: the worker that meets the marked document writes its pid, then stalls
-# (as on a very long document), so that the test can SIGKILL a worker at a chosen moment.
+# (as on a very long document), so that the test can SIGKILL a worker at a chosen moment; or, with
+# PARTIAL set, it SIGKILLs itself once it has written part of that batch's result to the pool.
 _STALLING_WORKER = """
-import multiprocessing, os, time
+import concurrent.futures.process as cfp, multiprocessing, os, signal, struct, time
 import tiktoken.core
-_encode = tiktoken.core.Encoding.encode_ordinary
+_encode, _sendback, _marked = tiktoken.core.Encoding.encode_ordinary, cfp._sendback_result, []
 def encode_ordinary(self, text):
     if "STALL-HERE" in text and multiprocessing.parent_process() is not None:
+        if os.environ.get("PARTIAL"):
+            _marked.append(True)
+            return _encode(self, text)
         with open(os.environ["STALL_PID"] + ".part", "w") as f:
             f.write(str(os.getpid()))
         os.replace(os.environ["STALL_PID"] + ".part", os.environ["STALL_PID"])
         time.sleep(30)
     return _encode(self, text)
+def _sendback_result(result_queue, *args, **kwargs):
+    if _marked:  # a 1 MiB message announced, 1,000 bytes of it written
+        result_queue._writer._send(struct.pack("!i", 1 << 20) + b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _sendback(result_queue, *args, **kwargs)
 tiktoken.core.Encoding.encode_ordinary = encode_ordinary
+cfp._sendback_result = _sendback_result
 """
-KILL_MOMENTS = ("before-first-batch", "mid-batch", "main-waits-on-it", "other-idle-queue-full")
+KILL_MOMENTS = ("before-first-batch", "mid-batch", "main-waits-on-it", "other-idle-queue-full",
+                "writing-its-result")
 
 
 def _proc_stat(pid):
@@ -690,7 +701,7 @@ def _processes(match):
 def _kill_a_worker_at(proc, moment, stall_pid, pause):
     """SIGKILL one worker of the tool ``proc`` at ``moment`` (one of KILL_MOMENTS); returns its pid."""
     deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and proc.poll() is None and moment != "writing-its-result":  # that one kills itself
         if moment == "before-first-batch":
             workers = _processes(lambda ppid, _: ppid == proc.pid)
             if workers:  # the first worker as soon as it exists: it has not finished a batch yet
@@ -705,13 +716,15 @@ def _kill_a_worker_at(proc, moment, stall_pid, pause):
             os.kill(victim, signal.SIGKILL)
             return victim
         time.sleep(0.002)
-    pytest.fail(f"{moment}: the tool ended or never started a worker: {proc.communicate()[1][-2000:]}")
+    if moment != "writing-its-result":
+        pytest.fail(f"{moment}: the tool ended or never started a worker: {proc.communicate()[1][-2000:]}")
 
 
 def test_worker_killed_at_any_moment_ends_the_run_with_one_line(tmp_path, no_torch):
     """A worker SIGKILLed (as by the out-of-memory killer) before its first batch, mid-batch, while
-    the main process waits on its result, or idle while the in-flight window is full: each time
-    the run ends (no hang), exit 1, one error line, no shard or temporary file, no process left."""
+    the main process waits on its result, idle while the in-flight window is full, or while it
+    writes a result: each time the run ends (no hang), exit 1, one error line, no shard or
+    temporary file, no process left."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_STALLING_WORKER)
@@ -721,10 +734,11 @@ def test_worker_killed_at_any_moment_ends_the_run_with_one_line(tmp_path, no_tor
     rows[100]["text"] += " STALL-HERE"  # batch 7: the in-flight window (8 batches) is full when it stalls
     src = write_jsonl(tmp_path / "docs.jsonl", rows)
     message = "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"
-    for attempt in range(12):
-        moment, pause = KILL_MOMENTS[attempt % 4], (0.3, 0.6, 1.0)[attempt // 4]
+    for attempt in range(3 * len(KILL_MOMENTS)):
+        moment, pause = KILL_MOMENTS[attempt % len(KILL_MOMENTS)], (0.3, 0.6, 1.0)[attempt // len(KILL_MOMENTS)]
         out, stall_pid = tmp_path / f"out{attempt}", tmp_path / f"stall{attempt}.pid"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([no_torch, str(site)]), STALL_PID=str(stall_pid))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([no_torch, str(site)]), STALL_PID=str(stall_pid),
+                   PARTIAL="1" if moment == "writing-its-result" else "")
         proc = subprocess.Popen([sys.executable, "data/tokenize_text.py", src, "--output-dir", str(out),
                                  "--prefix", "k", "--shard-size", "5000", "--workers", "2"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
