@@ -114,7 +114,7 @@ def _eot_free_spans(tokens, min_len, chunk):
     n_eot, top, last, spans = 0, -1, -1, []  # last: index of the previous EOT_TOKEN (-1: before the start)
     for start in range(0, len(tokens), chunk):
         block = np.asarray(tokens[start:start + chunk])
-        top = max(top, int(block.max()))
+        top = max(top, int(block.max()))  # max_token_id's job, done here too so the file is read once
         eots = np.flatnonzero(block == EOT_TOKEN) + start
         n_eot += len(eots)
         bounds = np.concatenate(([last], eots))
