@@ -791,33 +791,50 @@ LOGIT_CAPS = ("none", "tanh", "sigmoid")
 SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-12-26), HEAD's (A, B, C)
 
 
-def _cap_and_slope(x, cap, softcap, slope=True):
-    """Capped logits ``z`` of float ``x`` (same shape and dtype) and, if ``slope``, ``dz/dx`` (None: 1).
+def _cap_(x, cap, softcap):
+    """Cap float ``x`` in place: returns ``(u, a)``, ``u`` being ``x`` overwritten, with capped logits ``z = a u``.
 
-    ``none``: z = x, slope None. ``tanh``: z = c tanh(x / c) (Gemma 2's cap), dz/dx = 1 - tanh^2.
-    ``sigmoid``: z = A sigmoid((x + B) / C) (record #54), dz/dx = (A / C) sigma (1 - sigma).
+    ``none``: u = x, a = 1. ``tanh``: u = tanh(x / c), a = c (Gemma 2's cap).
+    ``sigmoid``: u = sigmoid((x + B) / C), a = A (record #54, 2025-12-26).
     """
-    if cap == "none":  # z is x itself (a view of the logits when they are float32): never write to it
-        return x, None
     if cap == "tanh":
-        t = x.div(softcap).tanh_()
-        return t * softcap, (torch.addcmul(torch.ones_like(t), t, t, value=-1.0) if slope else None)
-    A, B, C = SIGMOID_CAP
-    sig = x.add(B).div_(C).sigmoid_()
-    return sig * A, (sig.mul(A / C).mul_(1.0 - sig) if slope else None)
+        return x.div_(softcap).tanh_(), softcap
+    if cap == "sigmoid":
+        A, B, C = SIGMOID_CAP
+        return x.add_(B).div_(C).sigmoid_(), A
+    return x, 1.0
+
+
+def _slope_(u, cap):
+    """``dz/dx`` from ``u`` of ``_cap_``, overwriting ``u`` (None without a cap: the slope is 1)."""
+    if cap == "tanh":
+        return u.mul_(u).neg_().add_(1.0)                      # 1 - tanh^2
+    if cap == "sigmoid":
+        A, _, C = SIGMOID_CAP
+        return u.addcmul_(u, u, value=-1.0).mul_(A / C)        # (A / C) sigma (1 - sigma)
+    return None
+
+
+def _softmax_times_slope(x, lse, scale, cap, softcap):
+    """``scale * softmax(z) * dz/dx`` of float ``x`` (a fresh tensor, overwritten), rows' ``lse`` ``[n, 1]``."""
+    u, a = _cap_(x, cap, softcap)
+    g = (u if cap == "none" else u * a).sub_(lse).exp_().mul_(scale)
+    slope = _slope_(u, cap)
+    return g if slope is None else g.mul_(slope)
 
 
 class _MultiTargetLossSum(torch.autograd.Function):
     """Sum over positions n and valid targets j of ``w_j * (logsumexp(z_n) - z_n[y_nj])``.
 
-    Forward: one logsumexp per position, chunk by chunk (float32 ``[chunk, V]`` temporaries),
-    and a ``[N, J]`` gather. Backward recomputes ``softmax(z)`` from the saved logits rather
-    than keeping a gradient from the forward: the saved logits cost the same memory, and the
-    logits are then read twice and the gradient written once (a stored gradient would be
-    written, read and written again to apply the incoming scale). The gradient, one ``[N, V]``
-    tensor in the logits' dtype, is ``dz/dx * (W_n softmax(z_n) - sum_j w_j onehot(y_nj))`` with
-    ``W_n`` the weight of position n's valid targets; its J target columns are overwritten with
-    their exact value computed on the ``[N, J]`` gather (columns hit twice get the same value).
+    Forward: one logsumexp per position, chunk by chunk (two float32 ``[chunk, V]``
+    temporaries), and a ``[N, J]`` gather. Backward recomputes ``softmax(z)`` from the saved
+    logits rather than keeping a gradient from the forward: the saved logits cost the same
+    memory, and the logits are then read twice and the gradient written once (a stored gradient
+    would be written, read and written again to apply the incoming scale). The gradient, one
+    ``[N, V]`` tensor in the logits' dtype, is ``dz/dx * (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``
+    with ``W_n`` the weight of position n's valid targets; its J target columns are then
+    overwritten with their exact value computed on the ``[N, J]`` gather (a column hit twice
+    gets the same value twice).
     """
 
     @staticmethod
@@ -826,29 +843,36 @@ class _MultiTargetLossSum(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         index = targets.clamp_min(0)
         w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for ignored labels
-        lse = torch.cat([torch.logsumexp(_cap_and_slope(upcast(logits[a:a + chunk]), cap, softcap, False)[0], -1)
-                         for a in range(0, logits.size(0), chunk)])      # [N], in acc
-        picked, _ = _cap_and_slope(upcast(logits.gather(1, index)), cap, softcap, False)
+        lse = []
+        for a in range(0, logits.size(0), chunk):                         # a float32 copy of one chunk
+            u, scale = _cap_(logits[a:a + chunk].to(acc, copy=True), cap, softcap)
+            lse.append(torch.logsumexp(u if cap == "none" else u.mul_(scale), dim=-1))
+        lse = torch.cat(lse)                                               # [N]
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
         ctx.cap, ctx.softcap, ctx.chunk = cap, softcap, chunk
         ctx.save_for_backward(logits, lse, index, w)
-        return (w * (lse[:, None] - picked)).sum()
+        return (w * (lse[:, None] - u * scale)).sum()
 
     @staticmethod
     def backward(ctx, grad):
         logits, lse, index, w = ctx.saved_tensors
         cap, softcap, chunk = ctx.cap, ctx.softcap, ctx.chunk
+        acc, lse = lse.dtype, lse[:, None]
         total_w = w.sum(1, keepdim=True) * grad                          # [N, 1]: W_n times the incoming scale
         out = torch.empty_like(logits)
-        for a in range(0, logits.size(0), chunk):
-            z, slope = _cap_and_slope(upcast(logits[a:a + chunk]), cap, softcap)
-            g = (z - lse[a:a + chunk, None]).exp_().mul_(total_w[a:a + chunk])
-            out[a:a + chunk] = g if slope is None else g.mul_(slope)   # cast to the logits' dtype here
+        for a in range(0, logits.size(0), chunk):                         # cast to the logits' dtype on write
+            b = a + chunk
+            out[a:b] = _softmax_times_slope(logits[a:b].to(acc, copy=True), lse[a:b], total_w[a:b], cap, softcap)
         # The target columns, exactly: the dense term minus the weight of every label on that column
         # (repeats add up; an ignored label points at column 0 and writes column 0's true value).
         on_column = ((index[:, :, None] == index[:, None, :]) * w[:, None, :]).sum(-1)   # [N, J]
-        z, slope = _cap_and_slope(upcast(logits.gather(1, index)), cap, softcap)
-        exact = (z - lse[:, None]).exp_().mul_(total_w).sub_(on_column * grad)
-        out.scatter_(1, index, (exact if slope is None else exact.mul_(slope)).to(out.dtype))
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
+        z = u * scale
+        slope = _slope_(u, cap)
+        exact = (z - lse).exp_().mul_(total_w).sub_(on_column * grad)
+        exact = (exact if slope is None else exact.mul_(slope)).to(out.dtype)
+        rows = torch.arange(out.size(0), device=out.device)[:, None]
+        out.index_put_((rows, index), exact)   # not scatter_: on CPU a bf16 scatter_ makes a float32 [N, V] copy
         return out, None, None, None, None, None
 
 
