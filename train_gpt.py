@@ -876,7 +876,7 @@ class _MultiTargetLossSum(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def multi_target_loss(logits, targets, weights, cap="tanh", softcap=0.0, chunk=LOSS_CHUNK):
+def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=LOSS_CHUNK):
     """Weighted sum of cross-entropies of several targets per position over one capped softmax.
 
     Args:
