@@ -279,6 +279,147 @@ def window_at(step, cfg):
     return w, max(w // 2, 1)
 
 
+# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
+# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
+
+def document_spans(window, start, total):
+    """The documents of a read-ahead window whose whole extent lies inside it.
+
+    Args:
+        window: int64 ``[n]``, stream tokens ``[start, start + n)``.
+        start: stream position of ``window[0]`` (may exceed ``total``: later epochs).
+        total: tokens in one pass of the stream.
+
+    Returns:
+        ``(starts, ends)``, int64 absolute positions: a document starts at an EOT (50256) and
+        ends at the next EOT or at the end of the pass (an epoch boundary), whichever comes
+        first. Tokens before the first EOT of a pass belong to no document (a stream or pass
+        that starts mid-document). The last document is dropped when its end is past the window.
+    """
+    stop = start + window.size
+    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
+    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
+    keep = ends <= stop
+    return starts[keep], ends[keep]
+
+
+def pack_plan(lengths, seq_tokens, n_seqs):
+    """Which documents fill each of ``n_seqs`` packed sequences of ``seq_tokens`` tokens.
+
+    Documents (clipped ``lengths``, int64 ``[D]``) go whole, in order, into the current
+    sequence; the one that crosses its end is cut there (its rest skipped) and the next
+    sequence starts with the next document. Returns ``(first, last, tail)``, int64
+    ``[n_seqs]``: the first and last document of each sequence and the tokens taken from its
+    last one; None when the D documents cannot fill ``n_seqs`` sequences (read further).
+    """
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    first = np.empty(n_seqs, dtype=np.int64)
+    last = np.empty(n_seqs, dtype=np.int64)
+    doc = 0
+    for j in range(n_seqs):  # one binary search per sequence, none per token
+        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
+        if end == bounds.size:
+            return None
+        first[j], last[j], doc = doc, end - 1, end
+    return first, last, bounds[first] + seq_tokens - bounds[last]
+
+
+class PackedLoader:
+    """Document-packed train batches over a TokenStream, sized per call (a stage may change them).
+
+    Every packed sequence of ``seq_tokens`` raw tokens (labels included, ``sequence_layout``)
+    starts at a document's EOT (record #26) and holds whole documents in stream order, each
+    clipped to ``cap`` tokens with the clipped tail skipped (records #29, #72); the document
+    that crosses the sequence's end is cut there and its rest skipped too, so there is no
+    padding and every position has a label (HEAD's ``Shard.next_batch``, record #89). As in
+    HEAD the last kept token of a clipped document is labelled with the next document's EOT.
+
+    A step's global batch is the ``global_seqs`` sequences packed from ``position``; the chunk of
+    ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and micro-step, so
+    one process with accumulation and many processes train on the same data. Every rank plans
+    the whole step (binary searches over a read-ahead window's EOT positions) and gathers only
+    its own tokens. ``position`` (an int) is the only state: after a step it is the end of the
+    last document used, and a new loader set to it yields the same next batches. ``wrapped``
+    tells whether the last step read past the end of the stream, as ``TrainLoader``.
+
+    TST phase 1 (``bag_size`` s > 1): the cap counts raw tokens and a sequence holds
+    ``(L + 1) * s`` of them (``input``/``full``; ``L + s`` for ``output``); bags are cut from
+    the packed tokens by ``make_batch``, so a bag that straddles two documents belongs to the
+    document of its last token (``latent_document_ids``); each sequence's first bag starts
+    with an EOT.
+    """
+
+    def __init__(self, stream, rank, world):
+        self.stream, self.rank, self.world = stream, rank, world
+        self.position, self.wrapped = 0, False
+
+    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
+        """This rank's micro-batches of one step.
+
+        Args:
+            global_seqs: packed sequences in the whole step (all ranks and micro-steps).
+            micro_seqs: sequences per micro-batch; ``global_seqs`` must split into
+                ``micro_seqs * world * accum``.
+            seq_len: latent positions per sequence (L).
+            cap: most tokens of one document (EOT included) in a sequence; 0 = no cap.
+            bag_size, mode: the phase's TST layout (``sequence_layout``).
+
+        Returns:
+            ``(micro, raw_tokens, positions)``: a list of ``accum`` int64
+            ``[micro_seqs, seq_tokens]`` tensors (same shapes for the same arguments), the
+            stream tokens the step consumed (the advance of ``position``: kept, clipped, cut
+            and skipped tokens alike) and the positions trained (``global_seqs * seq_len``).
+
+        Raises:
+            ValueError: ``global_seqs`` does not split evenly over ranks and micro-batches, or ``cap < 0``.
+            DataError: the stream has no EOT, or (without wrap) too few documents are left.
+        """
+        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
+            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
+                             f"over {self.world} process(es)")
+        if cap < 0:
+            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
+        accum = global_seqs // (micro_seqs * self.world)
+        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
+        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
+        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
+        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
+        piece = lengths[lo:hi].copy()
+        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
+        offset = np.cumsum(piece) - piece                           # where each piece lands
+        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
+        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
+        epoch, old = self.position // self.stream.total, self.position
+        self.position = int(ends[last[-1]])
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
+
+    def _plan(self, n_seqs, seq_tokens, cap):
+        """Read ahead from ``position`` (doubling the window) until ``n_seqs`` sequences pack.
+
+        Returns ``(window, starts, ends, lengths, pack_plan(...))``; ``lengths`` are the clipped ones.
+        """
+        stream, start = self.stream, self.position
+        room = None if stream.wrap else max(0, stream.total - start)
+        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
+        while True:
+            n = n if room is None else min(n, room)
+            window = stream.read(start, n)
+            starts, ends = document_spans(window, start, stream.total)
+            lengths = np.minimum(ends - starts, cap)
+            plan = pack_plan(lengths, seq_tokens, n_seqs)
+            if plan is not None:
+                return window, starts, ends, lengths, plan
+            if n == room:
+                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
+                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
+            if n >= stream.total and not (window == EOT_TOKEN).any():
+                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
+                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
+                                f"document: re-tokenize with data/tokenize_text.py")
+            n *= 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with the record
 # history's elements behind flags: document masks and sliding windows, value embeddings, U-net skips,
@@ -895,6 +1036,243 @@ def mce_loss(logits, targets, reduction="mean", softcap=0.0):
     if reduction == "sum":
         return total
     return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
+
+
+# Objectives on the same logits (training only; the metric stays next-token CE): any number of
+# weighted targets per position over one softmax, in chunks of positions. TST's MCE is the case
+# of s targets of weight 1; multi-token prediction (modded-nanogpt record #53, 2025-12-22) and the
+# prefix token (record #88, 2026-07-13) add columns to the target matrix.
+
+LOSS_CHUNK = 1024             # positions per chunk: float32 temporaries of [LOSS_CHUNK, V], never [N, V]
+LOGIT_CAPS = ("none", "tanh", "sigmoid")
+SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-12-26), HEAD's (A, B, C)
+
+
+def _cap_(x, cap, softcap):
+    """Cap float ``x`` in place: returns ``(u, a)``, ``u`` being ``x`` overwritten, with capped logits ``z = a u``.
+
+    ``none``: u = x, a = 1. ``tanh``: u = tanh(x / c), a = c (Gemma 2's cap).
+    ``sigmoid``: u = sigmoid((x + B) / C), a = A (record #54, 2025-12-26).
+    """
+    if cap == "tanh":
+        return x.div_(softcap).tanh_(), softcap
+    if cap == "sigmoid":
+        A, B, C = SIGMOID_CAP
+        return x.add_(B).div_(C).sigmoid_(), A
+    return x, 1.0
+
+
+def _slope_(u, cap):
+    """``dz/dx`` from ``u`` of ``_cap_``, overwriting ``u`` (None without a cap: the slope is 1)."""
+    if cap == "tanh":
+        return u.mul_(u).neg_().add_(1.0)                      # 1 - tanh^2
+    if cap == "sigmoid":
+        A, _, C = SIGMOID_CAP
+        return u.addcmul_(u, u, value=-1.0).mul_(A / C)        # (A / C) sigma (1 - sigma)
+    return None
+
+
+def _softmax_times_slope(x, lse, scale, cap, softcap):
+    """``scale * softmax(z) * dz/dx`` of float ``x`` (a fresh tensor, overwritten), rows' ``lse`` ``[n, 1]``."""
+    u, a = _cap_(x, cap, softcap)
+    g = (u if cap == "none" else u * a).sub_(lse).exp_().mul_(scale)
+    slope = _slope_(u, cap)
+    return g if slope is None else g.mul_(slope)
+
+
+class _MultiTargetLossSum(torch.autograd.Function):
+    """Sum over positions n and valid targets j of ``w_j * (logsumexp(z_n) - z_n[y_nj])``.
+
+    Forward: one logsumexp per position, chunk by chunk (two float32 ``[chunk, V]``
+    temporaries), and a ``[N, J]`` gather. Backward recomputes ``softmax(z)`` from the saved
+    logits rather than keeping a gradient from the forward: the saved logits cost the same
+    memory, and the logits are then read twice and the gradient written once (a stored gradient
+    would be written, read and written again to apply the incoming scale). The gradient, one
+    ``[N, V]`` tensor in the logits' dtype, is ``dz/dx * (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``
+    with ``W_n`` the weight of position n's valid targets; its J target columns are then
+    overwritten with their exact value computed on the ``[N, J]`` gather (a column hit twice
+    gets the same value twice).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, cap, softcap, chunk):
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        valid = targets != IGNORE_INDEX
+        index = targets.clamp_min(0)
+        w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for ignored labels
+        lse = []
+        for a in range(0, logits.size(0), chunk):                         # a float32 copy of one chunk
+            u, scale = _cap_(logits[a:a + chunk].to(acc, copy=True), cap, softcap)
+            lse.append(torch.logsumexp(u if cap == "none" else u.mul_(scale), dim=-1))
+        lse = torch.cat(lse)                                               # [N]
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
+        ctx.cap, ctx.softcap, ctx.chunk = cap, softcap, chunk
+        ctx.save_for_backward(logits, lse, index, w)
+        return (w * (lse[:, None] - u * scale)).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, index, w = ctx.saved_tensors
+        cap, softcap, chunk = ctx.cap, ctx.softcap, ctx.chunk
+        acc, lse = lse.dtype, lse[:, None]
+        total_w = w.sum(1, keepdim=True) * grad                          # [N, 1]: W_n times the incoming scale
+        out = torch.empty_like(logits)
+        for a in range(0, logits.size(0), chunk):                         # cast to the logits' dtype on write
+            b = a + chunk
+            out[a:b] = _softmax_times_slope(logits[a:b].to(acc, copy=True), lse[a:b], total_w[a:b], cap, softcap)
+        # The target columns, exactly: the dense term minus the weight of every label on that column
+        # (repeats add up; an ignored label points at column 0 and writes column 0's true value).
+        on_column = ((index[:, :, None] == index[:, None, :]) * w[:, None, :]).sum(-1)   # [N, J]
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
+        z = u * scale
+        slope = _slope_(u, cap)
+        exact = (z - lse).exp_().mul_(total_w).sub_(on_column * grad)
+        exact = (exact if slope is None else exact.mul_(slope)).to(out.dtype)
+        rows = torch.arange(out.size(0), device=out.device)[:, None]
+        out.index_put_((rows, index), exact)   # not scatter_: on CPU a bf16 scatter_ makes a float32 [N, V] copy
+        return out, None, None, None, None, None
+
+
+def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=LOSS_CHUNK):
+    """Weighted sum of cross-entropies of several targets per position over one capped softmax.
+
+    Args:
+        logits: float ``[..., V]``, the head's output (bf16 on a GPU; float32/float64 here);
+            never upcast as a whole: float32 (float64 stays float64) chunks of ``chunk`` positions.
+        targets: int64 ``[..., J]``; ``IGNORE_INDEX`` (-100) marks an absent label. Repeated ids
+            count each time.
+        weights: float tensor ``[J]``, weight of target column j (a tensor, so a weight schedule
+            changes no compiled graph; 0 turns a column off).
+        cap: ``"none"``, ``"tanh"`` (``z = softcap * tanh(x / softcap)``) or ``"sigmoid"``
+            (``z = 23 sigmoid((x + 5) / 7.5)``, record #54, 2025-12-26).
+        softcap: c > 0 of the tanh cap (unused by the others).
+        chunk: positions per chunk (``LOSS_CHUNK``).
+
+    Returns:
+        float32 scalar (float64 for float64 logits): ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``,
+        a *sum*. The caller divides by a global count: today's MCE (``weights`` all 1) by the
+        number of valid labels, as ``mce_loss``; next-token training with multi-token and prefix
+        columns by the number of valid column-0 labels, the extra columns weighing on top of the
+        next-token term as in modded-nanogpt HEAD (which sums the per-position losses unnormalized).
+        Gradient memory: one ``[..., V]`` tensor in the logits' dtype whatever J.
+
+    Raises:
+        ValueError: unknown cap, a tanh softcap that is not a finite number > 0, a chunk < 1,
+            or shapes that do not match.
+    """
+    if cap not in LOGIT_CAPS:
+        raise ValueError(f"cap must be one of {', '.join(LOGIT_CAPS)}, got {cap!r}")
+    if cap == "tanh" and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"the tanh cap needs a finite softcap > 0, got {softcap!r}")
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if logits.shape[:-1] != targets.shape[:-1] or weights.shape != targets.shape[-1:]:
+        raise ValueError(f"multi_target_loss: logits {tuple(logits.shape)}, targets {tuple(targets.shape)} "
+                         f"and weights {tuple(weights.shape)} must be [..., V], [..., J] and [J]")
+    V, J = logits.size(-1), targets.size(-1)
+    return _MultiTargetLossSum.apply(logits.reshape(-1, V), targets.reshape(-1, J), weights, cap,
+                                     float(softcap), chunk)
+
+
+def multi_token_targets(targets, n_predict):
+    """Targets of the next ``n_predict`` tokens (multi-token prediction, record #53, 2025-12-22).
+
+    ``targets`` int64 ``[..., L]`` (next-token labels of each sequence) -> int64 ``[..., L, n_predict]``
+    with ``out[..., i, k] = targets[..., i + k]`` and ``IGNORE_INDEX`` where ``i + k >= L``. As in
+    HEAD, labels are not cut at document boundaries: a position near a document's end also
+    predicts the next document's first tokens.
+    """
+    return F.pad(targets, (0, n_predict - 1), value=IGNORE_INDEX).unfold(-1, n_predict, 1)
+
+
+def prefix_targets(table, targets):
+    """Prefix-token labels (record #88, 2026-07-13): ``table[targets]``, ``IGNORE_INDEX`` where ignored.
+
+    ``table`` int64 ``[V]`` (``prefix_token_table``), ``targets`` int64 ``[...]`` -> int64 ``[...]``.
+    """
+    return torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, table[targets.clamp_min(0)])
+
+
+GPT2_ENCODER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2_bpe", "encoder.json")
+GPT2_EOT = "<|endoftext|>"
+
+
+def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
+    """``{id: bytes}`` of GPT-2's 50,256 ordinary tokens, read from its ``encoder.json`` (no network).
+
+    encoder.json spells each byte as one printable character: the 188 printable bytes
+    (33-126, 161-172, 174-255) as themselves, the other 68 as ``chr(256 + i)`` in byte order
+    (GPT-2's ``bytes_to_unicode``). ``<|endoftext|>`` (50256) is a special token, left out.
+
+    Raises:
+        DataError: the file is missing or not GPT-2's encoder.json.
+    """
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = sorted(set(range(256)) - set(printable))
+    char_to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    try:
+        with open(path, encoding="utf-8") as f:
+            encoder = json.load(f)
+        return {i: bytes(char_to_byte[c] for c in s) for s, i in encoder.items() if s != GPT2_EOT}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: cannot read GPT-2's encoder.json ({type(e).__name__}: {e}); "
+                        f"restore it from the repository (git checkout -- data/gpt2_bpe)") from None
+
+
+def prefix_token_table(vocab_size, path=GPT2_ENCODER_JSON):
+    """int64 ``[vocab_size]``: the id of the longest proper byte prefix of each token that is a token.
+
+    Record #88 (2026-07-13): a token's prefix token is the token whose bytes are the longest
+    proper prefix of its bytes. ``IGNORE_INDEX`` where there is none: single-byte tokens,
+    ``<|endoftext|>`` and the padding ids past GPT-2's 50,257. Built from the vocabulary only.
+    """
+    token_bytes = gpt2_token_bytes(path)
+    ids = {b: i for i, b in token_bytes.items()}
+    table = [IGNORE_INDEX] * vocab_size
+    for i, b in token_bytes.items():
+        if i < vocab_size:
+            table[i] = next((ids[b[:n]] for n in range(len(b) - 1, 0, -1) if b[:n] in ids), IGNORE_INDEX)
+    return torch.tensor(table, dtype=torch.int64)
+
+
+# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
+# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
+# prefix column (record #88: .25, .25 -> 0, 0). Stages past the table use its last row.
+OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
+                     ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
+                     ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
+
+
+def objective_weights(stage, progress):
+    """Weights ``[4]`` (3 multi-token columns, then the prefix column) at ``progress`` in [0, 1] of ``stage`` (0-based).
+
+    Linear from the stage's start row to its end row of ``OBJECTIVE_WEIGHTS`` (HEAD interpolates
+    at ``(step - start) / (end - start)``).
+    """
+    start, end = OBJECTIVE_WEIGHTS[min(stage, len(OBJECTIVE_WEIGHTS) - 1)]
+    return [a + (b - a) * progress for a, b in zip(start, end)]
+
+
+def objective_targets(targets, prefix_table=None, n_predict=3):
+    """Target matrix of next-token training with auxiliary columns, for ``multi_target_loss``.
+
+    ``targets`` int64 ``[..., L]`` -> int64 ``[..., L, n_predict (+ 1)]``: the multi-token
+    columns (``multi_token_targets``) then, with a ``prefix_table``, the prefix token of the next
+    token (``prefix_targets``). Pair with ``objective_weights`` (n_predict = 3, with the table).
+    """
+    cols = multi_token_targets(targets, n_predict)
+    if prefix_table is None:
+        return cols
+    return torch.cat([cols, prefix_targets(prefix_table, targets)[..., None]], dim=-1)
+
+
+def tst_switch_step(cfg):
+    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
+
+    With ``--tst-bag-size 1`` phase 1 is plain next-token training through the TST code path,
+    so a run with s = 1 repeats a run without TST bit for bit.
+    """
+    return int(round(cfg.tst_frac * cfg.num_iterations))
 
 
 def next_micro_batches(loader, stage, seq_len, rt):

@@ -4,16 +4,21 @@
     python bench/mce_memory.py --device cuda   # on a GPU (torch.cuda.max_memory_allocated)
     python bench/mce_memory.py --markdown      # the table as markdown (for the README)
 
-Each measurement runs in a fresh process: float32 logits ``[N, V]`` (a leaf that requires grad)
+Each measurement runs in a fresh process: logits ``[N, V]`` (float32, or ``--dtype``) (a leaf that requires grad)
 and targets are made first, then one forward+backward of the loss. Peak memory is what the
 loss adds on top of the logits: on CPU the growth of the process's peak resident set size
 (``ru_maxrss``; glibc maps big blocks with mmap, so freed memory leaves the resident set at
 once), on CUDA the growth of ``max_memory_allocated``. The logits' own gradient ``[N, V]`` is
 part of every loss's cost. Time is the median of ``--repeats`` forward+backward passes (ms).
 
-Rows: ``cross_entropy`` (``F.cross_entropy``, the s = 1 baseline), ``mce`` (train_gpt.mce_loss:
-one logsumexp per position, an s-wide gather, a fused backward) and ``mce_naive`` (s copies of
-the logits fed to cross-entropy: what MCE must not do; up to ``--naive-up-to``), for each s.
+Rows: ``cross_entropy`` (``F.cross_entropy`` on the logits in float32, the s = 1 baseline),
+``mce`` (train_gpt.mce_loss: one logsumexp per position, an s-wide gather, a fused backward),
+``multi_target`` (train_gpt.multi_target_loss with s targets of weight 1, the same sum: float32
+chunks of ``LOSS_CHUNK`` positions, the gradient written once in the logits' dtype) and
+``mce_naive`` (s copies of the logits fed to cross-entropy: what MCE must not do; up to
+``--naive-up-to``), for each s. ``--dtype bfloat16`` makes the logits bf16, as the compiled
+model's head gives them on a GPU (the logits then take half the memory, and the baseline's
+float32 copy of them counts as its cost).
 """
 import argparse
 import json
@@ -31,11 +36,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
 
 
-def loss_fn(kind, logits, targets):
+def loss_fn(kind, logits, targets, softcap=0.0):
     if kind == "cross_entropy":
-        return F.cross_entropy(logits, targets[:, 0])
+        return F.cross_entropy(logits.float(), targets[:, 0])
     if kind == "mce":
-        return train_gpt.mce_loss(logits, targets)
+        return train_gpt.mce_loss(logits, targets, softcap=softcap)
+    if kind == "multi_target":
+        weights = torch.ones(targets.size(1), device=logits.device)
+        cap = "tanh" if softcap else "none"
+        return train_gpt.multi_target_loss(logits, targets, weights, cap, softcap) / targets.numel()
     if kind == "mce_naive":
         s = targets.size(1)
         return F.cross_entropy(logits.repeat_interleave(s, dim=0), targets.flatten())
@@ -48,10 +57,10 @@ def peak_mib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def measure(kind, s, n, vocab, device, repeats):
+def measure(kind, s, n, vocab, device, repeats, dtype="float32", softcap=0.0):
     """One process's measurement: (extra peak MiB over the logits, median ms of fwd+bwd)."""
     torch.manual_seed(0)
-    logits = torch.randn(n, vocab, device=device, requires_grad=True)
+    logits = torch.randn(n, vocab, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     targets = torch.randint(0, vocab, (n, s), device=device)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -60,7 +69,7 @@ def measure(kind, s, n, vocab, device, repeats):
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        loss_fn(kind, logits, targets).backward()
+        loss_fn(kind, logits, targets, softcap).backward()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - t0))
@@ -74,6 +83,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--bag-sizes", default="1,4,8,16")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the logits' dtype")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="tanh cap c of the mce and multi_target rows (0: none; the plain CE row has none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--naive-up-to", type=int, default=2,
                    help="largest s for the naive row (it needs s + 2 copies of the logits)")
@@ -82,18 +94,21 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.one:
         kind, s = args.one.split(",")
-        mib, ms = measure(kind, int(s), args.positions, args.vocab, args.device, args.repeats)
+        mib, ms = measure(kind, int(s), args.positions, args.vocab, args.device, args.repeats, args.dtype,
+                          args.softcap)
         print(json.dumps(dict(mib=mib, ms=ms)))
         return 0
-    logits_mib = args.positions * args.vocab * 4 / 2**20
+    logits_mib = args.positions * args.vocab * (2 if args.dtype == "bfloat16" else 4) / 2**20
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # plain glibc: see above
     rows = []
     for s in [int(x) for x in args.bag_sizes.split(",")]:
         naive = ["mce_naive"] if 1 < s <= args.naive_up_to else []
-        for kind in (["cross_entropy"] if s == 1 else []) + ["mce"] + naive:
+        for kind in (["cross_entropy"] if s == 1 else []) + ["mce", "multi_target"] + naive:
             out = subprocess.run([sys.executable, __file__, "--one", f"{kind},{s}", "--positions",
                                   str(args.positions), "--vocab", str(args.vocab), "--device", args.device,
-                                  "--repeats", str(args.repeats)], capture_output=True, text=True, env=env)
+                                  "--dtype", args.dtype, "--softcap", str(args.softcap),
+                                  "--repeats", str(args.repeats)],
+                                 capture_output=True, text=True, env=env)
             if out.returncode:
                 why = (out.stderr.strip().splitlines() or [f"killed by signal {-out.returncode} (out of memory?)"])
                 rows.append((kind, s, None, None, why[-1][:80]))
@@ -104,7 +119,7 @@ def main(argv=None):
     ce_mib = next(r[2] for r in rows if r[0] == "cross_entropy")
     print(f"positions N={args.positions}, vocab V={args.vocab}, device {args.device} "
           f"({torch.get_num_threads()} threads), torch {torch.__version__}; "
-          f"float32 logits [N, V] = {logits_mib:.0f} MiB (not counted below)\n")
+          f"softcap {args.softcap:g}; {args.dtype} logits [N, V] = {logits_mib:.0f} MiB (not counted below)\n")
     head = ["loss", "s", "peak extra MiB", "x plain CE", "fwd+bwd ms"]
     lines = []
     for kind, s, mib, ms, err in rows:

@@ -8,14 +8,16 @@ Files come from the dataset repo ``kjj0/fineweb10B-gpt2``: ``fineweb_val_000000.
 ``fineweb_train_000001.bin`` ... ``fineweb_train_000103.bin`` (100M tokens, ~200 MB each), into
 ``data/fineweb10B/`` (next to this script, whatever the cwd) unless ``--local-dir`` is given.
 
-A file already there and valid (header and size, checked by ``shard_format.read_header``) is
-skipped; an invalid one is reported and downloaded again. Each download lands in a hidden staging
-folder (``<dir>/.download/``, where the Hub also keeps its ``.incomplete`` partial files), is
-validated there, and only then moved under its final name (``os.replace``), so an interrupted or
-corrupt download never appears as a ``.bin`` that the trainer's globs would pick up. An invalid
-file already there is left as it is until its validated replacement takes its name: when the Hub
-cannot be reached (checked first, only if something needs downloading) or the download fails,
-nothing in the folder changes.
+A file already there and valid (header, size and tokens, checked by ``shard_format.check_shard``:
+no id above 50256, no zero-filled or single-id stretch left by a partial download that kept the
+file's size) is skipped; an invalid one is reported and downloaded again. The check reads each
+file once (well under a second per 100M-token shard from the page cache, at disk speed otherwise).
+Each download lands in a hidden staging folder (``<dir>/.download/``, where the Hub also keeps its
+``.incomplete`` partial files), is validated there, and only then moved under its final name
+(``os.replace``), so an interrupted or corrupt download never appears as a ``.bin`` that the
+trainer's globs would pick up. An invalid file already there is left as it is until its validated
+replacement takes its name: when the Hub cannot be reached (checked first, only if something needs
+downloading) or the download fails, nothing in the folder changes.
 
 Exit status: 0 when every requested shard is present and valid, 1 otherwise (Hub unreachable,
 Hub error, invalid download), 2 on bad arguments. Errors are one message, no traceback.
@@ -31,7 +33,7 @@ from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from tqdm import tqdm
 
-from shard_format import ShardError, read_header
+from shard_format import ShardError, check_shard
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 REPO_TYPE = "dataset"
@@ -67,7 +69,7 @@ def shard_status(path):
     if not os.path.exists(path):
         return "missing"
     try:
-        read_header(path)
+        check_shard(path)
     except ShardError as e:
         return str(e)
     return None
@@ -130,7 +132,7 @@ def download_one(filename, local_dir):
     staging = os.path.join(local_dir, STAGING)
     staged = hf_hub_download(REPO_ID, filename, repo_type=REPO_TYPE, local_dir=staging)
     try:
-        read_header(staged)
+        check_shard(staged)
     except ShardError:
         os.remove(staged)
         raise

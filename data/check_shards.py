@@ -1,8 +1,10 @@
 """Validate token shards: ``python data/check_shards.py GLOB...``.
 
 Prints file, tokens, documents (count of token 50256), max_id (the largest token id) and ok or
-why not for each shard. A shard is bad when its header or size is wrong (see shard_format.py) or
-it holds a token id above 50256 (not GPT-2 BPE ids). ``python data/tokenize_text.py --check``
+why not for each shard. A shard is bad when its header or size is wrong (see shard_format.py), it
+holds a token id above 50256 (not GPT-2 BPE ids), or a run of 8,192 or more copies of one id other
+than <|endoftext|> (a zero-filled or single-id stretch: a partial download or write that kept its
+size; ``shard_format.CORRUPT_RUN``). ``python data/tokenize_text.py --check``
 does the same. Exit status 1 if any shard is bad or a glob matches nothing, 2 on bad arguments.
 """
 import argparse
@@ -10,11 +12,7 @@ import glob
 import os
 import sys
 
-import numpy as np
-
-from shard_format import EOT_TOKEN, ShardError, read_tokens
-
-GPT2_MAX_ID = EOT_TOKEN  # 50256: <|endoftext|> is the last of the 50257 GPT-2 tokens
+from shard_format import GPT2_MAX_ID, ShardError, read_tokens, scan_tokens, token_problem
 
 
 def shard_row(path):
@@ -25,11 +23,9 @@ def shard_row(path):
         return (path, "-", "-", "-", str(e)), True
     if len(tokens) == 0:
         return (path, "0", "0", "-", "ok"), False
-    docs, max_id = int(np.count_nonzero(tokens == EOT_TOKEN)), int(tokens.max())
-    status, bad = "ok", max_id > GPT2_MAX_ID
-    if bad:
-        status = f"token id {max_id} > {GPT2_MAX_ID}: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py"
-    return (path, f"{len(tokens):,}", f"{docs:,}", str(max_id), status), bad
+    docs, max_id, run = scan_tokens(tokens)
+    why = token_problem(max_id, run)
+    return (path, f"{len(tokens):,}", f"{docs:,}", str(max_id), why or "ok"), why is not None
 
 
 def check_shards(patterns, out=sys.stdout):
@@ -58,7 +54,8 @@ def check_shards(patterns, out=sys.stdout):
 
 def main(argv=None):
     """Check the shards matching the globs in ``argv``; returns the exit status."""
-    p = argparse.ArgumentParser(description="Validate token shards (header, size, token ids <= 50256) and "
+    p = argparse.ArgumentParser(description="Validate token shards (header, size, token ids <= 50256, no "
+                                            "zero-filled or single-id stretch) and "
                                             "count tokens and documents; same as `python data/tokenize_text.py "
                                             "--check`.")
     p.add_argument("globs", nargs="+", metavar="GLOB", help="shard files or globs (quote them)")

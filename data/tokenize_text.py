@@ -57,14 +57,16 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 from tqdm import tqdm
 
-from check_shards import GPT2_MAX_ID, check_shards
-from shard_format import EOT_TOKEN, not_a_file, write_shard
+from check_shards import check_shards
+from shard_format import EOT_TOKEN, GPT2_MAX_ID, not_a_file, write_shard
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens, as the FineWeb-10B shards
 MAX_TOKEN_ID = np.iinfo(np.uint16).max  # shards store uint16 tokens
@@ -77,6 +79,7 @@ BPE_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0b
               "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
 BATCH_DOCS = 16  # documents per task sent to a worker process
 IN_FLIGHT_PER_WORKER = 4  # tasks queued per worker: bounds memory whatever the input size
+DEAD_WORKER_GRACE_S = 1.0  # a worker dead this long without the pool breaking: break it (``_result``)
 
 
 class TokenizeError(Exception):
@@ -354,11 +357,15 @@ def _worker_died(processes):
     return f"a tokenizer worker {how}; use fewer --workers or free memory"
 
 
-def _ignore_sigint():
-    """Worker initializer: Ctrl-C and SIGTERM are the main process's to handle (it removes the
-    temporary shards and stops the workers); a worker whose main process dies dies too (Linux)."""
+def _worker_init():
+    """Worker initializer. Ctrl-C (SIGINT, sent to the whole foreground process group) is the main
+    process's to handle: it removes the temporary shards and stops the workers. SIGTERM keeps its
+    default action, death: when one worker dies the pool stops the others with SIGTERM, and a
+    worker ignoring it can block forever on a queue lock the dead worker held (the pool then never
+    shuts down). A SIGTERM sent to the whole group also reaches the main process, which reports an
+    interruption (see ``encode_stream``). A worker whose main process dies dies too (Linux)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's handler, inherited by fork
     try:
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -366,9 +373,50 @@ def _ignore_sigint():
         pass
 
 
+_STOP_SIGNALS = []  # signals the main process received (``_raise_interrupt``)
+_MAIN_PID = os.getpid()  # forked workers inherit this value, not the pid
+
+
 def _raise_interrupt(signum, frame):
-    """SIGTERM (a scheduler, ``timeout``, ``docker stop``) stops the run like Ctrl-C: nothing written."""
+    """Ctrl-C and SIGTERM (a scheduler, ``timeout``, ``docker stop``) stop the run: nothing written.
+
+    A worker inherits this handler when it is forked and keeps it until its initializer runs. In
+    that window a SIGTERM (the pool stopping it because another worker died) ends it as the
+    default action would, and a Ctrl-C is left to the main process, as after the initializer;
+    neither raises KeyboardInterrupt inside the new process."""
+    if os.getpid() != _MAIN_PID:
+        if signum == signal.SIGTERM:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        return
+    _STOP_SIGNALS.append(signum)
     raise KeyboardInterrupt
+
+
+def _result(future, executor, processes):
+    """``future.result()``, which also ends when a worker was killed while writing a result.
+
+    The pool's reader thread then waits forever for the rest of that message (the main process
+    holds a write end of the result pipe too), so the pool never notices the death. A worker
+    found dead for ``DEAD_WORKER_GRACE_S`` seconds with the pool unbroken: kill the other workers
+    and close the main process's write end (``executor._result_queue``, a private attribute of
+    ProcessPoolExecutor); the reader meets end-of-file and the pool breaks as usual. Raises
+    BrokenProcessPool then, or whatever the task raised.
+    """
+    dead_since = None
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except FutureTimeout:
+            pass
+        if not any(p.exitcode for p in processes):
+            continue
+        dead_since = dead_since or time.monotonic()
+        if time.monotonic() - dead_since >= DEAD_WORKER_GRACE_S:
+            for p in processes:
+                if p.exitcode is None:
+                    p.kill()
+            executor._result_queue._writer.close()
 
 
 def encode_stream(docs, workers):
@@ -384,18 +432,20 @@ def encode_stream(docs, workers):
             yield split, encode_document(where, text)
         return
     context = _RecordingContext()
-    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint)
+    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init)
     in_flight = collections.deque()
     try:
         batches = iter(lambda: list(itertools.islice(docs, BATCH_DOCS)), [])
         for batch in batches:
             in_flight.append(executor.submit(encode_batch, batch))
             if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
-                yield from in_flight.popleft().result()
+                yield from _result(in_flight.popleft(), executor, context.processes)
         while in_flight:
-            yield from in_flight.popleft().result()
+            yield from _result(in_flight.popleft(), executor, context.processes)
     except BrokenProcessPool:
         executor.shutdown(wait=True, cancel_futures=True)  # joins the workers: exit codes are known
+        if _STOP_SIGNALS:  # a SIGTERM to the whole process group ended the workers too: an interruption
+            raise KeyboardInterrupt from None
         raise TokenizeError(_worker_died(context.processes)) from None
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
@@ -653,6 +703,8 @@ def main(argv=None):
     if args.split_key is not None and args.val_docs is not None:
         parser.error("--split-key and --val-docs both choose the val documents; give one of them")
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
+        signal.signal(signal.SIGINT, _raise_interrupt)
     empty = []
     try:
         written = tokenize_to_shards(args.inputs, args.output_dir, args.prefix, args.shard_size, args.val_docs,

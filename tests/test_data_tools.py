@@ -28,6 +28,7 @@ sys.path.append(DATA)  # the tools import each other as `python data/X.py` runs 
 import cached_fineweb10B as dl  # noqa: E402
 import check_shards as chk  # noqa: E402
 import tokenize_text as tok  # noqa: E402
+import shard_format as sf  # noqa: E402
 from shard_format import ShardError, read_header  # noqa: E402
 
 EOT = 50256
@@ -279,7 +280,9 @@ def test_good_shards_pass_on_both_sides(tmp_path):
         with open(path, "wb") as f:
             f.write(_shard_bytes(tokens))
         assert train_gpt.read_shard_header(path) == read_header(path) == len(tokens)
-        assert dl.shard_status(path) is None
+        # the downloader also checks the tokens: an id above 50256 is another tokenizer's
+        assert dl.shard_status(path) == (f"{path}: token id 65535 > 50256: not GPT-2 BPE ids; re-tokenize with "
+                                         "data/tokenize_text.py" if name == "max_id" else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +649,120 @@ def test_sigterm_stops_like_ctrl_c_and_takes_the_workers_along(tmp_path, no_torc
     assert not os.path.exists(f"/proc/{worker}") or "zombie" in open(f"/proc/{worker}/status").read()
 
 
+# Installed as sitecustomize: the worker that meets the marked document writes its pid, then stalls
+# (as on a very long document), so that the test can SIGKILL a worker at a chosen moment; or, with
+# PARTIAL set, it SIGKILLs itself once it has written part of that batch's result to the pool.
+_STALLING_WORKER = """
+import concurrent.futures.process as cfp, multiprocessing, os, signal, struct, time
+import tiktoken.core
+_encode, _sendback, _marked = tiktoken.core.Encoding.encode_ordinary, cfp._sendback_result, []
+def encode_ordinary(self, text):
+    if "STALL-HERE" in text and multiprocessing.parent_process() is not None:
+        if os.environ.get("PARTIAL"):
+            _marked.append(True)
+            return _encode(self, text)
+        with open(os.environ["STALL_PID"] + ".part", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.environ["STALL_PID"] + ".part", os.environ["STALL_PID"])
+        time.sleep(30)
+    return _encode(self, text)
+def _sendback_result(result_queue, *args, **kwargs):
+    if _marked:  # a 1 MiB message announced, 1,000 bytes of it written
+        result_queue._writer._send(struct.pack("!i", 1 << 20) + b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _sendback(result_queue, *args, **kwargs)
+tiktoken.core.Encoding.encode_ordinary = encode_ordinary
+cfp._sendback_result = _sendback_result
+"""
+KILL_MOMENTS = ("before-first-batch", "mid-batch", "main-waits-on-it", "other-idle-queue-full",
+                "writing-its-result")
+
+
+def _proc_stat(pid):
+    """(state, ppid, pgid) of a process from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _processes(match):
+    """Pids of the live (non-zombie) processes whose (ppid, pgid) satisfy ``match``."""
+    out = []
+    for name in os.listdir("/proc"):
+        st = _proc_stat(name) if name.isdigit() else None
+        if st and st[0] != "Z" and match(st[1], st[2]):
+            out.append(int(name))
+    return out
+
+
+def _kill_a_worker_at(proc, moment, stall_pid, pause):
+    """SIGKILL one worker of the tool ``proc`` at ``moment`` (one of KILL_MOMENTS); returns its pid."""
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and moment != "writing-its-result":  # that one kills itself
+        if moment == "before-first-batch":
+            workers = _processes(lambda ppid, _: ppid == proc.pid)
+            if workers:  # the first worker as soon as it exists: it has not finished a batch yet
+                os.kill(min(workers), signal.SIGKILL)
+                return min(workers)
+        elif os.path.exists(stall_pid):  # a worker is inside its batch (stalled on the marked document)
+            stalled = int(open(stall_pid).read())
+            if moment != "mid-batch":  # the other worker drains the in-flight batches; the main process waits
+                time.sleep(pause)
+            others = [p for p in _processes(lambda ppid, _: ppid == proc.pid) if p != stalled]
+            victim = others[0] if moment == "other-idle-queue-full" and others else stalled
+            os.kill(victim, signal.SIGKILL)
+            return victim
+        time.sleep(0.002)
+    if moment != "writing-its-result":
+        pytest.fail(f"{moment}: the tool ended or never started a worker: {proc.communicate()[1][-2000:]}")
+
+
+def test_worker_killed_at_any_moment_ends_the_run_with_one_line(tmp_path, no_torch):
+    """A worker SIGKILLed (as by the out-of-memory killer) before its first batch, mid-batch, while
+    the main process waits on its result, idle while the in-flight window is full, or while it
+    writes a result: each time the run ends (no hang), exit 1, one error line, no shard or
+    temporary file, no process left."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_STALLING_WORKER)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "token", "shard", "speed", "run", "the", "of"]
+    rows = [{"text": " ".join(rng.choice(words, size=200)) + f" doc {i}."} for i in range(600)]
+    rows[100]["text"] += " STALL-HERE"  # batch 7: the in-flight window (8 batches) is full when it stalls
+    src = write_jsonl(tmp_path / "docs.jsonl", rows)
+    message = "error: a tokenizer worker was killed (signal SIGKILL); use fewer --workers or free memory"
+    for attempt in range(3 * len(KILL_MOMENTS)):
+        moment, pause = KILL_MOMENTS[attempt % len(KILL_MOMENTS)], (0.3, 0.6, 1.0)[attempt // len(KILL_MOMENTS)]
+        out, stall_pid = tmp_path / f"out{attempt}", tmp_path / f"stall{attempt}.pid"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([no_torch, str(site)]), STALL_PID=str(stall_pid),
+                   PARTIAL="1" if moment == "writing-its-result" else "")
+        proc = subprocess.Popen([sys.executable, "data/tokenize_text.py", src, "--output-dir", str(out),
+                                 "--prefix", "k", "--shard-size", "5000", "--workers", "2"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _kill_a_worker_at(proc, moment, str(stall_pid), pause)
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # the hang: end the tool and its workers, then fail
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"try {attempt}: a worker killed at {moment!r} left the tokenizer hanging")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        where = f"try {attempt}, killed at {moment!r}: {stderr[-1500:]}"
+        assert proc.returncode == 1 and "Traceback" not in stderr, where
+        assert [line for line in stderr.splitlines() if line.startswith("error:")] == [message], where
+        assert not out.exists(), where  # no shard, no *.tmp<pid>, not even the folder the run made
+        deadline = time.time() + 10  # the survivors end (SIGTERM from the pool, or SIGKILL at parent death)
+        while _processes(lambda _, pgid: pgid == proc.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _processes(lambda _, pgid: pgid == proc.pid) == [], f"{where}: processes left behind"
+
+
 def test_uint16_refusal_from_worker_processes_via_cli(tmp_path, no_torch):
     """The refusal raised inside a worker process reaches the user as one message."""
     site = tmp_path / "site"
@@ -726,6 +843,126 @@ def test_check_reports_token_ids_above_gpt2(tmp_path, script, first, no_torch):
     assert lines["wide.bin"].split()[1:4] == ["5", "1", "60000"]
     assert "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py" in lines["wide.bin"]
     assert run_cli(script, *first, tmp_path / "gpt2_max.bin", no_torch=no_torch).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# token checks: ids of another tokenizer, zero-filled or single-id stretches (shard_format)
+
+
+def _slow_runs(tokens):
+    """Every run of one repeated id as (length, start, id), in order: an obviously-right loop."""
+    runs, i = [], 0
+    while i < len(tokens):
+        j = i
+        while j < len(tokens) and tokens[j] == tokens[i]:
+            j += 1
+        runs.append((j - i, i, int(tokens[i])))
+        i = j
+    return runs
+
+
+def _random_tokens(rng, n):
+    """Random GPT-2 ids with ~1 EOT in 300 tokens and a few planted runs of one id (zero, EOT, any),
+    some just under and some at or above CORRUPT_RUN, some at the tail."""
+    tokens = rng.integers(0, EOT, n, dtype=np.uint16)
+    tokens[rng.random(n) < 1 / 300] = EOT
+    for _ in range(rng.integers(0, 4)):
+        length = min(n, int(rng.choice([sf.CORRUPT_RUN - 1, sf.CORRUPT_RUN, sf.CORRUPT_RUN + 5, 50])))
+        start = n - length if rng.random() < 0.3 else int(rng.integers(0, n - length + 1))
+        tokens[start:start + length] = rng.choice([0, EOT, int(rng.integers(1, EOT))])
+    return tokens
+
+
+def test_token_scan_matches_a_slow_reference_on_random_shards():
+    rng = np.random.default_rng(28)
+    for case in range(24):
+        tokens = _random_tokens(rng, int(rng.integers(1, 3 * sf.CORRUPT_RUN)) if case else 5)
+        chunk = int(rng.choice([1, 7, 1000, sf.CORRUPT_RUN + 3, sf.SCAN_CHUNK]))  # runs cross chunk edges
+        runs = _slow_runs(tokens.tolist())
+        longest = max(runs, key=lambda r: (r[0], -r[1]))  # the first of the longest
+        corrupt = [r for r in runs if r[2] != EOT and r[0] >= sf.CORRUPT_RUN]
+        expected_run = max(corrupt, key=lambda r: (r[0], -r[1])) if corrupt else (0, 0, -1)
+        where = f"case {case}, chunk {chunk}, n {len(tokens)}"
+        assert sf.max_token_id(tokens, chunk) == max(tokens.tolist()), where
+        assert sf.longest_run(tokens, chunk) == longest, where
+        assert sf.scan_tokens(tokens, chunk) == (tokens.tolist().count(EOT), max(tokens.tolist()), expected_run), where
+    assert sf.max_token_id(np.zeros(0, np.uint16)) == -1 and sf.longest_run(np.zeros(0, np.uint16)) == (0, 0, -1)
+    assert sf.scan_tokens(np.zeros(0, np.uint16)) == (0, -1, (0, 0, -1))
+
+
+def test_real_text_never_trips_the_token_checks():
+    """The repository's sample: documents up to ~20k tokens, no run of one id longer than a few tokens."""
+    for name in sorted(os.listdir(SAMPLE_DIR)):
+        if name.endswith(".bin"):
+            path = os.path.join(SAMPLE_DIR, name)
+            n_docs, top, run = sf.scan_tokens(sf.read_tokens(path))
+            assert top == EOT and n_docs > 0 and run == (0, 0, -1), name
+            assert sf.check_shard(path) == read_header(path)
+            assert sf.longest_run(sf.read_tokens(path))[0] < sf.CORRUPT_RUN // 100, name  # far from the limit
+
+
+# A sample shard whose tail was overwritten, keeping its size (as a partial download or write leaves it)
+TAILS = {"zero_tail": (0, "are zero-filled, with no <|endoftext|>: a partial download or write that kept its size"),
+         "one_id_tail": (1234, "are one id (1234) repeated, with no <|endoftext|>"),
+         "foreign_ids": (60000, "token id 60000 > 50256: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py")}
+
+
+def _damaged_sample(path, kind, length):
+    """Copy the sample's last train shard to ``path`` with its last ``length`` tokens set to TAILS[kind]'s id."""
+    raw = bytearray(open(os.path.join(SAMPLE_DIR, "wikipedia_train_000003.bin"), "rb").read())
+    tokens = np.frombuffer(raw, dtype="<u2", offset=1024)
+    tokens[len(tokens) - length:] = TAILS[kind][0]
+    path.write_bytes(bytes(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", sorted(TAILS))
+def test_damaged_shard_is_refused_by_every_tool(tmp_path, kind, no_torch):
+    path = _damaged_sample(tmp_path / "x_train_000001.bin", kind, 50_000)
+    with pytest.raises(ShardError) as err:
+        sf.check_shard(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and TAILS[kind][1] in message and "\n" not in message
+    if kind != "foreign_ids":
+        assert "50,000 tokens from token 120,284" in message and message.endswith(sf.REDO)
+    assert dl.shard_status(path) == message
+    row, bad = chk.shard_row(path)
+    assert bad and row[4] == message[len(path) + 2:]
+    res = run_cli("check_shards.py", path, os.path.join(SAMPLE_DIR, "*.bin"), no_torch=no_torch)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [bad_line] = [line for line in res.stdout.splitlines() if not line.endswith(" ok")][1:]
+    assert bad_line.startswith(path) and bad_line.endswith(message[len(path) + 2:])
+    if kind != "foreign_ids":  # one token short of the limit is left alone
+        assert sf.check_shard(_damaged_sample(tmp_path / "y.bin", kind, sf.CORRUPT_RUN - 1)) == 170_284
+
+
+@pytest.mark.parametrize("kind", sorted(TAILS))
+def test_download_refetches_a_damaged_shard_and_refuses_a_damaged_download(tmp_path, monkeypatch, capsys, kind):
+    fw = tmp_path / "fw"
+    fw.mkdir()
+    damaged = _damaged_sample(fw / "fineweb_val_000000.bin", kind, 20_000)
+    good = open(os.path.join(SAMPLE_DIR, "wikipedia_train_000003.bin"), "rb").read()
+    payload = {"data": open(damaged, "rb").read()}  # first the Hub serves a damaged file too
+
+    def fake_download(repo_id, filename, *, repo_type, local_dir):
+        os.makedirs(local_dir, exist_ok=True)
+        path = os.path.join(local_dir, filename)
+        with open(path, "wb") as f:
+            f.write(payload["data"])
+        return path
+
+    monkeypatch.setattr(dl, "check_hub_reachable", lambda filename: None)
+    monkeypatch.setattr(dl, "hf_hub_download", fake_download)
+    assert dl.main(["0", "--local-dir", str(fw)]) == 1
+    out = capsys.readouterr().out
+    assert f"invalid, to be replaced by a fresh download: {damaged}: " in out and TAILS[kind][1] in out
+    assert "0 of 1 shards already present and valid" in out and "invalid download, deleted" in out
+    assert bin_files(tmp_path) == [damaged]  # kept until a valid replacement arrives
+    payload["data"] = good
+    assert dl.main(["0", "--local-dir", str(fw)]) == 0
+    assert open(damaged, "rb").read() == good
+    assert "1 of 1 shards already present and valid" in (dl.main(["0", "--local-dir", str(fw)]) == 0 and
+                                                         capsys.readouterr().out)
 
 
 # ---------------------------------------------------------------------------------------------
