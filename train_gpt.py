@@ -11,6 +11,7 @@ Aurora is in docs/METHODS.md.
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
 import dataclasses
+import json
 import math
 import os
 import sys
