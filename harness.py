@@ -137,7 +137,7 @@ class Trainer:
             other field defines the run: ``--resume`` refuses a checkpoint that differs in one).
         shape_fields: the fields that fix the shape of the weights (no ``--resume-force`` past them).
         train: ``train(cfg, rt, log, data, preset, resume, stop) -> (status, reason)``, the run.
-        plan: ``plan(cfg) -> dict(lines, flops_total, tokens_total, steps)``: what a run would do,
+        plan: ``plan(cfg) -> dict(lines, flops_total, tokens_total, positions_total, steps)``: what a run would do,
             for ``--describe`` (no data, no device).
         name: the program's name in messages.
     """
@@ -294,14 +294,16 @@ def describe(cfg, preset, trainer):
 
     The resolved config; the trainer's plan (``Trainer.plan``: the model, the stages, then
     ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw train tokens
-    read), ``steps`` (int)); then the train time projected from ``flops_total`` at 40% and 60% of
-    each GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
+    read), ``positions_total`` (int, latent positions trained), ``steps`` (int)); then the train
+    time projected from ``flops_total`` at 40% and 60% of each GPU's dense bf16 peak
+    (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
     """
     plan = trainer.plan(cfg)
     total = plan["flops_total"]
     lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
-             f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}", f"steps: {plan['steps']}"]
+             f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
+             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}"]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))

@@ -80,6 +80,12 @@ class Config:
     num_iterations: int = _f(3000, "optimizer steps N", low=1)
     max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify",
                         low=0)
+    stages: str = _f("flags", "stage table: flags = one stage from --batch-tokens, --window, --cooldown-frac; "
+                              "record89 = record #89's three stages and extension (RECORD89_STAGES)",
+                     choices=("flags", "record89"))
+    extension_steps: int = _f(0, "--stages record89: the last this-many of the N steps run past the schedule "
+                                 "(final lr, extension windows)", low=0)
+    window_block: int = _f(128, "--stages record89: latent positions per window block", low=1)
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
@@ -93,6 +99,8 @@ class Config:
     momentum: float = _f(0.95, "Aurora/Muon momentum (after warmup)")
     momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
+    momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start linearly over the last this-many "
+                                         "steps (record #39; 0 = none)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
     ns: str = _f("polar_express", "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
     ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
@@ -152,7 +160,16 @@ RECORD = dict(ARCHITECTURE, n_layer=12, model_dim=768, n_head=6, seq_len=48 * 10
               tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05,
               matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760, val_every=125,
               log_every=10)  # a train-loss line is the only host sync between val points
+# Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on the model above: 1,270
+# scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
+# sequences of 16,384 (HEAD's 2,048 x 8 per GPU), cooldown over the last 60% to 0.15 (record #72),
+# momentum 0.85 -> 0.95 over 300 steps and back over the last 50 (record #39). No TST.
+RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, window_block=128,
+                seq_len=16384, batch_tokens=393_216, window=0, window_start=0, cooldown_frac=0.6, lr_floor=0.15,
+                momentum_start=0.85, momentum=0.95, momentum_warmup_steps=300, momentum_cooldown_steps=50,
+                tst_frac=0.0, tst_bag_size=1, optimizer="muon")
 PRESETS = {
+    "baseline_h200": RECORD89,  # record #89's recipe as its authors ran it: the A/B baseline on a GPU
     "record_h200": RECORD,    # the record's name on one H200
     "record_8xb200": RECORD,  # ... and on 8 B200s: the same run
     # 2 CPU cores, under 5 minutes: a tiny model of the same architecture on the real-text sample.
@@ -178,38 +195,100 @@ OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_st
 @dataclass(frozen=True)
 class Stage:
     """Optimizer steps [start, end) of one graph shape: TST ``phase`` (1 = bags, 2 = next-token),
-    ``bag_size`` s and ``mode`` of its objective, ``batch_tokens`` latent positions per step."""
+    ``bag_size`` s and ``mode`` of its objective, ``batch_tokens`` latent positions per step.
+
+    Record #89's columns (``--stages record89``; the defaults leave a flags-derived run as it
+    was): ``doc_cap`` most tokens of a document in a packed sequence (0 = the flat stream),
+    ``lr_mul`` the stage's lr multiplier, ``blocks`` its (short, long) windows in window blocks
+    (() = the --window flags), ``objective`` the start and end rows of its multi-token and prefix
+    weights (``OBJECTIVE_WEIGHTS``; () = next-token only) ramped over ``ramp`` = [first, end) steps
+    of the recipe stage (a TST switch may split one recipe stage in two).
+    """
     start: int
     end: int
     phase: int
     bag_size: int
     mode: str
     batch_tokens: int
+    doc_cap: int = 0
+    lr_mul: float = 1.0
+    blocks: tuple = ()
+    objective: tuple = ()
+    ramp: tuple = ()
 
     def raw_tokens(self, seq_len):
-        """Raw text tokens a step of this stage reads (TST bags read s times the positions)."""
+        """Raw text tokens a step of this stage reads (TST bags read s times the positions); with a
+        document cap, the positions' tokens (the clipped and cut tails read besides are logged, not planned)."""
         return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
 
 
 @dataclass(frozen=True)
 class StepRow:
-    """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions)."""
+    """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions;
+    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only)."""
     stage: Stage
     lr_scale: float
     momentum: float
     window: tuple
     flops_per_position: float
+    objective: tuple = ()
+
+
+# Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
+# tokens per step in thirds of --batch-tokens (record #46: 8 -> 16 -> 24 sequences of 2,048 per
+# GPU), the document cap (records #29, #72), (short, long) windows in blocks (records #31, #33,
+# #35), the lr multiplier (sqrt-ish in the batch: (16/8)^0.6, (24/8)^0.5) and the row of
+# OBJECTIVE_WEIGHTS (multi-token record #53, prefix record #88). The extension stage keeps stage
+# 3's batch and objective with windows (6, 13); the final validation uses long windows of 20.
+RECORD89_STAGES = ((1 / 3, 1, 896, (1, 3), 1.0, 0),
+                   (1 / 3, 2, 2048, (3, 7), 1.52, 1),
+                   (1 / 3, 3, 2048, (5, 11), 1.73, 2))
+RECORD89_EXTENSION_BLOCKS = (6, 13)
+RECORD89_FINAL_LONG_BLOCKS = 20
+
+
+def record89_stages(cfg):
+    """Record #89's recipe stages over N = ``--num-iterations`` steps (the last ``--extension-steps``
+    past the schedule), before any TST split: ``Stage``s with phase 2. Boundaries round(c * N_s)
+    at the cumulative fractions c of the N_s = N - extension scheduled steps, as HEAD."""
+    N, scheduled = cfg.num_iterations, cfg.num_iterations - cfg.extension_steps
+    bounds, c = [0], 0.0
+    for frac, *_ in RECORD89_STAGES[:-1]:
+        c += frac
+        bounds.append(int(round(c * scheduled)))
+    bounds.append(scheduled)
+    rows = []
+    for (lo, hi), (_, thirds, cap, blocks, lr_mul, obj) in zip(zip(bounds, bounds[1:]), RECORD89_STAGES):
+        rows.append(Stage(lo, hi, 2, 1, "full", cfg.batch_tokens * thirds // 3, cap, lr_mul, blocks,
+                          OBJECTIVE_WEIGHTS[obj], (lo, hi)))
+    if cfg.extension_steps:
+        last = rows[-1]
+        rows.append(dataclasses.replace(last, start=scheduled, end=N, blocks=RECORD89_EXTENSION_BLOCKS, lr_mul=1.0,
+                                        objective=OBJECTIVE_WEIGHTS[-1], ramp=(scheduled, N)))  # lr: the floor
+    return [st for st in rows if st.end > st.start]
 
 
 def stages(cfg):
     """The stages of a run, in order, covering steps [0, N): TST phase 1 for the first round(r N)
     steps (``--tst-bag-size``, ``--tst-mode``; none when r N = 0), then next-token training.
 
-    A bag-size schedule (e.g. s = 8, then 4, then next-token) is more rows here; the loader's
-    layout, warm-up graphs, token counts and --describe follow from the table."""
-    switch, N = tst_switch_step(cfg), cfg.num_iterations
-    rows = [Stage(0, switch, 1, cfg.tst_bag_size, cfg.tst_mode, cfg.batch_tokens)] if switch else []
-    return rows + ([Stage(switch, N, 2, 1, "full", cfg.batch_tokens)] if switch < N else [])
+    ``--stages flags``: one recipe stage from the flags; ``record89``: ``record89_stages``. TST
+    phase 1 covers the first round(r N) steps whatever the recipe: a recipe stage the switch falls
+    in is split in two, its columns (batch, cap, windows, lr) kept on both sides. A bag-size
+    schedule (e.g. s = 8, then 4, then next-token) is more rows here; the loader's layout,
+    warm-up graphs, token counts and --describe follow from the table."""
+    if cfg.stages == "record89":
+        recipe = record89_stages(cfg)
+    else:
+        recipe = [Stage(0, cfg.num_iterations, 2, 1, "full", cfg.batch_tokens)]
+    switch, rows = tst_switch_step(cfg), []
+    for st in recipe:
+        if st.start < switch:
+            rows.append(dataclasses.replace(st, end=min(st.end, switch), phase=1, bag_size=cfg.tst_bag_size,
+                                            mode=cfg.tst_mode))
+        if st.end > switch:
+            rows.append(dataclasses.replace(st, start=max(st.start, switch)))
+    return rows
 
 
 class Schedule:
@@ -218,11 +297,12 @@ class Schedule:
     def __init__(self, cfg):
         self.stages = stages(cfg)
         self.rows = []
-        for step in range(cfg.num_iterations + 1):
+        N = cfg.num_iterations
+        for step in range(N + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
-            window = window_at(step, cfg)
-            self.rows.append(StepRow(stage, lr_scale(step, cfg), momentum_at(step, cfg), window,
-                                     model_flops_per_position(cfg, step)))
+            window = stage_window(step, stage, cfg)
+            self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
+                                     model_flops_per_position(cfg, step, window), stage_objective(step, stage)))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -230,6 +310,43 @@ class Schedule:
     def graphs(self):
         """Distinct ``(bag_size, mode)`` objectives of the stages, in order: one compiled graph each."""
         return list(dict.fromkeys((s.bag_size, s.mode) for s in self.stages))
+
+
+def stage_window(step, stage, cfg):
+    """``(long, short)`` windows at ``step`` in latent positions: the stage's blocks times
+    ``--window-block`` (row N: long windows of RECORD89_FINAL_LONG_BLOCKS, record #89's final
+    validation), or ``window_at`` without blocks."""
+    if not stage.blocks:
+        return window_at(step, cfg)
+    short, long = stage.blocks
+    if step >= cfg.num_iterations:
+        long = RECORD89_FINAL_LONG_BLOCKS
+    return long * cfg.window_block, short * cfg.window_block
+
+
+def stage_lr_scale(step, stage, cfg):
+    """lr multiplier at ``step``: ``lr_scale`` for a flags stage; for record #89's stages (HEAD's
+    get_lr, record #72) the stage's multiplier m, and from step c = int(N_s (1 - cooldown_frac)) of
+    the N_s scheduled steps ``m (1 - t) + lr_floor t``, t = min(1, (step - c) / (N_s - c))."""
+    if cfg.stages == "flags":
+        return lr_scale(step, cfg)
+    scheduled = cfg.num_iterations - cfg.extension_steps
+    start = int(scheduled * (1 - cfg.cooldown_frac))
+    if step < start:
+        return stage.lr_mul
+    t = min(1.0, (step - start) / max(scheduled - start, 1))
+    return stage.lr_mul * (1 - t) + cfg.lr_floor * t
+
+
+def stage_objective(step, stage):
+    """The multi-token and prefix weights at ``step``: the stage's rows ramped linearly over its recipe
+    stage, at ``(step - first) / (end - first)`` as HEAD (() = next-token only)."""
+    if not stage.objective:
+        return ()
+    lo, hi = stage.ramp
+    t = min(max((step - lo) / (hi - lo), 0.0), 1.0)
+    start, end = stage.objective
+    return tuple(a + (b - a) * t for a, b in zip(start, end))
 
 
 def train_tokens_needed(cfg):
@@ -257,11 +374,17 @@ def lr_scale(step, cfg):
 
 
 def momentum_at(step, cfg):
-    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps."""
-    if cfg.momentum_warmup_steps == 0:
-        return cfg.momentum
-    frac = min(step / cfg.momentum_warmup_steps, 1.0)
-    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
+    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps and,
+    with --momentum-cooldown-steps c, back to --momentum-start over the last c steps (HEAD's
+    get_muon_momentum, record #39: from step N - c, exclusive)."""
+    lo, hi, N, c = cfg.momentum_start, cfg.momentum, cfg.num_iterations, cfg.momentum_cooldown_steps
+    if step < cfg.momentum_warmup_steps:
+        frac = step / cfg.momentum_warmup_steps
+        return (1 - frac) * lo + frac * hi
+    if c and step > N - c:
+        frac = (step - (N - c)) / c
+        return hi - frac * (hi - lo)
+    return hi
 
 
 def window_at(step, cfg):
@@ -689,13 +812,13 @@ class GPT(nn.Module):
     def masks_for(self, inputs):
         """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``), or Nones."""
         cfg = self.cfg
-        if not cfg.doc_mask and cfg.window == 0:
+        if not cfg.doc_mask and not windowed(cfg):
             return None, None
         if cfg.doc_mask:
             doc_ids = latent_document_ids(inputs)
         else:  # one document: only causality and the window
             doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
-        if cfg.window == 0:
+        if not windowed(cfg):
             mask = build_attention_mask(doc_ids, 0, flex=inputs.is_cuda)
             return mask, mask
         long = build_attention_mask(doc_ids, self.windows[0], flex=inputs.is_cuda)
@@ -721,6 +844,11 @@ class GPT(nn.Module):
         return c * torch.tanh(logits / c) if c > 0 else logits
 
 
+def windowed(cfg):
+    """Whether attention has sliding windows: ``--window`` or a stage table with window columns."""
+    return cfg.window > 0 or cfg.stages == "record89"
+
+
 def attended_keys(seq_len, window):
     """Mean number of keys a query attends in a causal sequence of ``seq_len`` under a window.
 
@@ -732,7 +860,7 @@ def attended_keys(seq_len, window):
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
-def model_flops_per_position(cfg, step=0):
+def model_flops_per_position(cfg, step=0, window=None):
     """Training FLOPs per latent position at optimizer ``step``: ``6 * N_matmul + 12 d * keys``.
 
     ``N_matmul`` counts every weight used in a matmul (attention and MLP matrices of the layers
@@ -741,12 +869,12 @@ def model_flops_per_position(cfg, step=0):
     key), summed over the layers with attention, each over the keys its queries actually attend
     (``attended_keys``: causality and the layer's window at ``step``; document masks ignored),
     as in PaLM's accounting (arXiv 2204.02311, appendix B) made exact for the mask. TST phase 1
-    costs the same per latent position.
+    costs the same per latent position. ``window``: ``(long, short)`` instead of ``window_at(step)``.
     """
     d, no_attn, short = cfg.model_dim, layer_set(cfg.no_attn_layers), layer_set(cfg.short_window_layers)
     attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
     n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    long, half = window_at(step, cfg)
+    long, half = window if window is not None else window_at(step, cfg)
     keys = sum(attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
     return 6 * n_matmul + 12 * d * keys
 
@@ -777,6 +905,11 @@ def check_config(cfg, need):
     need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
     need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
     check_architecture(cfg, need)
+    if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
+        need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
+             f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
+        need(cfg.extension_steps < cfg.num_iterations - 2, f"--extension-steps {cfg.extension_steps} leaves fewer "
+                                                           f"than 3 of --num-iterations {cfg.num_iterations} scheduled")
     need(cfg.warmup_steps <= cfg.num_iterations,
          f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
     if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
@@ -800,7 +933,7 @@ def check_architecture(cfg, need):
         bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
         need(not bad, f"{harness.flag_of(name)}: there is no layer {bad[0] if bad else ''} "
                       f"(layers are 0..{cfg.n_layer - 1})")
-    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
+    need(not layers["short_window_layers"] or windowed(cfg), "--short-window-layers needs a --window")
     k, n = cfg.value_embeds, cfg.n_layer
     need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
     need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
@@ -1701,11 +1834,14 @@ def plan(cfg):
              f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
     for st in table.stages:
         what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
+                  if cfg.stages != "flags" else "")
         lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
-                     f"{st.raw_tokens(L):,} raw tokens per step, "
+                     f"{st.raw_tokens(L):,} raw tokens per step{recipe}, "
                      f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
-    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, steps=N)
+    positions = sum(row.stage.batch_tokens for row in table.rows[:N])
+    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
 
 
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,

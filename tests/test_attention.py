@@ -187,7 +187,9 @@ def test_flags_default_off_and_on_in_every_preset():
     assert (T.Config().doc_mask, T.Config().window) == (False, 0)
     for name in T.PRESETS:
         cfg, _ = T.parse_config(["--preset", name])
-        assert cfg.doc_mask and 0 < cfg.window_start < cfg.window <= cfg.seq_len, name
+        assert cfg.doc_mask, name
+        if cfg.stages == "flags":  # else the stage table's window columns
+            assert 0 < cfg.window_start < cfg.window <= cfg.seq_len, name
     cfg, _ = T.parse_config(["--doc-mask", "--window", "7"])
     assert (cfg.doc_mask, cfg.window) == (True, 7)
     assert T.parse_config(T.config_to_argv(cfg))[0] == cfg

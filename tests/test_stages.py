@@ -1,0 +1,132 @@
+"""Record #89's stage table (``--stages record89``) against modded-nanogpt HEAD's formulas, written out
+plainly here: TrainingSchedule (boundaries, get_lr, MTP / prefix ramps, windows), get_muon_momentum."""
+import pytest
+
+import train_gpt as T
+
+N_SCHED, N_EXT = 1270, 15
+TOTAL = N_SCHED + N_EXT
+# HEAD's TRAINING_STAGES: (batch, cap, (short, long), lr_mul, mtp start, mtp end, prefix start, prefix end)
+HEAD = [(131072, 896, (1, 3), 1.0, [1.0, 0.5, 0.25], [1.0, 0.5, 0.0], 0.25, 0.25),
+        (262144, 2048, (3, 7), 1.52, [1.0, 0.5], [1.0, 0.0], 0.25, 0.0),
+        (393216, 2048, (5, 11), 1.73, [1.0], [1.0], 0.0, 0.0),
+        (393216, 2048, (6, 13), 1.0, [1.0], [1.0], 0.0, 0.0)]
+
+
+def head_boundaries():
+    ends = [0, round(1 / 3 * N_SCHED), round(2 / 3 * N_SCHED), N_SCHED, TOTAL]
+    return list(zip(ends, ends[1:]))
+
+
+def head_lookup(step):
+    for i, (start, end) in enumerate(head_boundaries()):
+        if step < end:
+            return i, (step - start) / (end - start)
+    return 3, 1.0
+
+
+def head_lr(step):
+    i, _ = head_lookup(step)
+    lr = HEAD[i][3]
+    cd_start = int(N_SCHED * (1 - 0.6))
+    if step >= cd_start:
+        t = min(1.0, (step - cd_start) / (N_SCHED - cd_start))
+        lr = lr * (1 - t) + 0.15 * t
+    return lr
+
+
+def head_momentum(step):
+    cd_start = TOTAL - 50
+    if step < 300:
+        return 0.85 + step / 300 * (0.95 - 0.85)
+    if step > cd_start:
+        return 0.95 - (step - cd_start) / 50 * (0.95 - 0.85)
+    return 0.95
+
+
+def head_weights(step):
+    """MTP weights padded to 3 columns, then the prefix weight."""
+    i, t = head_lookup(step)
+    _, _, _, _, m0, m1, p0, p1 = HEAD[i]
+    mtp = [a + (b - a) * t for a, b in zip(m0, m1)] + [0.0] * (3 - len(m0))
+    return mtp + [p0 + (p1 - p0) * t]
+
+
+def head_window(step):
+    """(long, short) latent positions; after the last step HEAD's final validation uses long 20."""
+    i, _ = head_lookup(step)
+    short, long = HEAD[i][2]
+    return (20 if step >= TOTAL else long) * 128, short * 128
+
+
+def record89(*flags):
+    return T.parse_config(["--preset", "baseline_h200", *flags])[0]
+
+
+def boundary_steps():
+    steps = {0, 1, TOTAL - 1, TOTAL, 300, 299, 301, TOTAL - 50, TOTAL - 49, int(N_SCHED * 0.4)}
+    for b in (423, 847, 1270):
+        steps |= {b - 1, b, b + 1}
+    return sorted(s for s in steps if 0 <= s <= TOTAL)
+
+
+def test_boundaries_are_heads():
+    assert [(st.start, st.end) for st in T.stages(record89())] == head_boundaries()
+    assert head_boundaries()[1] == (423, 847)
+
+
+@pytest.mark.parametrize("step", boundary_steps())
+def test_every_column_at_every_boundary_matches_head(step):
+    row = T.Schedule(record89())[step]
+    i, _ = head_lookup(min(step, TOTAL - 1))
+    batch, cap = HEAD[i][:2]
+    assert (row.stage.batch_tokens, row.stage.doc_cap) == (batch, cap)
+    assert row.lr_scale == pytest.approx(head_lr(step), abs=1e-12)
+    assert row.momentum == pytest.approx(head_momentum(step), abs=1e-12)
+    assert row.window == head_window(step)
+    assert row.objective == pytest.approx(head_weights(step), abs=1e-12)
+
+
+def test_positions_total_and_steps_of_the_baseline():
+    plan = T.plan(record89())
+    assert plan["steps"] == TOTAL
+    assert plan["positions_total"] == 423 * 131072 + 424 * 262144 + 438 * 393216 == 338821120
+    assert T.train_tokens_needed(record89()) >= plan["positions_total"]
+
+
+def test_tst_splits_the_stage_its_switch_falls_in():
+    cfg = record89("--tst-frac", "0.3", "--tst-bag-size", "4")
+    switch = round(0.3 * TOTAL)
+    table = T.stages(cfg)
+    assert [(st.start, st.end, st.phase) for st in table] == \
+        [(0, switch, 1), (switch, 423, 2), (423, 847, 2), (847, 1270, 2), (1270, TOTAL, 2)]
+    assert table[0].bag_size == 4 and table[1].bag_size == 1
+    # both halves keep the recipe stage's columns and ramp over the whole recipe stage
+    plain, split = T.Schedule(record89()), T.Schedule(cfg)
+    for step in (0, switch - 1, switch, 422):
+        a, b = plain[step], split[step]
+        assert (a.lr_scale, a.momentum, a.window, a.objective, a.stage.doc_cap) == \
+            (b.lr_scale, b.momentum, b.window, b.objective, b.stage.doc_cap)
+
+
+def test_a_switch_past_the_first_stage_splits_the_second():
+    cfg = record89("--tst-frac", "0.5", "--tst-bag-size", "2")
+    switch = round(0.5 * TOTAL)
+    assert [(st.start, st.end, st.phase, st.batch_tokens) for st in T.stages(cfg)][:3] == \
+        [(0, 423, 1, 131072), (423, switch, 1, 262144), (switch, 847, 2, 262144)]
+
+
+def test_flags_table_is_unchanged_by_the_new_columns():
+    """The default table: one stage, no cap, no objective columns, lr and windows from the flags."""
+    cfg = T.parse_config(["--preset", "cpu_smoke", "--stages", "flags"])[0]
+    table = T.Schedule(cfg)
+    for step in range(cfg.num_iterations + 1):
+        row = table[step]
+        assert row.stage.doc_cap == 0 and row.objective == ()
+        assert row.lr_scale == T.lr_scale(step, cfg) and row.window == T.window_at(step, cfg)
+        assert row.momentum == T.momentum_at(step, cfg)
+
+
+def test_record89_needs_thirds_of_the_batch():
+    with pytest.raises(T.ConfigError, match="--stages record89 needs --batch-tokens"):
+        T.parse_config(["--preset", "baseline_h200", "--batch-tokens", str(16384 * 4)])
