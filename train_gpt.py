@@ -349,10 +349,19 @@ def stage_objective(step, stage):
     return tuple(a + (b - a) * t for a, b in zip(start, end))
 
 
+# Document-packed stages also read the clipped and cut tails they skip; how much depends on the
+# documents' lengths. The shard count budgets this much text per trained token (a short budget only
+# wraps the stream, which the log reports).
+PACKED_READ_MARGIN = 1.5
+
+
 def train_tokens_needed(cfg):
-    """Raw train tokens a whole run reads (a TST stage reads s times more per step), labels included."""
+    """Raw train tokens a whole run reads (a TST stage reads s times more per step, a document-packed
+    one up to PACKED_READ_MARGIN times more), labels included."""
     run_stages = stages(cfg)
-    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) for st in run_stages)
+    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) * (PACKED_READ_MARGIN if st.doc_cap else 1)
+                for st in run_stages)
+    total = int(math.ceil(total))
     return total + max(cfg.tst_bag_size, *(st.bag_size for st in run_stages)) * cfg.seq_len  # last labels
 
 
@@ -908,6 +917,9 @@ def check_config(cfg, need):
     if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
         need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
              f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
+        need(cfg.batch_tokens // (3 * cfg.seq_len) % cfg.micro_batch_seqs == 0,
+             f"--micro-batch-seqs {cfg.micro_batch_seqs} must divide stage 1's {cfg.batch_tokens // (3 * cfg.seq_len)} "
+             f"sequences (--stages record89: a third of --batch-tokens / --seq-len)")
         need(cfg.extension_steps < cfg.num_iterations - 2, f"--extension-steps {cfg.extension_steps} leaves fewer "
                                                            f"than 3 of --num-iterations {cfg.num_iterations} scheduled")
     need(cfg.warmup_steps <= cfg.num_iterations,
@@ -1409,15 +1421,28 @@ def tst_switch_step(cfg):
     return int(round(cfg.tst_frac * cfg.num_iterations))
 
 
-def next_micro_batches(loader, stage, seq_len, rt):
+def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
     """This rank's ``[(inputs, targets)]`` for a step of ``stage`` (its layout and batch), on the device.
 
+    A stage with a document cap reads document-packed sequences (a ``PackedLoader``, whose
+    micro-batches hold ``micro_seqs`` sequences), else flat ones (a ``TrainLoader``).
     Returns ``(micro_batches, raw_tokens)``: ``raw_tokens`` is what the whole step read from the stream.
     """
     s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
+    if stage.doc_cap:
+        tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
+        return [make_batch(rt.to_device(t), mode, s) for t in tokens], raw_tokens
     seq_tokens, advance = sequence_layout(mode, s, seq_len)
     micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance, global_seqs)]
     return micro, global_seqs * advance
+
+
+def make_loader(cfg, schedule, stream, rt):
+    """The run's train loader: a ``PackedLoader`` when the stage table caps documents (record #89's
+    stages), else a ``TrainLoader``; either keeps its whole state in ``position``."""
+    if any(st.doc_cap for st in schedule.stages):
+        return PackedLoader(stream, rt.rank, rt.world)
+    return TrainLoader(stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1755,7 +1780,7 @@ def training_loop(run, start_step, end_step):
         row = run.schedule[step]  # every per-step quantity comes from the stage table
         if step == row.stage.start > 0:
             log_stage(run, step)
-        micro, raw_tokens = next_micro_batches(run.loader, row.stage, cfg.seq_len, rt)
+        micro, raw_tokens = next_micro_batches(run.loader, row.stage, cfg.seq_len, rt, cfg.micro_batch_seqs)
         if run.loader.wrapped:
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, row)
@@ -1796,9 +1821,9 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
-    run = Run(cfg, Schedule(cfg), rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
-              build_optimizers(model, cfg, compile=rt.compile),
-              TrainLoader(train_stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world),
+    schedule = Schedule(cfg)
+    run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
+              build_optimizers(model, cfg, compile=rt.compile), make_loader(cfg, schedule, train_stream, rt),
               ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
               stop if stop is not None else {"signal": None}, data)
     start_step = harness.restore(run, *resume[:2]) if resume else 0

@@ -1,8 +1,15 @@
 """Record #89's stage table (``--stages record89``) against modded-nanogpt HEAD's formulas, written out
 plainly here: TrainingSchedule (boundaries, get_lr, MTP / prefix ramps, windows), get_muon_momentum."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
+import harness as H
 import train_gpt as T
+from conftest import REPO, read_log, subprocess_env, tiny_args
 
 N_SCHED, N_EXT = 1270, 15
 TOTAL = N_SCHED + N_EXT
@@ -130,3 +137,56 @@ def test_flags_table_is_unchanged_by_the_new_columns():
 def test_record89_needs_thirds_of_the_batch():
     with pytest.raises(T.ConfigError, match="--stages record89 needs --batch-tokens"):
         T.parse_config(["--preset", "baseline_h200", "--batch-tokens", str(16384 * 4)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training on the record #89 table: document-packed batches per stage, resume and processes
+
+
+def recipe_args(tmp_path, run_id, *extra):
+    """8 steps of the record #89 table at a tiny shape: stages [0, 2), [2, 4), [4, 6) of 4, 8, 12
+    packed sequences of 32 positions, extension [6, 8); no TST."""
+    return tiny_args(tmp_path, "--stages", "record89", "--batch-tokens", "384", "--micro-batch-seqs", "2",
+                     "--num-iterations", "8", "--extension-steps", "2", "--window", "0", "--window-start", "0",
+                     "--window-block", "8", "--tst-frac", "0", "--val-every", "0", "--run-id", run_id, *extra)
+
+
+def summary(tmp_path, run_id):
+    return json.loads((tmp_path / "logs" / f"{run_id}.json").read_text())
+
+
+def test_packed_stages_log_raw_tokens_and_positions(tmp_path):
+    assert T.main(recipe_args(tmp_path, "p")) == 0
+    s = summary(tmp_path, "p")
+    assert s["positions"] == 32 * (2 * 4 + 2 * 8 + 4 * 12)
+    assert s["raw_tokens"] > s["positions"]  # clipped and cut document tails are read, not trained
+    text = read_log(tmp_path / "logs", "p")
+    assert "stage: step 2" in text and "stage: step 4" in text and "stage: step 6" in text
+
+
+@pytest.mark.parametrize("stop", [3, 4])
+def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop):
+    assert T.main(recipe_args(tmp_path / "a", "s")) == 0
+    assert T.main(recipe_args(tmp_path / "b", "r", "--max-steps", str(stop), "--save-final")) == 0
+    state = H.load_checkpoint(str(tmp_path / "b" / "ckpt" / "r" / f"step_{stop:06d}.pt"))
+    assert state["loader_position"] == state["counters"]["raw_tokens"]
+    assert T.main(recipe_args(tmp_path / "b", "r", "--resume", "auto")) == 0
+    a, b = summary(tmp_path / "a", "s"), summary(tmp_path / "b", "r")
+    assert a["train_losses"] == b["train_losses"] and len(a["train_losses"]) == 8
+    assert (a["raw_tokens"], a["final_val_loss"]) == (b["raw_tokens"], b["final_val_loss"])
+
+
+def test_two_processes_match_one_process_across_stage_changes(tmp_path):
+    script = os.path.join(REPO, "train_gpt.py")
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")  # one thread each: the same summation order
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for cmd, run_id in (([sys.executable, script], "one"), (torchrun + [script], "two")):
+        out = subprocess.run([*cmd, *recipe_args(tmp_path, run_id, "--dist-timeout", "60")], capture_output=True,
+                             text=True, env=env, cwd=tmp_path, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+    a, b = summary(tmp_path, "one"), summary(tmp_path, "two")
+    assert (a["world_size"], b["world_size"]) == (1, 2) and a["raw_tokens"] == b["raw_tokens"]
+    assert [s for s, _ in a["train_losses"]] == list(range(1, 9))
+    for (sa, la), (sb, lb) in zip(a["train_losses"], b["train_losses"]):
+        assert sa == sb and abs(la - lb) <= 1e-5 * abs(la), (sa, la, lb)
+    assert abs(a["final_val_loss"] - b["final_val_loss"]) <= 1e-5 * a["final_val_loss"]
