@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import harness
-from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
+from aurora_opt import (NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, check_hparams, record89_adam_groups,
+                        record89_matrix_groups)
 from harness import ConfigError, DataError, Runtime, load_shard, read_shard_header
 
 # ----------------------------------------------------------------------------------------------
@@ -56,6 +57,10 @@ class Config:
     seq_len: int = _f(1024, "latent positions per sequence (L)", low=1)
     logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
                                     "up to a constant); 0 disables")
+    logit_cap: str = _f("tanh", "training and val logit cap: tanh = --logit-softcap; sigmoid = 23 sigmoid((x + 5) / 7.5) "
+                                "(record #54)", choices=("tanh", "sigmoid"))
+    objectives: bool = _f(False, "next-token training steps add the stage table's multi-token and prefix-token "
+                                 "columns (records #53, #88; --stages record89); the val metric stays next-token CE")
     rope_base: float = _f(10000.0, "rotary embedding base")
     doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
                                "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
@@ -92,8 +97,10 @@ class Config:
     tst_mode: str = _f("full", "full: bag-mean in, MCE over next bag out; input: bag-mean in only; "
                                "output: MCE over next s tokens only", choices=("full", "input", "output"))
     # optimizers
-    optimizer: str = _f("aurora", "optimizer of the 2-D block matrices (embedding/head always use Adam)",
-                        choices=("aurora", "muon", "adamw"))
+    optimizer: str = _f("aurora", "optimizer of the 2-D block matrices (embedding/head always use Adam); normuon: "
+                                  "record #89's NorMuon + CautiousAdam every other step; aurora_normuon: the same "
+                                  "with Aurora's polar on the MLP matrices (docs/METHODS.md §3)",
+                        choices=("aurora", "muon", "adamw", "normuon", "aurora_normuon"))
     matrix_lr: float = _f(0.05, "Aurora/Muon lr")
     matrix_wd: float = _f(0.025, "Aurora/Muon decoupled weight decay (scaled by lr)")
     momentum: float = _f(0.95, "Aurora/Muon momentum (after warmup)")
@@ -834,7 +841,7 @@ class GPT(nn.Module):
         short = build_attention_mask(doc_ids, self.windows[1], flex=inputs.is_cuda) if self.short else long
         return long, short
 
-    def forward(self, inputs, targets=None):
+    def forward(self, inputs, targets=None, weights=None):
         masks = self.masks_for(inputs)
         x = x0 = rms_norm(embed_tokens(self.embed, inputs))
         ves = [embed_tokens(table, inputs) for table in self.value_embeds]
@@ -847,15 +854,29 @@ class GPT(nn.Module):
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
-        if targets is not None:  # the softcap is applied inside the fused loss
-            return mce_loss(logits, targets, reduction="sum", softcap=c)
+        if targets is not None:  # the cap is applied inside the fused loss
+            return loss_sum(logits, targets, weights, self.cfg)
         logits = upcast(logits)
+        if self.cfg.logit_cap == "sigmoid":
+            A, B, C = SIGMOID_CAP
+            return A * torch.sigmoid((logits + B) / C)
         return c * torch.tanh(logits / c) if c > 0 else logits
 
 
 def windowed(cfg):
     """Whether attention has sliding windows: ``--window`` or a stage table with window columns."""
     return cfg.window > 0 or cfg.stages == "record89"
+
+
+def loss_sum(logits, targets, weights, cfg):
+    """The loss sum of a forward with targets ``[..., J]``: the MCE (``mce_loss``, tanh cap) or, with
+    column ``weights`` ``[J]`` or ``--logit-cap sigmoid``, ``multi_target_loss`` (weights 1 when None)."""
+    if weights is None and cfg.logit_cap == "tanh":
+        return mce_loss(logits, targets, reduction="sum", softcap=cfg.logit_softcap)
+    if weights is None:  # the MCE under the sigmoid cap
+        weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
+    cap = "tanh" if cfg.logit_cap == "tanh" and cfg.logit_softcap > 0 else cfg.logit_cap
+    return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 
 
 def attended_keys(seq_len, window):
@@ -1455,6 +1476,8 @@ def build_optimizers(model, cfg, compile=False):
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
     """
+    if cfg.optimizer in ("normuon", "aurora_normuon"):
+        return build_record89_optimizers(model, cfg, compile)
     cuda = next(model.parameters()).is_cuda
     matrices = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters() if p.ndim == 2]
     embeds = [model.embed.weight] + [table.weight for table in model.value_embeds]
@@ -1473,6 +1496,38 @@ def build_optimizers(model, cfg, compile=False):
     else:
         opts.append(torch.optim.AdamW([p for _, p in matrices], lr=cfg.adamw_lr, betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=cfg.adamw_wd, fused=cuda))
+    for opt in opts:
+        for g in opt.param_groups:
+            g["initial_lr"] = g["lr"]
+    return opts
+
+
+def build_record89_optimizers(model, cfg, compile=False):
+    """Record #89's optimizers (docs/METHODS.md §3): NorMuon on the block matrices, CautiousAdam
+    (every other step, HEAD's per-role betas, lr and wd multipliers) on the rest.
+
+    NorMuon (records #41-#43, #48, #78, #80): --matrix-lr, --matrix-wd (cautious), --momentum;
+    Q and K orthogonalized per head pair, x2 on the MLP output (``record89_matrix_groups``).
+    ``--optimizer aurora_normuon``: Aurora's row-equalized polar (--pp-iterations) on the MLP
+    matrices, the normalization kept. Adam: base lr 0.008, wd 0.005 (HEAD), roles embed, lm_head,
+    value_embeds, scalars (``record89_adam_groups``); --embed-lr / --head-lr / --scalar-lr are not used.
+    """
+    named = dict(model.blocks.named_parameters())
+    pick = lambda *ends: [(f"blocks.{n}", p) for n, p in named.items() if n.endswith(ends)]  # noqa: E731
+    groups = record89_matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
+                                    pick("mlp.fc.weight"), pick("mlp.proj.weight"), cfg.model_dim // cfg.n_head,
+                                    aurora=cfg.optimizer == "aurora_normuon", pp_iterations=cfg.pp_iterations)
+    matrix = NorMuon(groups, lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum,
+                     nesterov=cfg.nesterov, ns=cfg.ns, pp_beta=cfg.pp_beta, compile=compile,
+                     ns_dtype=None if cfg.ns_dtype == "auto" else getattr(torch, cfg.ns_dtype))
+    routed = {id(p) for g in groups for p in g["params"]}
+    scalars = [p for p in model.parameters() if p.ndim < 2]
+    rest = [p for p in model.blocks.parameters() if p.ndim == 2 and id(p) not in routed]
+    if rest:
+        raise ConfigError(f"--optimizer {cfg.optimizer}: {len(rest)} block matrices have no NorMuon group")
+    roles = dict(embed=[model.embed.weight], lm_head=[model.lm_head.weight],
+                 value_embeds=[t.weight for t in model.value_embeds], scalars=scalars)
+    opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
     for opt in opts:
         for g in opt.param_groups:
             g["initial_lr"] = g["lr"]
@@ -1501,27 +1556,53 @@ def all_reduce_sum(t, rt):
     return t
 
 
-def accumulate_gradients(model, micro_batches, rt):
+class Objectives:
+    """Next-token training steps with the stage table's multi-token and prefix columns (``--objectives``).
+
+    Holds the prefix-token table and every step's column weights ``[N + 1, 4]`` float32 on the
+    device; a step copies its row into ``weights`` (device to device: no host sync, and a weight
+    schedule changes no compiled graph).
+    """
+
+    def __init__(self, schedule, vocab_size, device):
+        self.table = prefix_token_table(vocab_size).to(device)
+        rows = [row.objective or (1.0, 0.0, 0.0, 0.0) for row in schedule.rows]
+        self.per_step = torch.tensor(rows, dtype=torch.float32, device=device)
+        self.weights = torch.empty(4, dtype=torch.float32, device=device)
+
+    def batches(self, micro, row, step):
+        """``(micro, weights)`` of a step: next-token rows with an objective get target columns
+        ``[b, L, 4]`` (``objective_targets``) and the step's weights; others are returned as they are."""
+        if row.stage.phase == 1 or not row.objective:
+            return micro, None
+        self.weights.copy_(self.per_step[step])
+        return [(inputs, objective_targets(targets[..., 0], self.table)) for inputs, targets in micro], self.weights
+
+
+def accumulate_gradients(model, micro_batches, rt, weights=None):
     """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
 
     Args:
         model: callable ``(inputs, targets) -> loss sum`` (the GPT, possibly compiled).
         micro_batches: list of ``(inputs [b, L, k], targets [b, L, j])`` of this process.
         rt: Runtime (device, process group).
+        weights: float32 ``[J]`` column weights (``Objectives``), or None (the MCE).
 
     Returns:
         float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
         pair of the global batch (all micro-batches, all ranks) -- not a mean of per-micro-
-        batch means. The gradient in ``.grad`` is that loss's gradient, summed over ranks.
+        batch means; with ``weights``, the weighted sum over the columns divided by the
+        number of valid column-0 (next-token) labels. The gradient in ``.grad`` is that
+        loss's gradient, summed over ranks.
     """
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
-        n_valid += (targets != IGNORE_INDEX).sum()
+        n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
     total = torch.zeros((), device=rt.device)
     for inputs, targets in micro_batches:
         with rt.autocast():
-            loss_sum = model(inputs, targets)
+            loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
         (loss_sum / n_valid).backward()
         total += loss_sum.detach()
     if rt.distributed:
@@ -1662,6 +1743,7 @@ class Run:
     guard: NanGuard
     stop: dict
     data: dict
+    objectives: Objectives = None
 
     def phase_at(self, step):
         """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
@@ -1751,9 +1833,13 @@ def warm_up(run):
     for s, mode in graphs:
         seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
         dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
-        inputs, targets = make_batch(rt.to_device(dummy), mode, s)
+        micro, weights = [make_batch(rt.to_device(dummy), mode, s)], None
+        if run.objectives is not None:  # the stage's training targets (multi-token and prefix columns)
+            first = next((st.start for st in run.schedule.stages if (st.bag_size, st.mode) == (s, mode)), None)
+            if first is not None:
+                micro, weights = run.objectives.batches(micro, run.schedule[first], first)
         with rt.autocast():
-            run.net(inputs, targets).backward()
+            (run.net(*micro[0]) if weights is None else run.net(*micro[0], weights)).backward()
         run.model.zero_grad(set_to_none=True)
         vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
         with torch.no_grad(), rt.autocast():
@@ -1785,7 +1871,10 @@ def training_loop(run, start_step, end_step):
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, row)
         run.model.set_window(row.window)
-        loss = accumulate_gradients(run.net, micro, rt)
+        weights = None
+        if run.objectives is not None:
+            micro, weights = run.objectives.batches(micro, row, step)
+        loss = accumulate_gradients(run.net, micro, rt, weights)
         for opt in run.opts:
             opt.step()
         run.model.zero_grad(set_to_none=True)
@@ -1826,6 +1915,8 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
               build_optimizers(model, cfg, compile=rt.compile), make_loader(cfg, schedule, train_stream, rt),
               ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
               stop if stop is not None else {"signal": None}, data)
+    if cfg.objectives:
+        run.objectives = Objectives(schedule, cfg.vocab_size, rt.device)
     start_step = harness.restore(run, *resume[:2]) if resume else 0
     log_model_line(run)
     compile_ms = warm_up(run)

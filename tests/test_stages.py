@@ -1,11 +1,14 @@
 """Record #89's stage table (``--stages record89``) against modded-nanogpt HEAD's formulas, written out
 plainly here: TrainingSchedule (boundaries, get_lr, MTP / prefix ramps, windows), get_muon_momentum."""
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import harness as H
 import train_gpt as T
@@ -155,8 +158,13 @@ def summary(tmp_path, run_id):
     return json.loads((tmp_path / "logs" / f"{run_id}.json").read_text())
 
 
-def test_packed_stages_log_raw_tokens_and_positions(tmp_path):
-    assert T.main(recipe_args(tmp_path, "p")) == 0
+NORMUON = ("--optimizer", "normuon", "--matrix-lr", "0.023", "--matrix-wd", "1.2")
+
+
+@pytest.mark.parametrize("extra", [(), ("--objectives", "--logit-cap", "sigmoid"), NORMUON,
+                                   ("--optimizer", "aurora_normuon", "--matrix-lr", "0.023", "--matrix-wd", "1.2")])
+def test_packed_stages_log_raw_tokens_and_positions(tmp_path, extra):
+    assert T.main(recipe_args(tmp_path, "p", *extra)) == 0
     s = summary(tmp_path, "p")
     assert s["positions"] == 32 * (2 * 4 + 2 * 8 + 4 * 12)
     assert s["raw_tokens"] > s["positions"]  # clipped and cut document tails are read, not trained
@@ -164,13 +172,14 @@ def test_packed_stages_log_raw_tokens_and_positions(tmp_path):
     assert "stage: step 2" in text and "stage: step 4" in text and "stage: step 6" in text
 
 
-@pytest.mark.parametrize("stop", [3, 4])
-def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop):
-    assert T.main(recipe_args(tmp_path / "a", "s")) == 0
-    assert T.main(recipe_args(tmp_path / "b", "r", "--max-steps", str(stop), "--save-final")) == 0
+@pytest.mark.parametrize("stop, extra", [(3, ()), (4, ()), (3, NORMUON + ("--objectives",))])
+def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop, extra):
+    """Stop after step 3 (mid stage 2; with NorMuon, Adam holds one step's gradient) or 4 (a boundary)."""
+    assert T.main(recipe_args(tmp_path / "a", "s", *extra)) == 0
+    assert T.main(recipe_args(tmp_path / "b", "r", "--max-steps", str(stop), "--save-final", *extra)) == 0
     state = H.load_checkpoint(str(tmp_path / "b" / "ckpt" / "r" / f"step_{stop:06d}.pt"))
     assert state["loader_position"] == state["counters"]["raw_tokens"]
-    assert T.main(recipe_args(tmp_path / "b", "r", "--resume", "auto")) == 0
+    assert T.main(recipe_args(tmp_path / "b", "r", "--resume", "auto", *extra)) == 0
     a, b = summary(tmp_path / "a", "s"), summary(tmp_path / "b", "r")
     assert a["train_losses"] == b["train_losses"] and len(a["train_losses"]) == 8
     assert (a["raw_tokens"], a["final_val_loss"]) == (b["raw_tokens"], b["final_val_loss"])
@@ -190,3 +199,82 @@ def test_two_processes_match_one_process_across_stage_changes(tmp_path):
     for (sa, la), (sb, lb) in zip(a["train_losses"], b["train_losses"]):
         assert sa == sb and abs(la - lb) <= 1e-5 * abs(la), (sa, la, lb)
     assert abs(a["final_val_loss"] - b["final_val_loss"]) <= 1e-5 * a["final_val_loss"]
+
+
+# ----------------------------------------------------------------------------------------------
+# --objectives: multi-token and prefix columns in the training forward, the metric unchanged
+
+
+def small_model(cap, seed=0):
+    cfg = T.parse_config(["--preset", "cpu_smoke", "--stages", "record89", "--n-layer", "2", "--model-dim", "32",
+                          "--n-head", "2", "--seq-len", "16", "--batch-tokens", "96", "--micro-batch-seqs", "2",
+                          "--window", "0", "--window-start", "0", "--window-block", "4", "--tst-frac", "0",
+                          "--num-iterations", "9", "--extension-steps", "0", "--objectives", "--logit-cap", cap])[0]
+    torch.manual_seed(seed)
+    model = T.GPT(cfg)
+    for p in model.parameters():  # the head starts at zero: give every weight a value
+        torch.nn.init.normal_(p, std=0.3)
+    return cfg, model
+
+
+@pytest.mark.parametrize("cap", ["tanh", "sigmoid"])
+def test_objective_step_matches_naive_cross_entropies(cap):
+    """accumulate_gradients with Objectives == sum_j w_j CE(column j) / (valid next-token labels), float64."""
+    cfg, model = small_model(cap)
+    table = T.Schedule(cfg)
+    objectives = T.Objectives(table, cfg.vocab_size, "cpu")
+    g = torch.Generator().manual_seed(3)
+    micro = [T.make_batch(torch.randint(0, 50257, (2, 17), generator=g), "full", 1) for _ in range(2)]
+    step = 1  # stage 1, weights (1, .5, .25 -> 0, .25) partly ramped
+    cols, weights = objectives.batches(micro, table[step], step)
+    rt = type("RT", (), dict(device="cpu", distributed=False, autocast=staticmethod(contextlib.nullcontext)))()
+    model.double()
+    loss = T.accumulate_gradients(lambda i, t, w=None: model(i, t, w), cols, rt, weights.double())
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref, count = torch.zeros((), dtype=torch.float64), 0
+    w = weights.double().tolist()  # the step's float32 weights
+    assert w == pytest.approx(table[step].objective, rel=1e-7)
+    for (inputs, targets), (_, c) in zip(micro, cols):
+        z = model(inputs).reshape(-1, cfg.vocab_size)
+        y = c.reshape(-1, 4)
+        for j in range(4):
+            ok = y[:, j] >= 0
+            ref = ref + w[j] * F.cross_entropy(z[ok], y[ok, j], reduction="sum")
+        count += int((targets != -100).sum())
+    (ref / count).backward()
+    assert loss.item() == pytest.approx(ref.item() / count, rel=1e-6)  # the step total is float32
+    for a, p in zip(grads, model.parameters()):
+        assert torch.allclose(a, p.grad, rtol=1e-8, atol=1e-12), (a - p.grad).abs().max()
+    assert w[1] == 0.5 and 0 < w[2] < 0.25 and w[3] == 0.25
+
+
+def test_objective_columns_are_next_tokens_and_prefixes():
+    cfg, _ = small_model("tanh")
+    table = T.Schedule(cfg)
+    objectives = T.Objectives(table, cfg.vocab_size, "cpu")
+    tokens = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(1))
+    (inputs, targets), = [T.make_batch(tokens, "full", 1)]
+    (_, cols), = objectives.batches([(inputs, targets)], table[0], 0)[0]
+    prefix = T.prefix_token_table(cfg.vocab_size)
+    for b in range(2):
+        for i in range(16):
+            for k in range(3):
+                assert cols[b, i, k] == (tokens[b, i + 1 + k] if i + k < 16 else -100)
+            assert cols[b, i, 3] == prefix[tokens[b, i + 1]]
+    step = T.stages(cfg)[1].start  # a TST-free run: every row is next-token with an objective
+    assert objectives.batches([(inputs, targets)], table[step], step)[1].tolist() == \
+        pytest.approx(list(table[step].objective))
+
+
+def test_eval_stays_next_token_ce_under_the_sigmoid_cap():
+    cfg, model = small_model("sigmoid")
+    tokens = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(2))
+    inputs, targets = T.make_batch(tokens, "full", 1)
+    with torch.no_grad():
+        z = model(inputs).double()
+        ref = F.cross_entropy(z.reshape(-1, cfg.vocab_size), targets.reshape(-1), reduction="sum")
+        got = model(inputs, targets)
+    x = model.lm_head.weight  # z = 23 sigmoid((x + 5) / 7.5) bounds the logits in (0, 23)
+    assert 0 < z.min() and z.max() < 23 and x is not None
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
