@@ -174,16 +174,27 @@ RECORD = dict(ARCHITECTURE, n_layer=12, model_dim=768, n_head=6, seq_len=48 * 10
 RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, window_block=128,
                 seq_len=16384, batch_tokens=393_216, window=0, window_start=0, cooldown_frac=0.6, lr_floor=0.15,
                 momentum_start=0.85, momentum=0.95, momentum_warmup_steps=300, momentum_cooldown_steps=50,
-                tst_frac=0.0, tst_bag_size=1, optimizer="muon")
+                tst_frac=0.0, tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2,
+                objectives=True, logit_cap="sigmoid")
+# ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
+# polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
+RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, tst_mode="full", optimizer="aurora_normuon")
 PRESETS = {
-    "baseline_h200": RECORD89,  # record #89's recipe as its authors ran it: the A/B baseline on a GPU
-    "record_h200": RECORD,    # the record's name on one H200
-    "record_8xb200": RECORD,  # ... and on 8 B200s: the same run
-    # 2 CPU cores, under 5 minutes: a tiny model of the same architecture on the real-text sample.
-    "cpu_smoke": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
-                      micro_batch_seqs=8, num_iterations=100, momentum_warmup_steps=0, value_embeds=1,
-                      window_start=32, window=128, short_window_layers="1",
-                      embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=50),
+    "baseline_h200": RECORD89,     # record #89's recipe as its authors ran it: the A/B baseline on a GPU
+    "record_h200": RECORD89_OURS,  # the record's name on one H200
+    "record_8xb200": RECORD89_OURS,  # ... and on 8 B200s: the same run
+    "record21_h200": RECORD,       # the former record preset: record #21's recipe with Aurora and TST
+    # The former smoke preset (record #21's recipe at a tiny shape): the tests' and bench/small_scale.py's base.
+    "cpu_smoke_r21": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
+                          micro_batch_seqs=8, num_iterations=100, momentum_warmup_steps=0, value_embeds=1,
+                          window_start=32, window=128, short_window_layers="1",
+                          embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=50),
+    # 2 CPU cores, under 5 minutes: a tiny model of the record recipe on the real-text sample, one flat
+    # (document-packed) sequence of 1,024 per micro-step, 1 -> 2 -> 3 of them per step.
+    "cpu_smoke": dict(RECORD89_OURS, n_layer=4, n_head=4, model_dim=128, seq_len=1024, batch_tokens=3072,
+                      micro_batch_seqs=1, num_iterations=100, extension_steps=2, window_block=32,
+                      momentum_warmup_steps=24, momentum_cooldown_steps=4, value_embeds=1,
+                      short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1),
 }
 
 # Fields that change where files go or how a run executes, not what it computes; every other

@@ -131,7 +131,7 @@ NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), (
 # of the record on. 4 sequences of 64 positions a step, 2 micro-batches of 2 (grad accumulation);
 # value embeddings feed layers 0 and 3, layer 2 has no attention, layer 1 a half window; the
 # window grows 16 -> 48 in steps of 16 over 5 steps (16, 32, 32, 48, 48), so it changes mid-run.
-TINY_MODEL = ["--preset", "cpu_smoke", "--n-layer", "4", "--model-dim", "64", "--n-head", "2",
+TINY_MODEL = ["--preset", "cpu_smoke_r21", "--n-layer", "4", "--model-dim", "64", "--n-head", "2",
               "--seq-len", "64", "--batch-tokens", "256", "--micro-batch-seqs", "2",
               "--doc-mask", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
               "--no-attn-layers", "2", "--value-embeds", "1", "--unet", "--x0-mix", "--merged-qkv",
@@ -940,7 +940,8 @@ def parse_args(argv):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
-    p.add_argument("--preset", default=None, help="trainer preset timed (default record_h200; cpu_smoke with --dry-run)")
+    p.add_argument("--preset", default=None, help="trainer preset timed (default record21_h200; cpu_smoke_r21 "
+                                                  "with --dry-run: the tool does not yet read stage tables)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
                         "schedule (default 40; 10 with --dry-run)")
@@ -961,7 +962,7 @@ def parse_args(argv):
     p.add_argument("--keep-data", action="store_true", help="keep the synthetic shards under --out")
     args = p.parse_args(argv)
     d = args.dry_run
-    args.preset = args.preset or ("cpu_smoke" if d else "record_h200")
+    args.preset = args.preset or ("cpu_smoke_r21" if d else "record21_h200")
     args.steps = args.steps or (10 if d else 40)
     args.budget_s = args.budget_s or (240.0 if d else 470.0)
     args.val_tokens = args.val_tokens or (1024 if d else 65536)

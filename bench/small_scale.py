@@ -2,7 +2,7 @@
 
 What it measures
 ----------------
-A small GPT (``--preset cpu_smoke`` with the shape of MODEL below) is trained on a real-text
+A small GPT (``--preset cpu_smoke_r21`` with the shape of MODEL below) is trained on a real-text
 corpus (``--train-files``; default the repository's ``data/sample``: 570k train tokens, 63k val
 tokens of English Wikipedia) once per *arm*, *data order* and *init seed*. Every arm runs the
 same number of steps with the same latent positions per step, so the same FLOPs per step; only
@@ -64,7 +64,7 @@ The lr of the block matrices is tuned per optimizer family first, by a small swe
 0, seed 0, no TST; best final val loss wins; an optimum at the edge of the grid extends it by one
 factor-2 step, ``--sweep-extend`` times): ``--adamw-lr`` for adamw, ``--matrix-lr`` for muon
 and for aurora (every other aurora arm uses aurora's). The Adam lrs of the embedding, head and
-scalars stay at the ``cpu_smoke`` preset values. The sweep run at the chosen lr *is* (order 0,
+scalars stay at the ``cpu_smoke_r21`` preset values. The sweep run at the chosen lr *is* (order 0,
 seed 0) of that arm (same flags): it is copied into the arm's folder instead of trained twice
 (not for the recency arm, whose seed-0 runs val more often).
 
@@ -126,7 +126,7 @@ import small_scale_stats as sst  # noqa: E402
 
 SAMPLE = os.path.join("data", "sample")  # the repository's real-text sample: the default corpus
 
-# Model shape (on top of --preset cpu_smoke: embed_lr 0.3, head_lr 0.02, no momentum warmup).
+# Model shape (on top of --preset cpu_smoke_r21: embed_lr 0.3, head_lr 0.02, no momentum warmup).
 # GPT-2's 50304-row head dominates at this width (3.2M of the 3.6M matmul weights); 64 wide keeps
 # ~70 runs with whole-val evals inside 2 hours on 2 cores. seq_len 128 = the latent length L.
 MODEL = dict(n_layer=4, n_head=2, model_dim=64, seq_len=128)
@@ -233,7 +233,7 @@ def trainer_argv(spec, run_dir, run_id, seed, extra, train_files, val_every, bat
     """The trainer command line of one run (the mode's base flags, then the arm/lr ``extra``)."""
     batch_tokens = batch_tokens or spec["batch_tokens"]
     seqs = batch_tokens // MODEL["seq_len"]  # one micro-batch when <= 16 sequences
-    argv = [sys.executable, spec["trainer"], "--preset", "cpu_smoke", "--device", "cpu", "--no-compile", "--no-bf16",
+    argv = [sys.executable, spec["trainer"], "--preset", "cpu_smoke_r21", "--device", "cpu", "--no-compile", "--no-bf16",
             "--train-files", train_files, "--val-files", spec["val_files"],
             "--num-iterations", str(spec["steps"]), "--batch-tokens", str(batch_tokens),
             "--micro-batch-seqs", str(min(seqs, 16)), "--val-tokens", str(spec["val_tokens"]),
@@ -923,14 +923,14 @@ def header_lines(spec, stats, corpus):
         "holds its source, `python records/verify.py LOG --extract DIR` writes it out).", "",
         f"* Model: {MODEL['n_layer']} layers x {MODEL['model_dim']} wide ({MODEL['n_head']} heads), seq_len "
         f"{MODEL['seq_len']}, vocab 50304 (GPT-2), {spec['batch_tokens']} positions/step, {spec['steps']} steps, "
-        f"{num(flops_step, '.3g')} FLOPs/step (every arm but the control); `--preset cpu_smoke` otherwise: lr "
+        f"{num(flops_step, '.3g')} FLOPs/step (every arm but the control); `--preset cpu_smoke_r21` otherwise: lr "
         "flat, then linear decay over the last 40% of steps to the preset lr floor (0.1x; 0 in aurora_no_lr_floor), no warmup; float32, no compile.",
         f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`mix`: "
         f"{MODEL['seq_len']}-token chunks shuffled by the order's seed, `data/`), x {spec['seeds']} init seeds = "
         f"{keys} runs per arm. Val loss on {spec['val_tokens']:,} tokens of `{spec['val_files']}` "
         f"({val_what(spec)}).",
         "* lr: block-matrix lr tuned per optimizer family by the sweep below (mix order 0, seed 0, no TST); "
-        "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke` preset's.",
+        "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke_r21` preset's.",
         *[f"* {c}, the equal-text control of {t}: plain Aurora with {eqtext_plan(spec, c)['bag_size']}x the "
           f"batch for the first {eqtext_plan(spec, c)['switch']} steps, so it reads exactly {t}'s tokens at every "
           "step, at that many times the FLOPs there." for c, t in EQTEXT.items() if c in spec["arms"]],

@@ -28,7 +28,7 @@ def sample_args():
 
 def tiny_args(tmp_path, *extra):
     """Flags of a 2-layer, 64-wide model on real text: 256 positions a step, val on 512 tokens."""
-    return ["--preset", "cpu_smoke", *sample_args(), "--n-layer", "2", "--model-dim", "64",
+    return ["--preset", "cpu_smoke_r21", *sample_args(), "--n-layer", "2", "--model-dim", "64",
             "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
             "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]

@@ -295,7 +295,7 @@ def test_window_at_matches_brute_force(w0, w, N):
 
 
 def test_window_at_record_growth():
-    cfg = T.parse_config(["--preset", "record_h200"])[0]
+    cfg = T.parse_config(["--preset", "record21_h200"])[0]
     assert T.window_at(0, cfg) == (128, 64) and T.window_at(1770, cfg) == (1792, 896)
     assert T.window_at(1, cfg) == (256, 128)   # just past step 0 the target exceeds 128: the next multiple
     assert len({T.window_at(s, cfg)[0] for s in range(1771)}) == 14   # 128, 256, ..., 1792
@@ -555,7 +555,7 @@ def test_accumulation_is_exact_in_float64(s):
 
 def run_args(tmp_path, run_id, micro):
     """cpu_smoke's architecture at a tiny size: 4 layers, windows 4 -> 16 in a 32-position sequence, TST to step 3."""
-    return ["--preset", "cpu_smoke", *sample_args(), "--n-layer", "4", "--model-dim", "32", "--n-head", "2",
+    return ["--preset", "cpu_smoke_r21", *sample_args(), "--n-layer", "4", "--model-dim", "32", "--n-head", "2",
             "--seq-len", "32", "--window-start", "4", "--window", "16", "--short-window-layers", "1,2",
             "--no-attn-layers", "2", "--batch-tokens", "256", "--micro-batch-seqs", str(micro),
             "--val-tokens", "512", "--num-iterations", "6", "--tst-frac", "0.5", "--val-every", "0",

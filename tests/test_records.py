@@ -46,7 +46,7 @@ def fresh(tmp_path_factory):
     tree.mkdir()
     for name in train_gpt.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
-    cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke",
+    cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke_r21",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
            "--num-iterations", "6", "--val-every", "3", "--val-tokens", "2048",
            "--device", "cpu", "--no-compile", "--log-dir", str(root / "logs"), "--run-id", "fresh"]

@@ -426,7 +426,7 @@ def test_resume_check_names_the_data_by_its_order_folder_and_the_code_by_its_has
     code.mkdir(parents=True)
     for name in ("train_gpt.py", "aurora_opt.py"):
         (code / name).write_text(open(os.path.join(REPO, name), encoding="utf-8").read(), encoding="utf-8")
-    flags = ["--preset", "cpu_smoke", "--val-files", "data/sample/*_val_*.bin"]
+    flags = ["--preset", "cpu_smoke_r21", "--val-files", "data/sample/*_val_*.bin"]
     argv = [sys.executable, str(code / "train_gpt.py"), "--train-files",
             str(tmp_path / "out" / "data" / "mix_o0_0123456789" / "*_train_*.bin"), *flags]
 

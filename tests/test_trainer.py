@@ -25,10 +25,10 @@ def test_every_config_field_is_a_flag_with_its_default_in_help():
 
 
 def test_preset_then_explicit_flags_override():
-    cfg, preset = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "3"])
-    assert preset == "cpu_smoke"
+    cfg, preset = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "3"])
+    assert preset == "cpu_smoke_r21"
     assert cfg.n_layer == 3  # explicit flag beats preset
-    assert cfg.model_dim == T.PRESETS["cpu_smoke"]["model_dim"]  # preset beats default
+    assert cfg.model_dim == T.PRESETS["cpu_smoke_r21"]["model_dim"]  # preset beats default
     assert T.parse_config([])[0].model_dim == 768  # default
 
 
@@ -37,11 +37,12 @@ def test_record_presets_share_global_batch_and_dynamics():
     b200, _ = T.parse_config(["--preset", "record_8xb200"])
     for name in T.RUN_DEFINING:
         assert getattr(h200, name) == getattr(b200, name), name
-    # record #21: 12 x 768, one 48 x 1024-token sequence per GPU, 8 of them a step, 1,770 steps
-    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 48 * 1024)
-    assert (h200.batch_tokens, h200.num_iterations) == (393_216, 1770)
-    assert (h200.tst_bag_size, h200.tst_frac) == (4, 0.3)
-    assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 8  # accumulation on 1 GPU
+    # record #89's recipe on record #21's 12 x 768 model: sequences of 16,384, 24 of them a step at the
+    # end (8, 16 before), 1,270 + 15 steps
+    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 16384)
+    assert (h200.batch_tokens, h200.num_iterations, h200.stages) == (393_216, 1285, "record89")
+    assert (h200.tst_bag_size, h200.tst_frac, h200.optimizer) == (4, 0.3, "aurora_normuon")
+    assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 24  # accumulation on 1 GPU
 
 
 def test_unquoted_glob_gets_a_hint(tmp_path):
@@ -53,7 +54,7 @@ def test_unquoted_glob_gets_a_hint(tmp_path):
 
 
 def test_config_to_argv_round_trips():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--no-nesterov", "--tst-mode", "output", "--compile"])
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--no-nesterov", "--tst-mode", "output", "--compile"])
     again, _ = T.parse_config(T.config_to_argv(cfg))
     assert again == cfg
 
@@ -141,15 +142,16 @@ def test_loader_slices_are_the_same_for_any_split_of_processes_and_micro_steps(s
 
 
 @pytest.mark.parametrize("preset, world, micro, accum", [
-    ("record_h200", 1, None, 8), ("record_8xb200", 8, None, 1), ("cpu_smoke", 2, 8, 1), ("cpu_smoke", 1, 4, 4)])
+    ("record21_h200", 1, None, 8), ("record_h200", 1, None, 24), ("record_8xb200", 8, None, 3),
+    ("cpu_smoke_r21", 2, 8, 1), ("cpu_smoke_r21", 1, 4, 4)])
 def test_grad_accum_steps_fill_the_global_batch(preset, world, micro, accum):
     cfg, _ = T.parse_config(["--preset", preset] + (["--micro-batch-seqs", str(micro)] if micro else []))
     assert H.grad_accum_steps(cfg, world) == accum
     assert accum * cfg.micro_batch_seqs * world * cfg.seq_len == cfg.batch_tokens
 
 
-@pytest.mark.parametrize("preset, world", [("record_8xb200", 3), ("record_8xb200", 5), ("record_8xb200", 6),
-                                           ("record_8xb200", 7), ("record_8xb200", 12), ("cpu_smoke", 3)])
+@pytest.mark.parametrize("preset, world", [("record21_h200", 3), ("record21_h200", 5), ("record21_h200", 6),
+                                           ("record21_h200", 7), ("record21_h200", 12), ("cpu_smoke_r21", 3)])
 def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(preset, world):
     cfg, _ = T.parse_config(["--preset", preset])
     seqs = cfg.batch_tokens // cfg.seq_len
@@ -161,7 +163,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
 
 
 def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--micro-batch-seqs", "3"])
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--micro-batch-seqs", "3"])
     with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 3 x 2 .* use one of \[1, 2, 4, 8\]"):
         H.grad_accum_steps(cfg, 2)
 
@@ -171,7 +173,7 @@ def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
 
 
 def small_cfg(**kw):
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
                              "--seq-len", "16"])
     return T.dataclasses.replace(cfg, **kw)
 

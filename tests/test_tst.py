@@ -163,7 +163,7 @@ def test_ignored_labels_add_nothing():
 
 
 def tiny_cfg(**kw):
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "6", "--batch-tokens", "48"])
     return dataclasses.replace(cfg, **{**PLAIN_ARCHITECTURE, **kw})
 
