@@ -11,6 +11,7 @@ Aurora is in docs/METHODS.md.
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -61,6 +62,9 @@ class Config:
                                 "(record #54)", choices=("tanh", "sigmoid"))
     objectives: bool = _f(False, "next-token training steps add the stage table's multi-token and prefix-token "
                                  "columns (records #53, #88; --stages record89); the val metric stays next-token CE")
+    tied_embed: bool = _f(False, "the token embedding is the LM head's weight until record #89's stage 3 (from the "
+                                 "odd step at its start), then a copy of it with the head's Adam state (records #51, "
+                                 "#53); needs --stages record89 and --optimizer normuon or aurora_normuon")
     rope_base: float = _f(10000.0, "rotary embedding base")
     doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
                                "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
@@ -829,6 +833,11 @@ class GPT(nn.Module):
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
+        self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
+        if self.tied:  # HEAD's init of a tied head: N(0, 0.005^2), the embedding a copy
+            with torch.no_grad():
+                nn.init.normal_(self.lm_head.weight, std=0.005)
+                self.embed.weight.copy_(self.lm_head.weight)
 
     def set_window(self, window):
         """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
@@ -854,7 +863,8 @@ class GPT(nn.Module):
 
     def forward(self, inputs, targets=None, weights=None):
         masks = self.masks_for(inputs)
-        x = x0 = rms_norm(embed_tokens(self.embed, inputs))
+        table = functools.partial(F.embedding, weight=self.lm_head.weight) if self.tied else self.embed
+        x = x0 = rms_norm(embed_tokens(table, inputs))
         ves = [embed_tokens(table, inputs) for table in self.value_embeds]
         n, half, skips = len(self.blocks), len(self.blocks) // 2, []
         for i, block in enumerate(self.blocks):
@@ -946,6 +956,8 @@ def check_config(cfg, need):
     need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
     need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
     check_architecture(cfg, need)
+    need(not cfg.tied_embed or (cfg.stages == "record89" and cfg.optimizer in ("normuon", "aurora_normuon")),
+         "--tied-embed needs --stages record89 and --optimizer normuon or aurora_normuon (its untie step and Adam)")
     if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
         need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
              f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
@@ -1545,6 +1557,25 @@ def build_record89_optimizers(model, cfg, compile=False):
     return opts
 
 
+@torch.no_grad()
+def untie(model, adam):
+    """End the tie of ``--tied-embed`` (records #51, #53; HEAD's split step): the embedding becomes a
+    copy of the head's weight and takes a copy of its Adam state (moments, step count, gradient sum)."""
+    model.embed.weight.copy_(model.lm_head.weight)
+    head, embed = adam.state[model.lm_head.weight], adam.state[model.embed.weight]
+    for key, value in head.items():
+        embed[key] = value.clone() if torch.is_tensor(value) else value
+    model.tied = False
+
+
+def split_step(cfg):
+    """The step after which ``--tied-embed`` unties: the start of record #89's stage 3, made odd (an
+    Adam step, HEAD's ``boundaries[2][0] | 1``); None without the flag."""
+    if not cfg.tied_embed:
+        return None
+    return record89_stages(cfg)[2].start | 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizer settings of a step (from the stage table)
 
@@ -1755,6 +1786,7 @@ class Run:
     stop: dict
     data: dict
     objectives: Objectives = None
+    split_step: int = None
 
     def phase_at(self, step):
         """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
@@ -1849,12 +1881,15 @@ def warm_up(run):
             first = next((st.start for st in run.schedule.stages if (st.bag_size, st.mode) == (s, mode)), None)
             if first is not None:
                 micro, weights = run.objectives.batches(micro, run.schedule[first], first)
-        with rt.autocast():
-            (run.net(*micro[0]) if weights is None else run.net(*micro[0], weights)).backward()
-        run.model.zero_grad(set_to_none=True)
         vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
-        with torch.no_grad(), rt.autocast():
-            run.net(rt.to_device(vi), rt.to_device(vt))
+        tied = run.model.tied
+        for run.model.tied in ({tied, False} if run.split_step is not None else {tied}):  # both sides of the untie
+            with rt.autocast():
+                (run.net(*micro[0]) if weights is None else run.net(*micro[0], weights)).backward()
+            run.model.zero_grad(set_to_none=True)
+            with torch.no_grad(), rt.autocast():
+                run.net(rt.to_device(vi), rt.to_device(vt))
+        run.model.tied = tied
     for opt in run.opts:
         if isinstance(opt, Aurora):
             opt.warmup()
@@ -1888,6 +1923,8 @@ def training_loop(run, start_step, end_step):
         loss = accumulate_gradients(run.net, micro, rt, weights)
         for opt in run.opts:
             opt.step()
+        if step == run.split_step:
+            untie(run.model, run.opts[0])
         run.model.zero_grad(set_to_none=True)
         run.guard.update(loss, step + 1)
         count_step(run.progress, row, raw_tokens)
@@ -1928,7 +1965,10 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
               stop if stop is not None else {"signal": None}, data)
     if cfg.objectives:
         run.objectives = Objectives(schedule, cfg.vocab_size, rt.device)
+    run.split_step = split_step(cfg)
     start_step = harness.restore(run, *resume[:2]) if resume else 0
+    if run.split_step is not None:  # a resumed run past the split step is untied (weights and state restored)
+        model.tied = start_step <= run.split_step
     log_model_line(run)
     compile_ms = warm_up(run)
     log.update(compile_time_ms=round(compile_ms))

@@ -1,6 +1,7 @@
 """Record #89's stage table (``--stages record89``) against modded-nanogpt HEAD's formulas, written out
 plainly here: TrainingSchedule (boundaries, get_lr, MTP / prefix ramps, windows), get_muon_momentum."""
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -278,3 +279,53 @@ def test_eval_stays_next_token_ce_under_the_sigmoid_cap():
     x = model.lm_head.weight  # z = 23 sigmoid((x + 5) / 7.5) bounds the logits in (0, 23)
     assert 0 < z.min() and z.max() < 23 and x is not None
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# --tied-embed: the head's weight is the embedding until the split step, then a copy with its Adam state
+
+
+def test_split_step_is_the_odd_start_of_stage_3():
+    cfg = record89(*NORMUON, "--tied-embed")
+    assert T.split_step(cfg) == 847 | 1 == 847
+    assert T.split_step(record89("--tied-embed", "--num-iterations", "1288", "--extension-steps", "15")) == 849
+    with pytest.raises(T.ConfigError, match="--tied-embed needs --stages record89"):
+        T.parse_config(["--preset", "cpu_smoke_r21", "--tied-embed"])
+
+
+def test_untie_copies_the_weight_and_the_head_adam_state():
+    cfg, model = small_model("tanh")
+    cfg = dataclasses.replace(cfg, tied_embed=True, optimizer="normuon")
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    assert model.tied and torch.equal(model.embed.weight, model.lm_head.weight)
+    adam, _ = T.build_optimizers(model, cfg)
+    tokens = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):  # one Adam update (every other step)
+        inputs, targets = T.make_batch(tokens, "full", 1)
+        model(inputs, targets).backward()
+        assert model.embed.weight.grad is None and model.lm_head.weight.grad is not None
+        adam.step()
+        model.zero_grad(set_to_none=True)
+    head = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in adam.state[model.lm_head.weight].items()}
+    T.untie(model, adam)
+    assert not model.tied and torch.equal(model.embed.weight, model.lm_head.weight)
+    embed = adam.state[model.embed.weight]
+    assert head["step"] == embed["step"] == 1
+    for key in ("exp_avg", "exp_avg_sq", "grad_sum"):
+        assert torch.equal(head[key], embed[key]) and embed[key] is not adam.state[model.lm_head.weight][key]
+    inputs, targets = T.make_batch(tokens, "full", 1)
+    model(inputs, targets).backward()
+    assert model.embed.weight.grad is not None  # untied: the embedding has its own gradient
+
+
+def test_resume_across_the_untie_step_repeats_the_straight_run(tmp_path):
+    """Split step of the tiny table: stage 3 starts at step 4, so the untie follows step 5 (4 | 1)."""
+    extra = NORMUON + ("--tied-embed",)
+    assert T.split_step(T.parse_config(recipe_args(tmp_path, "x", *extra))[0]) == 5
+    assert T.main(recipe_args(tmp_path / "a", "s", *extra)) == 0
+    assert T.main(recipe_args(tmp_path / "b", "r", "--max-steps", "5", "--save-final", *extra)) == 0
+    assert T.main(recipe_args(tmp_path / "b", "r", "--resume", "auto", *extra)) == 0
+    a, b = summary(tmp_path / "a", "s"), summary(tmp_path / "b", "r")
+    assert a["train_losses"] == b["train_losses"] and len(a["train_losses"]) == 8
+    assert a["final_val_loss"] == b["final_val_loss"]
