@@ -58,8 +58,8 @@ class Config:
     seq_len: int = _f(1024, "latent positions per sequence (L)", low=1)
     logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
                                     "up to a constant); 0 disables")
-    logit_cap: str = _f("tanh", "training and val logit cap: tanh = --logit-softcap; sigmoid = 23 sigmoid((x + 5) / 7.5) "
-                                "(record #54)", choices=("tanh", "sigmoid"))
+    logit_cap: str = _f("tanh", "training and val logit cap: tanh = --logit-softcap; "
+                                "sigmoid = 23 sigmoid((x + 5) / 7.5) (record #54)", choices=("tanh", "sigmoid"))
     objectives: bool = _f(False, "next-token training steps add the stage table's multi-token and prefix-token "
                                  "columns (records #53, #88; --stages record89); the val metric stays next-token CE")
     tied_embed: bool = _f(False, "the token embedding is the LM head's weight until record #89's stage 3 (from the "
