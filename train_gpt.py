@@ -179,7 +179,7 @@ RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=
                 seq_len=16384, batch_tokens=393_216, window=0, window_start=0, cooldown_frac=0.6, lr_floor=0.15,
                 momentum_start=0.85, momentum=0.95, momentum_warmup_steps=300, momentum_cooldown_steps=50,
                 tst_frac=0.0, tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2,
-                objectives=True, logit_cap="sigmoid")
+                objectives=True, logit_cap="sigmoid", tied_embed=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, tst_mode="full", optimizer="aurora_normuon")
@@ -198,7 +198,8 @@ PRESETS = {
     "cpu_smoke": dict(RECORD89_OURS, n_layer=4, n_head=4, model_dim=128, seq_len=1024, batch_tokens=3072,
                       micro_batch_seqs=1, num_iterations=100, extension_steps=2, window_block=32,
                       momentum_warmup_steps=24, momentum_cooldown_steps=4, value_embeds=1,
-                      short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1),
+                      short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1,
+                      tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
 
 # Fields that change where files go or how a run executes, not what it computes; every other
