@@ -23,11 +23,12 @@ Grouping (``--group-by``):
 Runs of one group must have measured the same thing: where their logged configs differ in a
 field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), or their
 ``data train:`` / ``data val:`` lines name other data (other fingerprints; other paths to the
-same shards do not count), the group is split into ``<group> [field=value ... val data <id>]``,
+same shards do not count), or their source snapshots differ (the sha256 of a ``### file`` header:
+other code), the group is split into ``<group> [field=value ... code <file> <sha> val data <id>]``,
 with a warning naming what differs. ``--pool-train-data`` keeps runs that differ only in their
 training data in one group: for a benchmark whose noise deliberately includes the data order
 (bench/small_scale.py's orders), where the spread over orders is what the group measures.
-modded-nanogpt logs have no config line and are grouped as given.
+modded-nanogpt logs have no config line (and no ``### file`` headers) and are grouped as given.
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
 line at step N); for modded-nanogpt logs, which have no status line, the last ``val_loss`` line
@@ -174,6 +175,7 @@ class Run:
     data: list = dataclasses.field(default_factory=list)  # per start: {"train": [fingerprint, ...], "val": [...]}
     group: str = ""
     unreadable: list = dataclasses.field(default_factory=list)  # (line number, text) of step lines not parsed
+    snapshot: dict = dataclasses.field(default_factory=dict)  # {file name: sha256} of our log's source snapshot
 
     @property
     def complete(self):
@@ -213,6 +215,7 @@ def parse_lines(lines, path="", group=""):
     """Parse a log given as its lines (see ``read_log_lines``) into a ``Run``."""
     run = Run(path=path, name=os.path.splitext(os.path.basename(path))[0], group=group)
     files, start, truncated = split_snapshot(lines)
+    run.snapshot = {f.name: f.sha256 for f in files}
     body = [ln.rstrip("\r\n") for ln in lines[start:]]
     first_line = start + 1  # the line number of body[0] in the file
     if body and not lines[-1].endswith(("\n", "\r")):
@@ -416,6 +419,7 @@ def run_defining(config, operational):
 
 
 DATA_KINDS = ("train data", "val data")
+CODE = "code "  # a split's entry for a source file: "code <file name>"
 
 
 def data_identity(run):
@@ -449,18 +453,28 @@ def data_labels(keys):
     return names
 
 
+def code_identity(run, names):
+    """``{"code <name>": key}`` of a run's source snapshot for each file name in ``names``: the key is
+    ``((sha256,),)`` from the file's ``### file`` header (the shape ``data_labels`` names), None
+    when the snapshot lacks the file."""
+    return {CODE + n: ((run.snapshot[n],),) if n in run.snapshot else None for n in names}
+
+
 def split_mixed_groups(runs, warn=None, pool_train_data=False):
-    """Split every group whose runs differ in a run-defining config field or in their data; renames ``run.group``.
+    """Split every group whose runs differ in a run-defining config field, their code or their data; renames ``run.group``.
 
     The runs of a group ``g`` that differ in fields ``f1, f2`` go to groups named
-    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs that read
-    other data (``data_identity``; paths alone do not count) add ``train data <id>`` or
-    ``val data <id>`` (``data_labels``). Complete runs without a config line (modded-nanogpt
-    logs) mixed with ours go to ``g [no config line]``. Each split is reported through
-    ``warn(message)``, naming the fields. Runs without a config line alone are grouped as given.
+    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs whose
+    source snapshots differ in a file (its ``### file`` header's sha256) add ``code <file> <sha>``
+    (``<missing>`` for a file a snapshot lacks); runs that read other data (``data_identity``;
+    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``).
+    Complete runs without a config line (modded-nanogpt logs) mixed with ours go to
+    ``g [no config line]``. Each split is reported through ``warn(message)``, naming the fields
+    and files. Runs without a config line alone are grouped as given.
     With ``pool_train_data`` other training data alone splits nothing (the benchmark's data orders:
     the spread over them is part of what the group measures); other val data still does.
-    Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``).
+    Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``,
+    source files as ``code <file>``).
     """
     kinds = [k for k in DATA_KINDS if not (pool_train_data and k == "train data")]
     operational = None
@@ -475,8 +489,10 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
         defs = {id(r): run_defining(r.config, operational) for r in configured}
         keys = sorted({k for d in defs.values() for k in d})
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
-        data = {id(r): data_identity(r) for r in configured}
-        labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in DATA_KINDS}
+        code = sorted({n for r in configured for n in r.snapshot})  # none: logs without a snapshot, as given
+        data = {id(r): {**code_identity(r, code), **data_identity(r)} for r in configured}
+        labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in data[id(configured[0])]}
+        differ += [CODE + n for n in code if len(labels[CODE + n]) > 1]
         differ += [kind for kind in kinds if len(labels[kind]) > 1]
         if warn and pool_train_data and len(labels["train data"]) > 1:
             warn(f"group {g}: pools runs on {len(labels['train data'])} different training data (--pool-train-data)")
@@ -487,7 +503,7 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             if not r.config:
                 r.group = f"{g} [no config line]"
             elif differ:
-                r.group = g + " [" + " ".join(f"{k} {labels[k][data[id(r)][k]]}" if k in DATA_KINDS else
+                r.group = g + " [" + " ".join(f"{k} {labels[k][data[id(r)][k]]}" if k in labels else
                                               f"{k}={defs[id(r)].get(k, '<missing>')}" for k in differ) + "]"
         split.append((g, differ))
         if warn:
@@ -495,6 +511,8 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             parts = ", ".join(dict.fromkeys(r.group for r in members))
             hint = ("; --pool-train-data keeps them in one group where the data order is part of the noise "
                     "measured" if differ == ["train data"] else "")
+            if any(k.startswith(CODE) for k in differ):
+                hint += "; records/verify.py LOG names the first line where a log's code differs from the working tree"
             warn(f"group {g}: its runs {why} (they measured different things); split into {parts}{hint}")
     return split
 

@@ -1296,3 +1296,59 @@ def test_first_passing_flags_without_their_mode_are_one_error_line(tmp_path, arg
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == f"compare.py: error: {needle}" + ("" if "belong" not in needle else
                                                                      "; add --rule ztest or leave them out")
+
+
+def with_code(src, dst, name, old, new):
+    """Copy a log of records/cpu whose snapshot of ``name`` has its first line ``old`` replaced by ``new``,
+    with the header's line count and sha256 made to match (an honest log of other code)."""
+    lines = read_text(src).splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"### file {name} "))
+    n = int(re.search(r"lines=(\d+)", lines[start])[1])
+    body = lines[start + 1:start + 1 + n]
+    i = body.index(old + "\n")
+    body[i] = new + "\n"
+    digest = hashlib.sha256("".join(body).encode()).hexdigest()
+    lines[start] = f"### file {name} lines={n} sha256={digest}\n"
+    write_text(dst, "".join(lines[:start + 1] + body + lines[start + 1 + n:]))
+    return digest
+
+
+def test_runs_of_other_code_are_not_pooled(tmp_path):
+    src = {seed: os.path.join(TST, f"tst_seed{seed}.txt") for seed in (0, 1)}
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    shutil.copyfile(src[0], grp / "a.txt")
+    shutil.copyfile(src[1], grp / "b.txt")
+    old = next(ln.rstrip("\n") for ln in read_text(src[1]).splitlines(keepends=True) if ln.startswith("EOT_TOKEN = "))
+    digest = with_code(src[1], grp / "c.txt", "train_gpt.py", old, old + "  # the same run, one line of other code")
+    assert verify.extract(read_text(grp / "c.txt").splitlines(keepends=True))[1] == []  # an honest snapshot
+    warnings = []
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    [w] = warnings
+    logged = re.search(r"^### file train_gpt\.py lines=\d+ sha256=([0-9a-f]+)$", read_text(src[0]), re.M)[1]
+    same, other = f"grp [code train_gpt.py {logged[:8]}]", f"grp [code train_gpt.py {digest[:8]}]"
+    assert {r.name: r.group for r in runs} == {"a": same, "b": same, "c": other}
+    assert f"group grp: its runs differ in code train_gpt.py (they measured different things); split into " \
+           f"{same}, {other}" in w and "verify.py" in w
+    rows = {r["group"]: r for r in compare.group_stats(runs)}
+    assert rows[same]["runs"] == 2 and rows[other]["runs"] == 1
+    # other code in the optimizer file and another config field: all named, config fields first
+    first = next(ln.rstrip("\n") for ln in read_text(src[1]).split("### file aurora_opt.py ")[1].splitlines()[1:]
+                 if ln.startswith("import "))
+    with_code(src[1], tmp_path / "d.txt", "aurora_opt.py", first, first + "  # other code")
+    with_config(tmp_path / "d.txt", grp / "d.txt", val_tokens=4096)
+    compare.collect([str(grp)], warn=warnings.append)
+    assert "its runs differ in val_tokens, code aurora_opt.py, code train_gpt.py (" in warnings[-1]
+    proc = run_tool("compare.py", grp)  # through the command line: the warning on stderr
+    assert proc.returncode == 0 and "compare.py: warning: group grp: its runs differ in val_tokens, code aurora_opt.py" \
+        in proc.stderr
+    # a snapshot without one of the files: <missing>
+    lines = read_text(src[1]).splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("### file aurora_opt.py "))
+    n = int(re.search(r"lines=(\d+)", lines[start])[1])
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copyfile(src[0], alone / "a.txt")
+    write_text(alone / "b.txt", "".join(lines[:start] + lines[start + 1 + n:]))
+    groups = {r.name: r.group for r in compare.collect([str(alone)], warn=warnings.append)}
+    assert groups["b"] == "alone [code aurora_opt.py <missing>]" and "differ in code aurora_opt.py" in warnings[-1]
