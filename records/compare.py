@@ -12,6 +12,7 @@ does not know.
     python records/compare.py --markdown DIR...                     # the tables as Markdown
     python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
     python records/compare.py --pool-train-data ARM_DIR...          # one group over data orders
+    python records/compare.py --first-passing A_DIR B_DIR --baseline A_DIR  # earliest passing val step, steps saved
 
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
@@ -46,14 +47,27 @@ interval and two-sided p-value from Welch's t-test (``scipy.stats.ttest_ind(B, A
 equal_var=False)``; at least two runs in each group), and B/A ratios of mean train time,
 FLOPs, tokens and time to target.
 
+First-passing step (``--first-passing``): per group, the earliest val step at which the mean
+val loss of its complete runs at that step is below ``--target`` at the required significance,
+sought only at the val steps every one of those runs logged (a warning names the runs that lack
+steps others logged). ``--rule ttest`` (default; modded-nanogpt's main track): the one-sided
+t-test above at p < 0.01, two runs at least. ``--rule ztest`` (its optimization track, the
+"first-passing step" of its PR #321): ``(target - mean) * sqrt(n) >= --z-margin`` (0.004), i.e.
+``z = (target - mean) * sqrt(n) / --z-sigma >= margin / sigma`` with the per-run std taken as
+known (0.0013); z and its one-sided p are reported. Per group: that step (or "never"), the
+mean val loss, p (and z) there, and the mean train time, tokens and FLOPs of the runs' val lines
+at that step; with ``--baseline`` the baseline's first-passing step minus the group's
+(``steps_saved``, positive: fewer steps) and the same for the mean train time
+(``time_saved_ms``); both null, with a note, when either group never passes.
+
 A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read permission, ...) is
 listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
 stderr; the other logs are compared as usual. A PATH argument that does not exist is an error.
 
 Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
 incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
-no group or several, ``--plot`` into a missing folder or an unknown image type), or when no log
-at all could be read.
+no group or several, ``--plot`` into a missing folder or an unknown image type, ``--rule`` or the
+z-test's flags without ``--first-passing``), or when no log at all could be read.
 """
 import argparse
 import dataclasses
@@ -1235,8 +1249,8 @@ def plot_problem(out):
     return None
 
 
-def main(argv=None):
-    """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
+def build_parser():
+    """The command line's ``argparse`` parser (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Table columns are described in records/README.md.")
     ap.add_argument("paths", nargs="+", help="log files, or folders of .txt logs")
@@ -1267,7 +1281,12 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="OUT.png",
                     help="draw the val (and train) loss curves of every group to this file")
     ap.add_argument("--x", choices=sorted(X_AXES), default="time", help="x axis of --plot")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
+    args = build_parser().parse_args(argv)
 
     def error(message):
         print(f"compare.py: error: {message}", file=sys.stderr)
