@@ -181,8 +181,8 @@ def test_a_compiled_log_gets_the_drift_tolerance_and_still_fails_an_edit_of_0_01
     proc = run_verify(compiled, compiled["log"], "--rerun", 8)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [case] = [ln for ln in proc.stdout.splitlines() if ln.startswith("rerun: machine: ")]
-    assert case.startswith("rerun: machine: different execution (compiled run, eager rerun: "), case
-    assert str(verify.DRIFT) in case and "--no-compile" in proc.stdout  # the rerun ran eagerly
+    assert case.startswith("rerun: machine: compiled run, eager rerun (inductor's fused kernels"), case
+    assert str(verify.COMPILED_DRIFT) in case and "--no-compile" in proc.stdout  # the rerun ran eagerly
     assert "train losses reproduced within tol(step)" in proc.stdout and proc.stdout.endswith("OK\n")
     step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", compiled["text"], re.M)[1])
     bad = edited(compiled, tmp_path, "compiled_edit.txt", (r"^(step:8/8 train_loss:)\S+", rf"\g<1>{step8 + 0.01:.4f}"))
@@ -223,9 +223,18 @@ def test_judgement_names_the_case_and_its_tolerance(logged, here, case):
 
 
 def test_judgement_of_a_compiled_log_is_the_drift_case_on_any_cpu():
-    for logged, here in [([machine()], machine()), ([machine(threads=1)], machine(threads=2))]:
+    for logged, here, also in [([machine()], machine(), ""), ([machine(threads=1)], machine(threads=2),
+                                                              "; also different thread count (1 vs 2)")]:
         text, tol = verify.judgement(logged, here, compiled=True)
-        assert text.startswith("different execution (compiled run, eager rerun: ") and tol == verify.DRIFT
+        assert text.startswith("compiled run, eager rerun (inductor's fused kernels are not bitwise equal to eager "
+                               f"ones{also}): ") and tol == verify.COMPILED_DRIFT
+    assert verify.COMPILED_DRIFT.last_train_step == 14 and verify.COMPILED_DRIFT(6) > 1.2e-3  # measured at step 6
+    assert all(0.01 - verify.COMPILED_DRIFT(s) > verify.COMPILED_DRIFT(s) for s in range(0, 10_000, 7))
+    text, tol = verify.judgement([machine()], machine(), tol=0.02, compiled=True)
+    assert "--tol 0.02 given instead" in text and tol(0) == tol(10 ** 6) == 0.02
+    lines = ["world_size: 1  device: cpu  compile: True  bf16: False\n"]  # an unset --compile, resolved on
+    assert verify.was_compiled(lines, 0, {"compile": None}) and verify.was_compiled([], 0, {"compile": True})
+    assert not verify.was_compiled([lines[0].replace("True", "False", 1)], 0, {"compile": None})
     text, tol = verify.judgement([machine(device="cuda", gpus="1 x NVIDIA H200")], machine(), compiled=True)
     assert text.startswith("GPU log (1 x NVIDIA H200)") and tol is None  # a GPU log is not judged at all
 
