@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
 
@@ -415,15 +415,65 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
     Args:
         doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
         window: latent positions a query sees (0 = no window).
-        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph);
-            False: bool ``[B, 1, T, T]`` for SDPA (broadcast over heads).
+        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph from
+            block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
+            (broadcast over heads), from the same ``mask_mod``.
         block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
     """
     if flex:
-        B, T = doc_ids.shape
-        return create_block_mask(mask_mod(doc_ids, window), B, None, T, T, device=doc_ids.device,
-                                 BLOCK_SIZE=block_size)
+        return block_mask_from_bounds(doc_ids, window, block_size)
     return attention_mask(doc_ids, window)[:, None]
+
+
+def _ordered_blocks(blocks):
+    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
+
+
+def block_mask_from_bounds(doc_ids, window, block_size=128):
+    """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
+
+    ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
+    (query block, key block) pair is classified from the blocks' first/last positions and
+    documents alone (``O((T / block_size)^2)`` work), and only the partial blocks are masked
+    per element, by the same ``mask_mod``, inside FlexAttention. Exact because document ids
+    are non-decreasing along a row: with query block [q0, q1] and key block [k0, k1],
+
+    * some pair is allowed iff ``k0 <= q1``, ``doc[k1] >= doc[q0]`` and ``q0 - k1 < window``
+      (the pair (q0, k1), or the diagonal when the blocks coincide, is then allowed);
+    * every pair is allowed iff ``k1 <= q0``, ``doc[k0] == doc[q1]`` and ``q1 - k0 < window``,
+      and neither block reaches past T (create_block_mask counts padding as masked).
+
+    Args:
+        doc_ids: int64 ``[B, T]``, non-decreasing along T (``latent_document_ids``).
+        window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
+            the device, so a window schedule neither syncs nor changes the compiled graph.
+        block_size: the tile, query and key alike (FlexAttention's default 128).
+
+    Returns:
+        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window), B, None, T, T,
+        BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
+    """
+    B, T = doc_ids.shape
+    n = -(-T // block_size)
+    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
+    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
+    complete = first + block_size <= T                               # [n] no padding in the block
+    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
+    doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]        # [B, n]
+    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
+    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
+    if torch.is_tensor(window) or window > 0:
+        some = some & (q0 - k1 < window)
+        every = every & (q1 - k0 < window)
+    partial = some & ~every
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod(doc_ids, window), seq_lengths=(T, T))
 
 
 def attend(q, k, v, mask=None, scale=None):
