@@ -128,6 +128,8 @@ class Config:
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
+    fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
+                          "fp8_linear) on GPUs of compute capability 8.9+; off elsewhere, with a line in the log")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -168,7 +170,7 @@ PRESETS = {
 # Fields that change where files go or how a run executes, not what it computes; every other
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
 OPERATIONAL = {"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout", "checkpoint_dir",
+               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout", "checkpoint_dir",
                "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"}
 RUN_DEFINING = tuple(f.name for f in fields(Config) if f.name not in OPERATIONAL)
 
@@ -524,6 +526,119 @@ def window_at(step, cfg):
     return w, max(w // 2, 1)
 
 
+# FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
+# up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
+# tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max    # 57344
+
+
+def fp8_unavailable_reason(device):
+    """Why ``--fp8`` cannot run on ``device`` (a ``torch.device`` or string), or None if it can.
+
+    FP8 tensor-core matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 or newer
+    (Ada, Hopper, Blackwell). The harness logs the reason and runs in bf16.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 matmuls need a CUDA GPU (device is {device.type}); running without fp8"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"fp8 matmuls need compute capability 8.9+ ({torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}); running without fp8")
+    return None
+
+
+def fp8_scale(t, fp8_max=E4M3_MAX):
+    """Per-tensor scale ``amax(|t|) / fp8_max``: float32 0-d, on t's device (no host sync).
+
+    ``t / scale`` then spans the format's range. Current scaling of every operand, as record #84
+    scales the up-projection's input; the records' other scales are static or delayed (see
+    ``fp8_linear``).
+    """
+    return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
+
+
+def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
+    """``t / scale`` saturated to the format's max (448 for e4m3, 57344 for e5m2), rounded to ``dtype``.
+
+    Rounding is torch's conversion (round to nearest even); the clamp makes overflow saturate on
+    every backend (the records' Triton quantizer clamps to 448 the same way) instead of NaN.
+    """
+    limit = torch.finfo(dtype).max
+    return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
+
+
+def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
+    """``(a * a_scale) @ (b * b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` (R = reduction) -> ``[M, N]``.
+
+    CUDA: ``torch._scaled_mm`` (row-major a, column-major b: ``b.t()`` of a contiguous b).
+    ``emulate``: the same product in ``out_dtype`` from the fp8 values (exact products; sums
+    rounded in ``out_dtype``), for CPU tests of the scaling math.
+    """
+    if emulate:
+        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``y = x @ w.T`` with x and w in e4m3 at current per-tensor scales (see ``fp8_linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, fp8_grad, emulate):
+        x_s, w_s = fp8_scale(x), fp8_scale(w)
+        x_f8, w_f8 = fp8_quantize(x, x_s), fp8_quantize(w, w_s)
+        out = upcast(x).dtype if emulate else torch.bfloat16
+        ctx.fp8_grad, ctx.emulate, ctx.dtypes = fp8_grad, emulate, (x.dtype, w.dtype)
+        if fp8_grad:  # the head (record #21): the backward reads the fp8 copies, half the bytes of bf16
+            ctx.save_for_backward(x_f8, w_f8, x_s, w_s)
+        else:         # the MLP (records #84, #89): the backward stays in bf16 (high precision if emulated)
+            ctx.save_for_backward(*((x, w) if emulate else (x.bfloat16(), w.bfloat16())))
+        return fp8_mm(x_f8, x_s, w_f8, w_s, out, fast_accum=True, emulate=emulate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_dtype, w_dtype = ctx.dtypes
+        if not ctx.fp8_grad:
+            x, w = ctx.saved_tensors
+            g = grad.to(x.dtype)
+            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None
+        x_f8, w_f8, x_s, w_s = ctx.saved_tensors
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21); the record's static
+        # scale assumes its loss's gradient bound, ours is divided by the global label count (a
+        # device value), so the scale follows the gradient's own amax
+        g_s = fp8_scale(grad, E5M2_MAX)
+        g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
+        out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
+        grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
+        out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
+        grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None
+
+
+def fp8_linear(x, weight, fp8_grad=False, emulate=False):
+    """``F.linear(x, weight)`` (no bias) as an FP8 matmul: x ``[..., in]``, weight ``[out, in]``.
+
+    Forward: x and weight each scaled by their current ``amax / 448`` (``fp8_scale``), saturated
+    and rounded to float8_e4m3fn, multiplied with fast accumulation; bf16 out on CUDA. Backward
+    with ``fp8_grad`` (the LM head, record #21): the output gradient scaled by its amax into
+    float8_e5m2, ``dx`` from the e4m3 weight (bf16), ``dW`` from the e4m3 input (float32).
+    Without it (the MLP, records #84 and #89): ``dx``, ``dW`` from the unquantized x and weight.
+    ``emulate``: the same scales and roundings, products in float32 (float64 for float64 x):
+    the CPU path of the tests. Record #89's delayed scaling of the down-projection (the previous
+    step's amax, so no extra pass) is not ported: every scale here is current.
+    """
+    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+def fp8_fits(x, weight):
+    """Whether ``x @ weight.T`` fits ``torch._scaled_mm``'s shape rules (every dim a multiple of 16)."""
+    return x.numel() // x.size(-1) % 16 == 0 and x.size(-1) % 16 == 0 and weight.size(0) % 16 == 0
+
+
 def _linear(d_in, d_out, zero=False):
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
@@ -571,12 +686,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.fc = _linear(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
         self.proj = _linear(cfg.mlp_ratio * cfg.model_dim, cfg.model_dim, zero=True)
+        self.fp8 = cfg.fp8
 
     def forward(self, x):
+        if self.fp8 and self.training and x.is_cuda and fp8_fits(x, self.fc.weight):  # records #84, #89
+            return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
         return self.proj(F.relu(self.fc(x)).square())
 
 
@@ -677,7 +797,11 @@ class GPT(nn.Module):
             x = block(x, x0, masks[i in self.short], ve)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
+        x, c, head = rms_norm(x), self.cfg.logit_softcap, self.lm_head.weight
+        if self.cfg.fp8 and self.training and x.is_cuda and fp8_fits(x, head):  # record #21's FP8 head
+            logits = fp8_linear(x, head, fp8_grad=True)
+        else:
+            logits = self.lm_head(x)
         if targets is not None:  # the softcap is applied inside the fused loss
             return mce_loss(logits, targets, reduction="sum", softcap=c)
         logits = upcast(logits)
