@@ -659,13 +659,14 @@ class CausalSelfAttention(nn.Module):
     learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
     """
 
-    def __init__(self, cfg, value_embed=False):
+    def __init__(self, cfg, value_embed=False, rotary=None):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
         self.proj = _linear(d, d, zero=True)
-        self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
+        # the model passes its one table (GPT.rotary); a layer built alone makes its own
+        self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
         self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
 
@@ -708,10 +709,10 @@ class Block(nn.Module):
     ``--no-attn-layers`` has no attention (record #21 drops layer 7's).
     """
 
-    def __init__(self, cfg, layer, value_embed=False):
+    def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        self.attn = CausalSelfAttention(cfg, value_embed) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
 
@@ -756,7 +757,10 @@ class GPT(nn.Module):
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
-        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer) for i in range(n))
+        # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
+        # each at the record's 49,152 positions)
+        self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
         self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
         self._window = window_at(0, cfg)
