@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
@@ -1100,6 +1101,79 @@ def all_reduce_sum(t, rt):
     return t
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's default bucket_cap_mb)
+
+
+class GradBuckets:
+    """Gradient all-reduce in buckets, each started as soon as its gradients are final.
+
+    The parameters, in reverse order (the order the backward finishes them), are cut into
+    buckets of about ``cap_bytes`` (by dtype and device), each with one flat buffer allocated
+    here, once. ``hooks()`` arms, for one backward, a post-accumulate-grad hook per parameter:
+    when the last gradient of a bucket has been accumulated, the bucket is copied into its
+    buffer and summed over processes asynchronously while the backward goes on (PyTorch DDP's
+    bucketing, Li et al. 2020, arXiv 2006.15704). ``finish()`` starts what is left, waits, and
+    copies the sums back into ``.grad``. A compiled model's backward is one autograd node per
+    graph, so there the buckets start together when that node is done: fewer, larger
+    collectives, but little overlap.
+    """
+
+    def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets, self.bucket_of = [], {}
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            if (last is None or last["bytes"] + p.numel() * p.element_size() > cap_bytes
+                    or (last["dtype"], last["device"]) != (p.dtype, p.device)):
+                last = dict(params=[], bytes=0, dtype=p.dtype, device=p.device)
+                self.buckets.append(last)
+            last["params"].append(p)
+            last["bytes"] += p.numel() * p.element_size()
+            self.bucket_of[p] = len(self.buckets) - 1
+        for b in self.buckets:
+            b["flat"] = torch.empty(b["bytes"] // b["params"][0].element_size(), dtype=b["dtype"], device=b["device"])
+        self.left, self.works = [], {}
+
+    def _start(self, i):
+        b = self.buckets[i]
+        grads = [p.grad for p in b["params"] if p.grad is not None]
+        flat = b["flat"][:sum(g.numel() for g in grads)]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            self._start(i)
+
+    def hooks(self):
+        """Arm the hooks for the next backward; returns their handles (remove them after it)."""
+        self.left, self.works = [len(b["params"]) for b in self.buckets], {}
+        return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+
+    def finish(self):
+        """Start the buckets the backward did not fill (parameters without a gradient), wait for all, copy back."""
+        for i in range(len(self.buckets)):
+            if i not in self.works and any(p.grad is not None for p in self.buckets[i]["params"]):
+                self._start(i)
+        for work, grads, flat in self.works.values():
+            work.wait()
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+_GRAD_BUCKETS = weakref.WeakKeyDictionary()  # model -> its GradBuckets: buffers allocated once per model
+
+
+def grad_buckets(model):
+    """The model's ``GradBuckets`` (built on first use, rebuilt if its parameters changed)."""
+    held = _GRAD_BUCKETS.get(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
+        held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
+    return held
+
+
 def accumulate_gradients(model, micro_batches, rt):
     """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
 
@@ -1111,22 +1185,28 @@ def accumulate_gradients(model, micro_batches, rt):
     Returns:
         float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
         pair of the global batch (all micro-batches, all ranks) -- not a mean of per-micro-
-        batch means. The gradient in ``.grad`` is that loss's gradient, summed over ranks.
+        batch means. The gradient in ``.grad`` is that loss's gradient, summed over ranks:
+        across processes, in buckets started during the last micro-batch's backward
+        (``GradBuckets``); the earlier micro-batches only accumulate locally.
     """
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += (targets != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
     total = torch.zeros((), device=rt.device)
-    for inputs, targets in micro_batches:
+    buckets = grad_buckets(model) if rt.distributed else None
+    for m, (inputs, targets) in enumerate(micro_batches):
         with rt.autocast():
             loss_sum = model(inputs, targets)
-        (loss_sum / n_valid).backward()
+        handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
+        try:
+            (loss_sum / n_valid).backward()
+        finally:
+            for h in handles:
+                h.remove()
         total += loss_sum.detach()
-    if rt.distributed:
-        works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
-        for w in works:
-            w.wait()
+    if buckets is not None:
+        buckets.finish()
     return all_reduce_sum(total, rt) / n_valid
 
 
