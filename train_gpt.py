@@ -640,6 +640,12 @@ def fp8_fits(x, weight):
     return x.numel() // x.size(-1) % 16 == 0 and x.size(-1) % 16 == 0 and weight.size(0) % 16 == 0
 
 
+def fp8_active(on, x, weight):
+    """Whether a ``--fp8`` matmul runs in FP8: flag on, a training forward (grad enabled: val stays
+    bf16, as the records evaluate), x on CUDA, shapes that ``torch._scaled_mm`` takes."""
+    return on and torch.is_grad_enabled() and x.is_cuda and fp8_fits(x, weight)
+
+
 def _linear(d_in, d_out, zero=False):
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
@@ -697,7 +703,7 @@ class MLP(nn.Module):
         self.fp8 = cfg.fp8
 
     def forward(self, x):
-        if self.fp8 and self.training and x.is_cuda and fp8_fits(x, self.fc.weight):  # records #84, #89
+        if fp8_active(self.fp8, x, self.fc.weight):  # records #84, #89
             return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
         return self.proj(F.relu(self.fc(x)).square())
 
@@ -803,7 +809,7 @@ class GPT(nn.Module):
             if self.skip_weights is not None and i < half:
                 skips.append(x)
         x, c, head = rms_norm(x), self.cfg.logit_softcap, self.lm_head.weight
-        if self.cfg.fp8 and self.training and x.is_cuda and fp8_fits(x, head):  # record #21's FP8 head
+        if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True)
         else:
             logits = self.lm_head(x)

@@ -157,3 +157,31 @@ def test_flag_is_off_by_default_and_leaves_the_cpu_model_unchanged():
         fp8.load_state_dict(plain.state_dict())
     inputs = torch.randint(0, 1000, (2, 16, 1))
     assert torch.equal(plain(inputs, inputs), fp8(inputs, inputs))  # CPU: fp8 only on CUDA
+
+
+@pytest.mark.parametrize("fp8_grad", [True, False])
+def test_scaled_mm_path_equals_the_emulation_to_bf16_rounding(fp8_grad):
+    """The non-emulated path (torch._scaled_mm, which this CPU build also runs) against emulate=True.
+
+    The output gradient is bf16-representable so both paths quantize the same numbers; the
+    scaled_mm path rounds y and dx to bf16 (1 ulp = 2^-8 relative), dW stays float32. Without
+    fp8_grad the CUDA path's backward is bf16: its reference is the product of the bf16-rounded
+    operands.
+    """
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 64, generator=g).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
+    G = torch.randn(32, 48, generator=g).bfloat16().float()
+    y, y_emu = T.fp8_linear(x, w, fp8_grad=fp8_grad), T.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=True)
+    assert y.dtype == torch.bfloat16 and y_emu.dtype == torch.float32
+    dx, dw = torch.autograd.grad((y.float() * G).sum(), (x, w))
+    dx_emu, dw_emu = torch.autograd.grad((y_emu * G).sum(), (x, w))
+    bf16 = dict(rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(y.float(), y_emu, **bf16)
+    if fp8_grad:
+        torch.testing.assert_close(dx, dx_emu, **bf16)
+        torch.testing.assert_close(dw, dw_emu, rtol=1e-5, atol=1e-6)
+    else:
+        rounded = [t.detach().bfloat16().float() for t in (x, w)]
+        torch.testing.assert_close(dx, G @ rounded[1], **bf16)
+        torch.testing.assert_close(dw, G.t() @ rounded[0], **bf16)
