@@ -130,7 +130,7 @@ class Config:
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
     fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
-                          "fp8_linear) on GPUs of compute capability 8.9+; off elsewhere, with a line in the log")
+                          "fp8_linear); needs a GPU of compute capability 8.9+ (fp8_unavailable_reason says why not)")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
