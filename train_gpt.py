@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
 
@@ -128,6 +129,8 @@ class Config:
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
+    fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
+                          "fp8_linear); needs a GPU of compute capability 8.9+ (fp8_unavailable_reason says why not)")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -168,7 +171,7 @@ PRESETS = {
 # Fields that change where files go or how a run executes, not what it computes; every other
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
 OPERATIONAL = {"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout", "checkpoint_dir",
+               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout", "checkpoint_dir",
                "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"}
 RUN_DEFINING = tuple(f.name for f in fields(Config) if f.name not in OPERATIONAL)
 
@@ -556,15 +559,65 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
     Args:
         doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
         window: latent positions a query sees (0 = no window).
-        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph);
-            False: bool ``[B, 1, T, T]`` for SDPA (broadcast over heads).
+        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph from
+            block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
+            (broadcast over heads), from the same ``mask_mod``.
         block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
     """
     if flex:
-        B, T = doc_ids.shape
-        return create_block_mask(mask_mod(doc_ids, window), B, None, T, T, device=doc_ids.device,
-                                 BLOCK_SIZE=block_size)
+        return block_mask_from_bounds(doc_ids, window, block_size)
     return attention_mask(doc_ids, window)[:, None]
+
+
+def _ordered_blocks(blocks):
+    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
+
+
+def block_mask_from_bounds(doc_ids, window, block_size=128):
+    """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
+
+    ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
+    (query block, key block) pair is classified from the blocks' first/last positions and
+    documents alone (``O((T / block_size)^2)`` work), and only the partial blocks are masked
+    per element, by the same ``mask_mod``, inside FlexAttention. Exact because document ids
+    are non-decreasing along a row: with query block [q0, q1] and key block [k0, k1],
+
+    * some pair is allowed iff ``k0 <= q1``, ``doc[k1] >= doc[q0]`` and ``q0 - k1 < window``
+      (the pair (q0, k1), or the diagonal when the blocks coincide, is then allowed);
+    * every pair is allowed iff ``k1 <= q0``, ``doc[k0] == doc[q1]`` and ``q1 - k0 < window``,
+      and neither block reaches past T (create_block_mask counts padding as masked).
+
+    Args:
+        doc_ids: int64 ``[B, T]``, non-decreasing along T (``latent_document_ids``).
+        window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
+            the device, so a window schedule neither syncs nor changes the compiled graph.
+        block_size: the tile, query and key alike (FlexAttention's default 128).
+
+    Returns:
+        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window), B, None, T, T,
+        BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
+    """
+    B, T = doc_ids.shape
+    n = -(-T // block_size)
+    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
+    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
+    complete = first + block_size <= T                               # [n] no padding in the block
+    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
+    doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]        # [B, n]
+    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
+    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
+    if torch.is_tensor(window) or window > 0:
+        some = some & (q0 - k1 < window)
+        every = every & (q1 - k0 < window)
+    partial = some & ~every
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod(doc_ids, window), seq_lengths=(T, T))
 
 
 def attend(q, k, v, mask=None, scale=None):
@@ -615,6 +668,125 @@ def window_at(step, cfg):
     return w, max(w // 2, 1)
 
 
+# FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
+# up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
+# tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max    # 57344
+
+
+def fp8_unavailable_reason(device):
+    """Why ``--fp8`` cannot run on ``device`` (a ``torch.device`` or string), or None if it can.
+
+    FP8 tensor-core matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 or newer
+    (Ada, Hopper, Blackwell). The harness logs the reason and runs in bf16.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 matmuls need a CUDA GPU (device is {device.type}); running without fp8"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"fp8 matmuls need compute capability 8.9+ ({torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}); running without fp8")
+    return None
+
+
+def fp8_scale(t, fp8_max=E4M3_MAX):
+    """Per-tensor scale ``amax(|t|) / fp8_max``: float32 0-d, on t's device (no host sync).
+
+    ``t / scale`` then spans the format's range. Current scaling of every operand, as record #84
+    scales the up-projection's input; the records' other scales are static or delayed (see
+    ``fp8_linear``).
+    """
+    return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
+
+
+def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
+    """``t / scale`` saturated to the format's max (448 for e4m3, 57344 for e5m2), rounded to ``dtype``.
+
+    Rounding is torch's conversion (round to nearest even); the clamp makes overflow saturate on
+    every backend (the records' Triton quantizer clamps to 448 the same way) instead of NaN.
+    """
+    limit = torch.finfo(dtype).max
+    return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
+
+
+def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
+    """``(a * a_scale) @ (b * b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` (R = reduction) -> ``[M, N]``.
+
+    CUDA: ``torch._scaled_mm`` (row-major a, column-major b: ``b.t()`` of a contiguous b).
+    ``emulate``: the same product in ``out_dtype`` from the fp8 values (exact products; sums
+    rounded in ``out_dtype``), for CPU tests of the scaling math.
+    """
+    if emulate:
+        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``y = x @ w.T`` with x and w in e4m3 at current per-tensor scales (see ``fp8_linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, fp8_grad, emulate):
+        x_s, w_s = fp8_scale(x), fp8_scale(w)
+        x_f8, w_f8 = fp8_quantize(x, x_s), fp8_quantize(w, w_s)
+        out = upcast(x).dtype if emulate else torch.bfloat16
+        ctx.fp8_grad, ctx.emulate, ctx.dtypes = fp8_grad, emulate, (x.dtype, w.dtype)
+        if fp8_grad:  # the head (record #21): the backward reads the fp8 copies, half the bytes of bf16
+            ctx.save_for_backward(x_f8, w_f8, x_s, w_s)
+        else:         # the MLP (records #84, #89): the backward stays in bf16 (high precision if emulated)
+            ctx.save_for_backward(*((x, w) if emulate else (x.bfloat16(), w.bfloat16())))
+        return fp8_mm(x_f8, x_s, w_f8, w_s, out, fast_accum=True, emulate=emulate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_dtype, w_dtype = ctx.dtypes
+        if not ctx.fp8_grad:
+            x, w = ctx.saved_tensors
+            g = grad.to(x.dtype)
+            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None
+        x_f8, w_f8, x_s, w_s = ctx.saved_tensors
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21); the record's static
+        # scale assumes its loss's gradient bound, ours is divided by the global label count (a
+        # device value), so the scale follows the gradient's own amax
+        g_s = fp8_scale(grad, E5M2_MAX)
+        g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
+        out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
+        grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
+        out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
+        grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None
+
+
+def fp8_linear(x, weight, fp8_grad=False, emulate=False):
+    """``F.linear(x, weight)`` (no bias) as an FP8 matmul: x ``[..., in]``, weight ``[out, in]``.
+
+    Forward: x and weight each scaled by their current ``amax / 448`` (``fp8_scale``), saturated
+    and rounded to float8_e4m3fn, multiplied with fast accumulation; bf16 out on CUDA. Backward
+    with ``fp8_grad`` (the LM head, record #21): the output gradient scaled by its amax into
+    float8_e5m2, ``dx`` from the e4m3 weight (bf16), ``dW`` from the e4m3 input (float32).
+    Without it (the MLP, records #84 and #89): ``dx``, ``dW`` from the unquantized x and weight.
+    ``emulate``: the same scales and roundings, products in float32 (float64 for float64 x):
+    the CPU path of the tests. Record #89's delayed scaling of the down-projection (the previous
+    step's amax, so no extra pass) is not ported: every scale here is current.
+    """
+    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+def fp8_fits(x, weight):
+    """Whether ``x @ weight.T`` fits ``torch._scaled_mm``'s shape rules (every dim a multiple of 16)."""
+    return x.numel() // x.size(-1) % 16 == 0 and x.size(-1) % 16 == 0 and weight.size(0) % 16 == 0
+
+
+def fp8_active(on, x, weight):
+    """Whether a ``--fp8`` matmul runs in FP8: flag on, a training forward (grad enabled: val stays
+    bf16, as the records evaluate), x on CUDA, shapes that ``torch._scaled_mm`` takes."""
+    return on and torch.is_grad_enabled() and x.is_cuda and fp8_fits(x, weight)
+
+
 def _linear(d_in, d_out, zero=False):
     lin = nn.Linear(d_in, d_out, bias=False)
     with torch.no_grad():
@@ -635,13 +807,14 @@ class CausalSelfAttention(nn.Module):
     learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
     """
 
-    def __init__(self, cfg, value_embed=False):
+    def __init__(self, cfg, value_embed=False, rotary=None):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
         self.proj = _linear(d, d, zero=True)
-        self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
+        # the model passes its one table (GPT.rotary); a layer built alone makes its own
+        self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
         self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
 
@@ -662,12 +835,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.fc = _linear(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
         self.proj = _linear(cfg.mlp_ratio * cfg.model_dim, cfg.model_dim, zero=True)
+        self.fp8 = cfg.fp8
 
     def forward(self, x):
+        if fp8_active(self.fp8, x, self.fc.weight):  # records #84, #89
+            return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
         return self.proj(F.relu(self.fc(x)).square())
 
 
@@ -679,10 +857,10 @@ class Block(nn.Module):
     ``--no-attn-layers`` has no attention (record #21 drops layer 7's).
     """
 
-    def __init__(self, cfg, layer, value_embed=False):
+    def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        self.attn = CausalSelfAttention(cfg, value_embed) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
 
@@ -727,7 +905,10 @@ class GPT(nn.Module):
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
-        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer) for i in range(n))
+        # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
+        # each at the record's 49,152 positions)
+        self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
         self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
         self._window = window_at(0, cfg)
@@ -768,7 +949,11 @@ class GPT(nn.Module):
             x = block(x, x0, masks[i in self.short], ve)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
+        x, c, head = rms_norm(x), self.cfg.logit_softcap, self.lm_head.weight
+        if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
+            logits = fp8_linear(x, head, fp8_grad=True)
+        else:
+            logits = self.lm_head(x)
         if targets is not None:  # the softcap is applied inside the fused loss
             return mce_loss(logits, targets, reduction="sum", softcap=c)
         logits = upcast(logits)
@@ -1291,6 +1476,79 @@ def all_reduce_sum(t, rt):
     return t
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's default bucket_cap_mb)
+
+
+class GradBuckets:
+    """Gradient all-reduce in buckets, each started as soon as its gradients are final.
+
+    The parameters, in reverse order (the order the backward finishes them), are cut into
+    buckets of about ``cap_bytes`` (by dtype and device), each with one flat buffer allocated
+    here, once. ``hooks()`` arms, for one backward, a post-accumulate-grad hook per parameter:
+    when the last gradient of a bucket has been accumulated, the bucket is copied into its
+    buffer and summed over processes asynchronously while the backward goes on (PyTorch DDP's
+    bucketing, Li et al. 2020, arXiv 2006.15704). ``finish()`` starts what is left, waits, and
+    copies the sums back into ``.grad``. A compiled model's backward is one autograd node per
+    graph, so there the buckets start together when that node is done: fewer, larger
+    collectives, but little overlap.
+    """
+
+    def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets, self.bucket_of = [], {}
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            if (last is None or last["bytes"] + p.numel() * p.element_size() > cap_bytes
+                    or (last["dtype"], last["device"]) != (p.dtype, p.device)):
+                last = dict(params=[], bytes=0, dtype=p.dtype, device=p.device)
+                self.buckets.append(last)
+            last["params"].append(p)
+            last["bytes"] += p.numel() * p.element_size()
+            self.bucket_of[p] = len(self.buckets) - 1
+        for b in self.buckets:
+            b["flat"] = torch.empty(b["bytes"] // b["params"][0].element_size(), dtype=b["dtype"], device=b["device"])
+        self.left, self.works = [], {}
+
+    def _start(self, i):
+        b = self.buckets[i]
+        grads = [p.grad for p in b["params"] if p.grad is not None]
+        flat = b["flat"][:sum(g.numel() for g in grads)]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            self._start(i)
+
+    def hooks(self):
+        """Arm the hooks for the next backward; returns their handles (remove them after it)."""
+        self.left, self.works = [len(b["params"]) for b in self.buckets], {}
+        return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+
+    def finish(self):
+        """Start the buckets the backward did not fill (parameters without a gradient), wait for all, copy back."""
+        for i in range(len(self.buckets)):
+            if i not in self.works and any(p.grad is not None for p in self.buckets[i]["params"]):
+                self._start(i)
+        for work, grads, flat in self.works.values():
+            work.wait()
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+_GRAD_BUCKETS = weakref.WeakKeyDictionary()  # model -> its GradBuckets: buffers allocated once per model
+
+
+def grad_buckets(model):
+    """The model's ``GradBuckets`` (built on first use, rebuilt if its parameters changed)."""
+    held = _GRAD_BUCKETS.get(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
+        held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
+    return held
+
+
 def accumulate_gradients(model, micro_batches, rt):
     """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
 
@@ -1302,22 +1560,28 @@ def accumulate_gradients(model, micro_batches, rt):
     Returns:
         float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
         pair of the global batch (all micro-batches, all ranks) -- not a mean of per-micro-
-        batch means. The gradient in ``.grad`` is that loss's gradient, summed over ranks.
+        batch means. The gradient in ``.grad`` is that loss's gradient, summed over ranks:
+        across processes, in buckets started during the last micro-batch's backward
+        (``GradBuckets``); the earlier micro-batches only accumulate locally.
     """
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += (targets != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
     total = torch.zeros((), device=rt.device)
-    for inputs, targets in micro_batches:
+    buckets = grad_buckets(model) if rt.distributed else None
+    for m, (inputs, targets) in enumerate(micro_batches):
         with rt.autocast():
             loss_sum = model(inputs, targets)
-        (loss_sum / n_valid).backward()
+        handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
+        try:
+            (loss_sum / n_valid).backward()
+        finally:
+            for h in handles:
+                h.remove()
         total += loss_sum.detach()
-    if rt.distributed:
-        works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
-        for w in works:
-            w.wait()
+    if buckets is not None:
+        buckets.finish()
     return all_reduce_sum(total, rt) / n_valid
 
 
