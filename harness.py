@@ -23,13 +23,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from aurora_opt import check_hparams
 
 
 class ConfigError(ValueError):
@@ -131,7 +135,7 @@ class Trainer:
     Attributes:
         config: the Config dataclass. Each field is a flag; its metadata holds ``help``, and
             optionally ``choices``, ``low`` (smallest value) and ``high`` (values must stay below
-            it). The instance's ``check(need)`` runs the cross-field checks.
+            it); ``check_config`` checks the values across fields.
         presets: ``{name: {field: value}}``, applied over the defaults, under explicit flags.
         operational: the fields that change how a run executes, not what it computes (every
             other field defines the run: ``--resume`` refuses a checkpoint that differs in one).
@@ -240,8 +244,8 @@ def flag_of(name):
 def validate_config(cfg):
     """Raise ConfigError naming the flag for any value that cannot work (the CLI's only check).
 
-    Each field's own bounds come from its metadata (``low``, ``high``); then the harness's
-    fields; then the config's cross-field checks, ``cfg.check(need)``.
+    Each field's own bounds come from its metadata (``low``, ``high``); then the checks across
+    fields (``check_config``).
     """
     def need(ok, msg):
         if not ok:
@@ -256,10 +260,82 @@ def validate_config(cfg):
             need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
         elif low is not None:
             need(value >= low, f"{flag_of(f.name)} must be >= {low} (got {value})")
-    cfg.check(need)
+    check_config(cfg, need)
     need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
     need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
          f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
+
+
+def check_config(cfg, need):
+    """Raise, through ``need(ok, msg)`` (a ConfigError naming the flag), for values that cannot work together."""
+    try:  # Aurora's own check, its arguments named as flags
+        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
+                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
+    except ValueError as e:
+        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
+                     pp_beta="pp_beta", ns="ns")
+        name, rest = str(e).split(" ", 1)
+        raise ConfigError(f"{flag_of(flags.get(name, name))} {rest}") from None
+    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
+         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
+    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
+    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
+    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
+    need(cfg.batch_tokens % cfg.seq_len == 0,
+         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
+    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
+    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
+    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
+    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
+    check_architecture(cfg, need)
+    need(cfg.warmup_steps <= cfg.num_iterations,
+         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
+    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
+        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
+             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
+             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+
+
+def check_architecture(cfg, need):
+    """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
+    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
+    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
+         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
+    layers = {}
+    for name in ("short_window_layers", "no_attn_layers"):
+        text = getattr(cfg, name)
+        try:
+            layers[name] = layer_set(text)
+        except ValueError as e:
+            raise ConfigError(f"{flag_of(name)} {text!r}: {e}") from None
+        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
+        need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} "
+                      f"(layers are 0..{cfg.n_layer - 1})")
+    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
+    k, n = cfg.value_embeds, cfg.n_layer
+    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
+    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
+    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
+                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
+    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
+    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+
+
+def layer_set(text):
+    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+
+    Raises:
+        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+    """
+    entries = [t.strip() for t in text.split(",")] if text.strip() else []
+    if not all(t.isdigit() for t in entries):
+        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
+    layers = frozenset(map(int, entries))
+    if len(layers) != len(entries):
+        raise ValueError("a layer is given twice")
+    return layers
 
 
 def grad_accum_steps(cfg, world):
@@ -731,6 +807,69 @@ def log_summary(run, end_step, compile_ms):
              f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
              f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
              f"compile_time:{compile_ms:.0f}ms")
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's clock, NaN guard and log lines (nothing here changes what a run computes)
+
+class Clock:
+    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
+
+    def __init__(self, rt, progress):
+        self.rt, self.progress, self.t0 = rt, progress, None
+
+    def start(self):
+        self.rt.sync()
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        self.rt.sync()
+        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
+        yield
+        self.start()
+
+
+class NanGuard:
+    """The first step whose loss was not finite, kept on the device: no host sync per step.
+
+    ``check`` (one sync) runs at every logged line and before every checkpoint write.
+    """
+
+    def __init__(self, device, lr_flags):
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.lr_flags = lr_flags
+
+    def update(self, loss, step):
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
+
+    def check(self, model=None):
+        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
+        bad = int(self.first_bad)
+        if bad:
+            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
+                                     f"({self.lr_flags}) or check the data")
+        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
+                                     f"no checkpoint was written")
+
+
+def step_line(step, cfg, what, value, train_time_ms, extra):
+    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
+    avg = train_time_ms / max(step, 1)
+    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
+    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
+            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
+
+
+def log_wrap(run, step):
+    stream = run.loader.stream
+    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
+                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
+
+
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import harness
-from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
-from harness import ConfigError, DataError, Runtime, load_shard, read_shard_header
+from aurora_opt import NS_COEFFICIENTS, Aurora
+from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
+                     log_wrap, read_shard_header, step_line)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
@@ -129,9 +130,6 @@ class Config:
     resume: str = _f("", "checkpoint file to continue from, or 'auto' (highest step under --checkpoint-dir)")
     resume_force: bool = _f(False, "resume even if the checkpoint's config or data differs in what changes the run")
 
-    def check(self, need):
-        """The cross-field checks (``check_config``); ``harness.validate_config`` runs them."""
-        check_config(self, need)
 
 
 # The architecture of the modded-nanogpt record history, switched on by the presets (each element
@@ -215,13 +213,13 @@ class Schedule:
     """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
 
     def __init__(self, cfg):
-        self.stages = stages(cfg)
+        self.stages, flops = stages(cfg), FlopProfile(cfg)
         self.rows = []
         for step in range(cfg.num_iterations + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
             window = window_at(step, cfg)
             self.rows.append(StepRow(stage, lr_scale(step, cfg), momentum_at(step, cfg), window,
-                                     model_flops_per_position(cfg, step)))
+                                     flops.per_position(window)))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -405,23 +403,23 @@ def attend(q, k, v, mask=None, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def layer_set(text):
-    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
 
-    Raises:
-        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+
+def route(param, group):
+    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
+
+    ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
     """
-    entries = [t.strip() for t in text.split(",")] if text.strip() else []
-    if not all(t.isdigit() for t in entries):
-        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
-    layers = frozenset(map(int, entries))
-    if len(layers) != len(entries):
-        raise ValueError("a layer is given twice")
-    return layers
+    assert group in OPT_GROUPS, group
+    param.opt_group = group
+    return param
 
 
-def _linear(d_in, d_out, zero=False):
+def _linear(d_in, d_out, zero=False, group="matrix"):
+    """A bias-free ``nn.Linear`` whose weight is routed to ``group``."""
     lin = nn.Linear(d_in, d_out, bias=False)
+    route(lin.weight, group)
     with torch.no_grad():
         if zero:  # output projections start at zero: each block starts as the identity
             lin.weight.zero_()
@@ -448,7 +446,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = _linear(d, d, zero=True)
         self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
-        self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
+        self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
 
     def forward(self, x, mask=None, ve=None):
         """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
@@ -489,7 +487,7 @@ class Block(nn.Module):
         has_attn = layer not in layer_set(cfg.no_attn_layers)
         self.attn = CausalSelfAttention(cfg, value_embed) if has_attn else None
         self.mlp = MLP(cfg)
-        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
+        self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
 
     def forward(self, x, x0=None, mask=None, ve=None):
         if self.x0_mix is not None:
@@ -532,9 +530,11 @@ class GPT(nn.Module):
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
+        for table in [self.embed, *self.value_embeds]:
+            route(table.weight, "embed")
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer) for i in range(n))
-        self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
-        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
+        self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
+        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
 
@@ -574,9 +574,19 @@ class GPT(nn.Module):
                 skips.append(x)
         logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
         if targets is not None:  # the softcap is applied inside the fused loss
-            return mce_loss(logits, targets, reduction="sum", softcap=c)
+            loss = mce_loss(logits, targets, reduction="sum", softcap=c)  # eval mode: this term only (the metric)
+            extra = self.train_only_loss(x, logits, targets) if self.training else None
+            return loss if extra is None else loss + extra
         logits = upcast(logits)
         return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def train_only_loss(self, x, logits, targets):
+        """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
+
+        ``x`` is the final residual ``[B, L, d]``, ``logits`` ``[B, L, V]``, ``targets`` ``[B, L, j]``.
+        Never called in eval mode, so no term here can reach ``val_loss``.
+        """
+        return None
 
 
 def attended_keys(seq_len, window):
@@ -590,83 +600,47 @@ def attended_keys(seq_len, window):
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
-def model_flops_per_position(cfg, step=0):
-    """Training FLOPs per latent position at optimizer ``step``: ``6 * N_matmul + 12 d * keys``.
+class FlopProfile:
+    """What a forward of the model multiplies, read from the model itself on the meta device (no memory, no data).
 
-    ``N_matmul`` counts every weight used in a matmul (attention and MLP matrices of the layers
-    that have them, and the LM head; embeddings and value embeddings are lookups). The second
-    term is attention's QK^T and AV products, forward and backward (12 d FLOPs per attended
-    key), summed over the layers with attention, each over the keys its queries actually attend
-    (``attended_keys``: causality and the layer's window at ``step``; document masks ignored),
-    as in PaLM's accounting (arXiv 2204.02311, appendix B) made exact for the mask. TST phase 1
-    costs the same per latent position.
+    ``n_matmul``: the weights a forward multiplies per latent position, counted from the matmuls
+    it runs (FlopCounterMode's mm/addmm FLOPs / 2 per position; attention's own products are the
+    second term): every ``nn.Linear`` the
+    forward calls, the LM head included, a new one counted without an edit here; embeddings
+    and value embeddings are lookups. ``layers``: ``(has_attention, short_window)`` per block.
     """
-    d, no_attn, short = cfg.model_dim, layer_set(cfg.no_attn_layers), layer_set(cfg.short_window_layers)
-    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
-    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    long, half = window_at(step, cfg)
-    keys = sum(attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
-    return 6 * n_matmul + 12 * d * keys
+
+    def __init__(self, cfg):
+        from torch.utils.flop_counter import FlopCounterMode
+        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
+        with torch.device("meta"):
+            model = GPT(cfg)
+            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
+        with FlopCounterMode(display=False) as counter:
+            model(inputs)
+        ops = counter.get_flop_counts()["Global"]
+        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
+        self.n_matmul = int(matmul) // (2 * L)
+        self.layers = [(block.attn is not None, i in model.short) for i, block in enumerate(model.blocks)]
+        self.cfg = cfg
+
+    def per_position(self, window):
+        """Training FLOPs per latent position under ``window`` (long, short): ``6 * N_matmul + 12 d * keys``.
+
+        The second term is attention's QK^T and AV products, forward and backward (12 d FLOPs per
+        attended key), summed over the layers with attention, each over the keys its queries
+        actually attend (``attended_keys``: causality and the layer's window, a stage-table
+        column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
+        made exact for the mask. TST phase 1 costs the same per latent position.
+        """
+        long, half = window
+        keys = sum(attended_keys(self.cfg.seq_len, half if short else long) for attn, short in self.layers if attn)
+        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 
-# ----------------------------------------------------------------------------------------------
-# Config checks across fields (each field's own bounds are in its metadata; harness.validate_config)
-
-def check_config(cfg, need):
-    """Raise, through ``need(ok, msg)`` (a ConfigError naming the flag), for values that cannot work together."""
-    try:  # Aurora's own check, its arguments named as flags
-        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
-                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
-    except ValueError as e:
-        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
-                     pp_beta="pp_beta", ns="ns")
-        name, rest = str(e).split(" ", 1)
-        raise ConfigError(f"{harness.flag_of(flags.get(name, name))} {rest}") from None
-    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
-         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
-    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
-    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
-    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
-    need(cfg.batch_tokens % cfg.seq_len == 0,
-         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
-    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
-    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
-    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
-    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
-    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
-    check_architecture(cfg, need)
-    need(cfg.warmup_steps <= cfg.num_iterations,
-         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
-    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
-        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
-             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
-             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
-
-
-def check_architecture(cfg, need):
-    """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
-    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
-    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
-         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
-    layers = {}
-    for name in ("short_window_layers", "no_attn_layers"):
-        text = getattr(cfg, name)
-        try:
-            layers[name] = layer_set(text)
-        except ValueError as e:
-            raise ConfigError(f"{harness.flag_of(name)} {text!r}: {e}") from None
-        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
-        need(not bad, f"{harness.flag_of(name)}: there is no layer {bad[0] if bad else ''} "
-                      f"(layers are 0..{cfg.n_layer - 1})")
-    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
-    k, n = cfg.value_embeds, cfg.n_layer
-    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
-    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
-    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
-    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
-                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
-    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
-    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+def model_flops_per_position(cfg, step=0):
+    """Training FLOPs per latent position at optimizer ``step`` (``FlopProfile.per_position``; for tools)."""
+    return FlopProfile(cfg).per_position(window_at(step, cfg))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -912,17 +886,25 @@ def next_micro_batches(loader, stage, seq_len, rt):
 # Optimizers
 
 def build_optimizers(model, cfg, compile=False):
-    """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on the embeddings, the head and the scalars.
+    """Aurora/Muon (or AdamW) on the "matrix" parameters; Adam on "embed", "head" and "scalar" (``route``).
 
     ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
+
+    Raises:
+        ConfigError: a parameter without an optimizer group (named, with the fix).
     """
     cuda = next(model.parameters()).is_cuda
-    matrices = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters() if p.ndim == 2]
-    embeds = [model.embed.weight] + [table.weight for table in model.value_embeds]
-    scalars = [p for p in model.parameters() if p.ndim < 2]  # mixing and skip weights
-    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[model.lm_head.weight], lr=cfg.head_lr)]
+    groups = {g: [] for g in OPT_GROUPS}
+    for name, p in model.named_parameters():
+        if getattr(p, "opt_group", None) not in groups:
+            raise ConfigError(f"parameter {name} {tuple(p.shape)} has no optimizer group; tag it where it is "
+                              f"created with route(param, group), group one of {', '.join(OPT_GROUPS)}")
+        groups[p.opt_group].append((name, p))
+    matrices = groups["matrix"]
+    embeds, scalars = [p for _, p in groups["embed"]], [p for _, p in groups["scalar"]]
+    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[p for _, p in groups["head"]], lr=cfg.head_lr)]
     if scalars:
         adam_groups.append(dict(params=scalars, lr=cfg.scalar_lr))
     betas = (cfg.adam_beta1, cfg.adam_beta2)
@@ -1037,16 +1019,32 @@ def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
 
 
+@contextmanager
+def eval_mode(model):
+    """``model`` in eval mode (no gradients) inside the block, back in its previous mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def evaluate(model, val, mode, bag_size, cfg, rt):
-    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric)."""
+    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric).
+
+    The model runs in eval mode: training-only loss terms (``GPT.train_only_loss``) are left out.
+    """
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
-    for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
-        inputs, targets = rt.to_device(inputs), rt.to_device(targets)
-        with rt.autocast():
-            total += model(inputs, targets).double()
-        count += (targets != IGNORE_INDEX).sum()
+    with eval_mode(model):
+        for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+            inputs, targets = rt.to_device(inputs), rt.to_device(targets)
+            with rt.autocast():
+                total += model(inputs, targets).double()
+            count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
     if count.item() == 0:
@@ -1064,48 +1062,6 @@ class Progress:
     raw_tokens: int = 0         # text read from the train stream (TST phase 1 reads s x more per step)
     positions: int = 0          # latent positions trained
     flops: float = 0.0          # model FLOPs (model_flops_per_position x positions)
-
-
-class Clock:
-    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
-
-    def __init__(self, rt, progress):
-        self.rt, self.progress, self.t0 = rt, progress, None
-
-    def start(self):
-        self.rt.sync()
-        self.t0 = time.perf_counter()
-
-    @contextmanager
-    def paused(self):
-        self.rt.sync()
-        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
-        yield
-        self.start()
-
-
-class NanGuard:
-    """The first step whose loss was not finite, kept on the device: no host sync per step.
-
-    ``check`` (one sync) runs at every logged line and before every checkpoint write.
-    """
-
-    def __init__(self, device, lr_flags):
-        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
-        self.lr_flags = lr_flags
-
-    def update(self, loss, step):
-        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
-
-    def check(self, model=None):
-        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
-        bad = int(self.first_bad)
-        if bad:
-            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
-                                     f"({self.lr_flags}) or check the data")
-        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
-                                     f"no checkpoint was written")
 
 
 @dataclass
@@ -1173,20 +1129,6 @@ def log_stage(run, step):
                  f"tokens:{run.progress.raw_tokens}")
 
 
-def log_wrap(run, step):
-    stream = run.loader.stream
-    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
-                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
-
-
-def step_line(step, cfg, what, value, train_time_ms, extra):
-    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
-    avg = train_time_ms / max(step, 1)
-    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
-    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
-            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
-
-
 def log_model_line(run):
     cfg, rt = run.cfg, run.rt
     n_params = sum(p.numel() for p in run.model.parameters())
@@ -1195,10 +1137,6 @@ def log_model_line(run):
     run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
                  f"position at step 0; "
                  f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
-
-
-def compiled_graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def warm_up(run):
@@ -1219,7 +1157,7 @@ def warm_up(run):
             run.net(inputs, targets).backward()
         run.model.zero_grad(set_to_none=True)
         vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
-        with torch.no_grad(), rt.autocast():
+        with eval_mode(run.net), rt.autocast():
             run.net(rt.to_device(vi), rt.to_device(vt))
     for opt in run.opts:
         if isinstance(opt, Aurora):
