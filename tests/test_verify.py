@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
     """dict(log, tree, text, val) of a complete 8-step run: its log path, the folder with the code
     it ran, the log's text and its final val loss as printed."""
     tree = tmp_path_factory.mktemp("tiny")
-    for name in ("train_gpt.py", "aurora_opt.py"):
+    for name in ("train_gpt.py", "aurora_opt.py", "harness.py"):
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"),
            *tiny_args(tree, "--val-every", "0", "--device", "cpu", "--no-compile", "--run-id", "tiny")]
