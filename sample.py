@@ -27,7 +27,8 @@ import sys
 import torch
 
 # Everything taken from the trainer, in one place: the model, its config, the checkpoint reader.
-from train_gpt import EOT_TOKEN, GPT, Config, ConfigError, load_checkpoint
+from harness import ConfigError, load_checkpoint
+from train_gpt import EOT_TOKEN, GPT, Config, Schedule
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
 from tokenize_text import TokenizeError, load_encoder  # noqa: E402  (data/ is not a package)
@@ -89,7 +90,8 @@ def load_model(path, device):
         first = (str(e).splitlines() or [""])[0][:160]
         raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({first})") from None
     step = int(state.get("step", 0))
-    model.set_window(step)  # the window grows over a run: use the one the weights were trained with
+    # the window grows over a run: use the stage table's window at the step the weights were saved
+    model.set_window(Schedule(cfg)[min(step, cfg.num_iterations)].window)
     return model.to(device).eval(), cfg, step
 
 

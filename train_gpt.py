@@ -1,36 +1,24 @@
 """Train a GPT on FineWeb (GPT-2 tokens) to 3.28 val loss, fast: Aurora + Token-Superposition Training.
 
-Read top to bottom, this file is the speedrun: config, data, model, TST, optimizers, schedule,
-eval, the training loop. Below the "Harness" banner: CLI checks, checkpoints, the run log,
-signals and ``main``. One GPU (gradient accumulation) or ``torchrun`` on many; CPU for tests and
-smoke runs. The exact math of TST and Aurora is in docs/METHODS.md.
+Read top to bottom, this file is the speedrun: config and the stage table, data, model, TST,
+optimizers, eval, and last the training loop. The CLI, checkpoints, the run log and signals are
+in harness.py; the optimizer in aurora_opt.py; every log snapshots all three. One GPU (gradient
+accumulation) or ``torchrun`` on many; CPU for tests and smoke runs. The exact math of TST and
+Aurora is in docs/METHODS.md.
 
     python train_gpt.py --preset record_h200                                   # one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
-import argparse
-import ctypes
 import dataclasses
-import datetime
-import glob
-import hashlib
-import io
 import json
 import math
 import os
-import platform
-import re
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
 import time
-import uuid
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,14 +27,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from aurora_opt import NS_COEFFICIENTS, Aurora, check_hparams
+import harness
+from aurora_opt import NS_COEFFICIENTS, Aurora
+from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
+                     log_wrap, read_shard_header, step_line)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
 
 
 def _f(default, help, **kw):
-    """A config field: its default, its --help text, optional argparse extras (choices)."""
+    """A config field: its default, its --help text, optional ``choices`` and bounds (``low``, ``high``:
+    the value must be >= low, and < high; harness.validate_config checks them)."""
     return field(default=default, metadata=dict(help=help, **kw))
 
 
@@ -56,14 +48,14 @@ class Config:
     # data
     train_files: str = _f("data/fineweb10B/fineweb_train_*.bin", "glob of train shards, read in sorted order")
     val_files: str = _f("data/fineweb10B/fineweb_val_*.bin", "glob of val shards")
-    val_tokens: int = _f(10_485_760, "val loss is measured on the first this-many tokens of the val shards")
+    val_tokens: int = _f(10_485_760, "val loss is measured on the first this-many tokens of the val shards", low=1)
     # model
-    vocab_size: int = _f(50304, "embedding/head rows: GPT-2's 50257 ids padded to a multiple of 128")
-    n_layer: int = _f(12, "Transformer blocks")
-    n_head: int = _f(6, "attention heads; head_dim = model_dim / n_head")
-    model_dim: int = _f(768, "residual stream width")
-    mlp_ratio: int = _f(4, "MLP hidden width = mlp_ratio * model_dim")
-    seq_len: int = _f(1024, "latent positions per sequence (L)")
+    vocab_size: int = _f(50304, "embedding/head rows: GPT-2's 50257 ids padded to a multiple of 128", low=1)
+    n_layer: int = _f(12, "Transformer blocks", low=1)
+    n_head: int = _f(6, "attention heads; head_dim = model_dim / n_head", low=1)
+    model_dim: int = _f(768, "residual stream width", low=1)
+    mlp_ratio: int = _f(4, "MLP hidden width = mlp_ratio * model_dim", low=1)
+    seq_len: int = _f(1024, "latent positions per sequence (L)", low=1)
     logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
                                     "up to a constant); 0 disables")
     rope_base: float = _f(10000.0, "rotary embedding base")
@@ -84,10 +76,12 @@ class Config:
     x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
                              "normed embedding x0 (a = 1, b = 0 at init)")
     # batch and steps
-    batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch")
-    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)")
-    num_iterations: int = _f(3000, "optimizer steps N")
-    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify")
+    batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
+    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
+                               low=1)
+    num_iterations: int = _f(3000, "optimizer steps N", low=1)
+    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify",
+                        low=0)
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
@@ -99,30 +93,30 @@ class Config:
     matrix_lr: float = _f(0.05, "Aurora/Muon lr")
     matrix_wd: float = _f(0.025, "Aurora/Muon decoupled weight decay (scaled by lr)")
     momentum: float = _f(0.95, "Aurora/Muon momentum (after warmup)")
-    momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum")
-    momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)")
+    momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
+    momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
     ns: str = _f("polar_express", "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
     ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
                        "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
     pp_iterations: int = _f(2, "Aurora row-equalization rounds K (ignored by --optimizer muon, which uses 0)")
     pp_beta: float = _f(0.5, "Aurora row-scale exponent beta")
-    adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw")
-    adamw_wd: float = _f(0.0, "weight decay of the block matrices with --optimizer adamw")
-    embed_lr: float = _f(0.6, "Adam lr of the token embedding")
-    head_lr: float = _f(0.008, "Adam lr of the LM head")
-    scalar_lr: float = _f(0.04, "Adam lr of vectors/scalars")
-    adam_beta1: float = _f(0.8, "Adam beta1")
-    adam_beta2: float = _f(0.95, "Adam beta2")
+    adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw", low=0)
+    adamw_wd: float = _f(0.0, "weight decay of the block matrices with --optimizer adamw", low=0)
+    embed_lr: float = _f(0.6, "Adam lr of the token embedding", low=0)
+    head_lr: float = _f(0.008, "Adam lr of the LM head", low=0)
+    scalar_lr: float = _f(0.04, "Adam lr of vectors/scalars", low=0)
+    adam_beta1: float = _f(0.8, "Adam beta1", low=0, high=1)
+    adam_beta2: float = _f(0.95, "Adam beta2", low=0, high=1)
     adam_eps: float = _f(1e-10, "Adam eps")
     # schedule
-    warmup_steps: int = _f(0, "linear lr warmup steps")
+    warmup_steps: int = _f(0, "linear lr warmup steps", low=0)
     cooldown_frac: float = _f(0.4, "fraction of steps at the end with lr decaying linearly to --lr-floor")
     lr_floor: float = _f(0.0, "lr multiplier at the end of the cooldown")
     # eval, logging, execution
-    val_every: int = _f(125, "val every this many steps (0 = only at the start and end)")
-    val_batch_seqs: int = _f(0, "val sequences per process per forward (0 = micro_batch_seqs)")
-    log_every: int = _f(1, "train-loss line every this many steps")
+    val_every: int = _f(125, "val every this many steps (0 = only at the start and end)", low=0)
+    val_batch_seqs: int = _f(0, "val sequences per process per forward (0 = micro_batch_seqs)", low=0)
+    log_every: int = _f(1, "train-loss line every this many steps", low=1)
     log_dir: str = _f("logs", "where <run_id>.txt and <run_id>.json go")
     run_id: str = _f("", "name of the run; unset: date, time and a random suffix")
     seed: int = _f(0, "seed of the weight init")
@@ -134,11 +128,12 @@ class Config:
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
-    save_every: int = _f(0, "checkpoint every this many steps (0 = never)")
+    save_every: int = _f(0, "checkpoint every this many steps (0 = never)", low=0)
     save_final: bool = _f(False, "checkpoint at the end of the run")
     save_on_interrupt: bool = _f(False, "on SIGINT/SIGTERM, checkpoint after the current step, then stop")
     resume: str = _f("", "checkpoint file to continue from, or 'auto' (highest step under --checkpoint-dir)")
     resume_force: bool = _f(False, "resume even if the checkpoint's config or data differs in what changes the run")
+
 
 
 # The architecture of the modded-nanogpt record history, switched on by the presets (each element
@@ -170,152 +165,120 @@ PRESETS = {
 
 # Fields that change where files go or how a run executes, not what it computes; every other
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
-OPERATIONAL = {"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-               "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout", "checkpoint_dir",
-               "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"}
-RUN_DEFINING = tuple(f.name for f in fields(Config) if f.name not in OPERATIONAL)
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the message names the flag and the fix."""
-
-
-class DataError(ValueError):
-    """A shard or glob that cannot be used; the message names the file and the fix."""
+OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
+                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
+                         "checkpoint_dir", "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"})
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: shards of 256 x int32 header + uint16 tokens (llm.c / modded-nanogpt format)
+# The stage table: every per-step quantity of a run, in one place. A stage is a run of steps that
+# share one graph shape (TST phase, bag size, mode) and tokens per step; each step's row adds
+# the ramps (lr scale, momentum, attention windows) and the FLOPs they imply. The loop,
+# warm-up (one graph per distinct shape), --describe, the token counts and run.sh read it.
 
-SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
-HEADER_BYTES = HEADER_INTS * 4
-EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
-GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
-REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
+@dataclass(frozen=True)
+class Stage:
+    """Optimizer steps [start, end) of one graph shape: TST ``phase`` (1 = bags, 2 = next-token),
+    ``bag_size`` s and ``mode`` of its objective, ``batch_tokens`` latent positions per step."""
+    start: int
+    end: int
+    phase: int
+    bag_size: int
+    mode: str
+    batch_tokens: int
+
+    def raw_tokens(self, seq_len):
+        """Raw text tokens a step of this stage reads (TST bags read s times the positions)."""
+        return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
 
 
-def read_shard_header(path):
-    """Validate a shard's header and size; return its number of tokens.
+@dataclass(frozen=True)
+class StepRow:
+    """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions)."""
+    stage: Stage
+    lr_scale: float
+    momentum: float
+    window: tuple
+    flops_per_position: float
 
-    Raises:
-        DataError: missing file, short header, wrong magic or version, or a file size other
-            than exactly ``1024 + 2 * n_tokens`` bytes. The message names the file and the fix.
+
+def stages(cfg):
+    """The stages of a run, in order, covering steps [0, N): TST phase 1 for the first round(r N)
+    steps (``--tst-bag-size``, ``--tst-mode``; none when r N = 0), then next-token training.
+
+    A bag-size schedule (e.g. s = 8, then 4, then next-token) is more rows here; the loader's
+    layout, warm-up graphs, token counts and --describe follow from the table."""
+    switch, N = tst_switch_step(cfg), cfg.num_iterations
+    rows = [Stage(0, switch, 1, cfg.tst_bag_size, cfg.tst_mode, cfg.batch_tokens)] if switch else []
+    return rows + ([Stage(switch, N, 2, 1, "full", cfg.batch_tokens)] if switch < N else [])
+
+
+class Schedule:
+    """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
+
+    def __init__(self, cfg):
+        self.stages, flops = stages(cfg), FlopProfile(cfg)
+        self.rows = []
+        for step in range(cfg.num_iterations + 1):
+            stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
+            window = window_at(step, cfg)
+            self.rows.append(StepRow(stage, lr_scale(step, cfg), momentum_at(step, cfg), window,
+                                     flops.per_position(window)))
+
+    def __getitem__(self, step):
+        return self.rows[step]
+
+    def graphs(self):
+        """Distinct ``(bag_size, mode)`` objectives of the stages, in order: one compiled graph each."""
+        return list(dict.fromkeys((s.bag_size, s.mode) for s in self.stages))
+
+
+def train_tokens_needed(cfg):
+    """Raw train tokens a whole run reads (a TST stage reads s times more per step), labels included."""
+    run_stages = stages(cfg)
+    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) for st in run_stages)
+    return total + max(cfg.tst_bag_size, *(st.bag_size for st in run_stages)) * cfg.seq_len  # last labels
+
+
+def tst_switch_step(cfg):
+    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
+    With ``--tst-bag-size 1`` phase 1 is next-token training: a run repeats one without TST bit for bit."""
+    return int(round(cfg.tst_frac * cfg.num_iterations))
+
+
+def lr_scale(step, cfg):
+    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to --lr-floor at step N."""
+    N = cfg.num_iterations
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    cooldown = cfg.cooldown_frac * N
+    if cooldown > 0 and step >= N - cooldown:
+        return cfg.lr_floor + (1 - cfg.lr_floor) * max(0.0, (N - step) / cooldown)
+    return 1.0
+
+
+def momentum_at(step, cfg):
+    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps."""
+    if cfg.momentum_warmup_steps == 0:
+        return cfg.momentum
+    frac = min(step / cfg.momentum_warmup_steps, 1.0)
+    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
+
+
+def window_at(step, cfg):
+    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
+
+    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window`` at
+    step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to 1,792 in
+    blocks of 128), else it is ``--window``. ``--short-window-layers`` see half of it (at least 1).
     """
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    except OSError as e:  # missing, a directory, a symlink loop, unreadable
-        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
-    if header.size < HEADER_INTS:
-        raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {REMAKE}")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard, {REMAKE}")
-    if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION}); {REMAKE}")
-    n = int(header[2])
-    if n < 0 or size != HEADER_BYTES + 2 * n:
-        raise DataError(f"{path}: file is {size} bytes but its header says {n} tokens "
-                        f"({HEADER_BYTES + 2 * n} bytes); truncated or corrupt, {REMAKE}")
-    return n
-
-
-def load_shard(path, n_tokens=None):
-    """Memory-map a shard: uint16 numpy array of its tokens (header validated unless ``n_tokens`` is given)."""
-    n = read_shard_header(path) if n_tokens is None else n_tokens
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
-
-
-class TokenStream:
-    """The shards of a glob as one long token stream; ``read`` is random access.
-
-    Each header is read once, here (a bad shard fails before training starts); every read
-    checks its ids are below ``vocab_size`` (a shard from another tokenizer fails naming the
-    file, not deep inside the embedding). ``wrap=True``: reads past the end start over.
-    """
-
-    def __init__(self, files, wrap=False, vocab_size=None):
-        self.files = list(files)
-        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
-        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
-        self.offsets = np.cumsum([0] + self.sizes)
-        self.total = int(self.offsets[-1])
-        self.wrap, self.vocab_size = wrap, vocab_size
-        if self.total == 0:
-            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
-                            f"(data/tokenize_text.py) or point the glob at other shards")
-
-    def locate(self, pos):
-        """(file index, token offset in it) of stream position ``pos``."""
-        pos %= self.total
-        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-        return i, pos - int(self.offsets[i])
-
-    def read(self, start, n):
-        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
-        if not self.wrap and start + n > self.total:
-            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
-                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
-        out = np.empty(n, dtype=np.int64)
-        done = 0
-        while done < n:
-            i, lo = self.locate(start + done)
-            take = min(n - done, self.sizes[i] - lo)
-            out[done:done + take] = self.shards[i][lo:lo + take]
-            done += take
-        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
-            bad = int(np.argmax(out >= self.vocab_size))
-            i, offset = self.locate(start + bad)
-            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
-                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
-        return out
-
-
-def sequence_layout(mode, bag_size, seq_len):
-    """Raw tokens per sequence and the stream advance per sequence, for a phase.
-
-    Returns ``(seq_tokens, advance)``: plain next-token (``bag_size == 1``) needs ``L + 1``
-    tokens and advances ``L``; TST ``full``/``input`` need ``(L + 1) * s`` (the last latent
-    position's labels are the next bag) and advance ``L * s``; ``output`` needs ``L + s``
-    and advances ``L``. Every token of the stream is an input exactly once.
-    """
-    s, L = bag_size, seq_len
-    if s == 1:
-        return L + 1, L
-    if mode in ("full", "input"):
-        return (L + 1) * s, L * s
-    if mode == "output":
-        return L + s, L
-    raise ValueError(f"unknown TST mode {mode!r}")
-
-
-class TrainLoader:
-    """Sequential train batches over a TokenStream; each (rank, micro-step) gets its own slice.
-
-    A global batch is ``global_seqs`` sequences cut from the stream at ``position``; the chunk
-    of ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and
-    micro-step, so one process with accumulation and many processes see the same batch.
-    ``position`` (tokens consumed) is all the state there is; it is saved in checkpoints.
-    ``wrapped`` tells whether the last batch read past the end of the stream (a new epoch).
-    """
-
-    def __init__(self, stream, global_seqs, micro_seqs, rank, world):
-        self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
-        self.rank, self.accum = rank, global_seqs // (micro_seqs * world)
-        self.position, self.wrapped = 0, False
-
-    def next_batch(self, seq_tokens, advance):
-        """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``."""
-        micro = []
-        for m in range(self.accum):
-            first = (self.rank * self.accum + m) * self.micro_seqs
-            n = (self.micro_seqs - 1) * advance + seq_tokens
-            flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
-            micro.append(flat.unfold(0, seq_tokens, advance))
-        epoch = self.position // self.stream.total
-        self.position += self.global_seqs * advance
-        self.wrapped = (self.position - 1) // self.stream.total > epoch
-        return micro
+    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
+    if w == 0:
+        return 0, 0
+    if w0:
+        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
+        w = min(w, w0 * -(-grown // (w0 * N)))
+    return w, max(w // 2, 1)
 
 
 # Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
@@ -635,37 +598,17 @@ def attend(q, k, v, mask=None, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def layer_set(text):
-    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
 
-    Raises:
-        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+
+def route(param, group):
+    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
+
+    ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
     """
-    entries = [t.strip() for t in text.split(",")] if text.strip() else []
-    if not all(t.isdigit() for t in entries):
-        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
-    layers = frozenset(map(int, entries))
-    if len(layers) != len(entries):
-        raise ValueError("a layer is given twice")
-    return layers
-
-
-def window_at(step, cfg):
-    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
-
-    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window``
-    at step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to
-    1,792 in blocks of 128), else it is ``--window`` throughout. The layers of
-    ``--short-window-layers`` attend over half of it (at least 1 position; record #21's
-    long/short pattern).
-    """
-    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
-    if w == 0:
-        return 0, 0
-    if w0:
-        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
-        w = min(w, w0 * -(-grown // (w0 * N)))
-    return w, max(w // 2, 1)
+    assert group in OPT_GROUPS, group
+    param.opt_group = group
+    return param
 
 
 # FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
@@ -787,8 +730,10 @@ def fp8_active(on, x, weight):
     return on and torch.is_grad_enabled() and x.is_cuda and fp8_fits(x, weight)
 
 
-def _linear(d_in, d_out, zero=False):
+def _linear(d_in, d_out, zero=False, group="matrix"):
+    """A bias-free ``nn.Linear`` whose weight is routed to ``group``."""
     lin = nn.Linear(d_in, d_out, bias=False)
+    route(lin.weight, group)
     with torch.no_grad():
         if zero:  # output projections start at zero: each block starts as the identity
             lin.weight.zero_()
@@ -816,7 +761,7 @@ class CausalSelfAttention(nn.Module):
         # the model passes its one table (GPT.rotary); a layer built alone makes its own
         self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
-        self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
+        self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
 
     def forward(self, x, mask=None, ve=None):
         """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
@@ -862,7 +807,7 @@ class Block(nn.Module):
         has_attn = layer not in layer_set(cfg.no_attn_layers)
         self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
         self.mlp = MLP(cfg)
-        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
+        self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
 
     def forward(self, x, x0=None, mask=None, ve=None):
         if self.x0_mix is not None:
@@ -905,18 +850,19 @@ class GPT(nn.Module):
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
+        for table in [self.embed, *self.value_embeds]:
+            route(table.weight, "embed")
         # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
         # each at the record's 49,152 positions)
         self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
-        self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
-        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
+        self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
+        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
 
-    def set_window(self, step):
-        """Put the windows of optimizer ``step`` in the ``windows`` buffer (a device write only if they change)."""
-        window = window_at(step, self.cfg)
+    def set_window(self, window):
+        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
         if window != self._window:
             self.windows[0], self.windows[1] = window
             self._window = window
@@ -955,9 +901,19 @@ class GPT(nn.Module):
         else:
             logits = self.lm_head(x)
         if targets is not None:  # the softcap is applied inside the fused loss
-            return mce_loss(logits, targets, reduction="sum", softcap=c)
+            loss = mce_loss(logits, targets, reduction="sum", softcap=c)  # eval mode: this term only (the metric)
+            extra = self.train_only_loss(x, logits, targets) if self.training else None
+            return loss if extra is None else loss + extra
         logits = upcast(logits)
         return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def train_only_loss(self, x, logits, targets):
+        """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
+
+        ``x`` is the final residual ``[B, L, d]``, ``logits`` ``[B, L, V]``, ``targets`` ``[B, L, j]``.
+        Never called in eval mode, so no term here can reach ``val_loss``.
+        """
+        return None
 
 
 def attended_keys(seq_len, window):
@@ -971,23 +927,158 @@ def attended_keys(seq_len, window):
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
-def model_flops_per_position(cfg, step=0):
-    """Training FLOPs per latent position at optimizer ``step``: ``6 * N_matmul + 12 d * keys``.
+class FlopProfile:
+    """What a forward of the model multiplies, read from the model itself on the meta device (no memory, no data).
 
-    ``N_matmul`` counts every weight used in a matmul (attention and MLP matrices of the layers
-    that have them, and the LM head; embeddings and value embeddings are lookups). The second
-    term is attention's QK^T and AV products, forward and backward (12 d FLOPs per attended
-    key), summed over the layers with attention, each over the keys its queries actually attend
-    (``attended_keys``: causality and the layer's window at ``step``; document masks ignored),
-    as in PaLM's accounting (arXiv 2204.02311, appendix B) made exact for the mask. TST phase 1
-    costs the same per latent position.
+    ``n_matmul``: the weights a forward multiplies per latent position, counted from the matmuls
+    it runs (FlopCounterMode's mm/addmm FLOPs / 2 per position; attention's own products are the
+    second term): every ``nn.Linear`` the
+    forward calls, the LM head included, a new one counted without an edit here; embeddings
+    and value embeddings are lookups. ``layers``: ``(has_attention, short_window)`` per block.
     """
-    d, no_attn, short = cfg.model_dim, layer_set(cfg.no_attn_layers), layer_set(cfg.short_window_layers)
-    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
-    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    long, half = window_at(step, cfg)
-    keys = sum(attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
-    return 6 * n_matmul + 12 * d * keys
+
+    def __init__(self, cfg):
+        from torch.utils.flop_counter import FlopCounterMode
+        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
+        with torch.device("meta"):
+            model = GPT(cfg)
+            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
+        with FlopCounterMode(display=False) as counter:
+            model(inputs)
+        ops = counter.get_flop_counts()["Global"]
+        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
+        self.n_matmul = int(matmul) // (2 * L)
+        self.layers = [(block.attn is not None, i in model.short) for i, block in enumerate(model.blocks)]
+        self.cfg = cfg
+
+    def per_position(self, window):
+        """Training FLOPs per latent position under ``window`` (long, short): ``6 * N_matmul + 12 d * keys``.
+
+        The second term is attention's QK^T and AV products, forward and backward (12 d FLOPs per
+        attended key), summed over the layers with attention, each over the keys its queries
+        actually attend (``attended_keys``: causality and the layer's window, a stage-table
+        column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
+        made exact for the mask. TST phase 1 costs the same per latent position.
+        """
+        long, half = window
+        keys = sum(attended_keys(self.cfg.seq_len, half if short else long) for attn, short in self.layers if attn)
+        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
+
+
+def model_flops_per_position(cfg, step=0):
+    """Training FLOPs per latent position at optimizer ``step`` (``FlopProfile.per_position``; for tools)."""
+    return FlopProfile(cfg).per_position(window_at(step, cfg))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: the train stream and its batches (shards: harness.read_shard_header)
+
+EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
+GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
+
+
+class TokenStream:
+    """The shards of a glob as one long token stream; ``read`` is random access.
+
+    Each header is read once, here (a bad shard fails before training starts); every read
+    checks its ids are below ``vocab_size`` (a shard from another tokenizer fails naming the
+    file, not deep inside the embedding). ``wrap=True``: reads past the end start over.
+    """
+
+    def __init__(self, files, wrap=False, vocab_size=None):
+        self.files = list(files)
+        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
+        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        self.offsets = np.cumsum([0] + self.sizes)
+        self.total = int(self.offsets[-1])
+        self.wrap, self.vocab_size = wrap, vocab_size
+        if self.total == 0:
+            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
+                            f"(data/tokenize_text.py) or point the glob at other shards")
+
+    def locate(self, pos):
+        """(file index, token offset in it) of stream position ``pos``."""
+        pos %= self.total
+        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+        return i, pos - int(self.offsets[i])
+
+    def read(self, start, n):
+        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
+        if not self.wrap and start + n > self.total:
+            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
+                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
+        out = np.empty(n, dtype=np.int64)
+        done = 0
+        while done < n:
+            i, lo = self.locate(start + done)
+            take = min(n - done, self.sizes[i] - lo)
+            out[done:done + take] = self.shards[i][lo:lo + take]
+            done += take
+        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
+            bad = int(np.argmax(out >= self.vocab_size))
+            i, offset = self.locate(start + bad)
+            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
+        return out
+
+
+def sequence_layout(mode, bag_size, seq_len):
+    """Raw tokens per sequence and the stream advance per sequence, for a phase.
+
+    Returns ``(seq_tokens, advance)``: plain next-token (``bag_size == 1``) needs ``L + 1``
+    tokens and advances ``L``; TST ``full``/``input`` need ``(L + 1) * s`` (the last latent
+    position's labels are the next bag) and advance ``L * s``; ``output`` needs ``L + s``
+    and advances ``L``. Every token of the stream is an input exactly once.
+    """
+    s, L = bag_size, seq_len
+    if s == 1:
+        return L + 1, L
+    if mode in ("full", "input"):
+        return (L + 1) * s, L * s
+    if mode == "output":
+        return L + s, L
+    raise ValueError(f"unknown TST mode {mode!r}")
+
+
+class TrainLoader:
+    """Sequential train batches over a TokenStream; each (rank, micro-step) gets its own slice.
+
+    A global batch is ``global_seqs`` sequences cut from the stream at ``position``; the chunk
+    of ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and
+    micro-step, so one process with accumulation and many processes see the same batch.
+    ``position`` (tokens consumed) is all the state there is; it is saved in checkpoints.
+    ``wrapped`` tells whether the last batch read past the end of the stream (a new epoch).
+    """
+
+    def __init__(self, stream, global_seqs, micro_seqs, rank, world):
+        self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
+        self.rank, self.world = rank, world
+        self.position, self.wrapped = 0, False
+
+    def next_batch(self, seq_tokens, advance, global_seqs=None):
+        """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``.
+
+        ``global_seqs``: the step's sequences (its stage's tokens per step; None = the constructor's).
+        """
+        global_seqs = global_seqs or self.global_seqs
+        accum = global_seqs // (self.micro_seqs * self.world)
+        micro = []
+        for m in range(accum):
+            first = (self.rank * accum + m) * self.micro_seqs
+            n = (self.micro_seqs - 1) * advance + seq_tokens
+            flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
+            micro.append(flat.unfold(0, seq_tokens, advance))
+        epoch = self.position // self.stream.total
+        self.position += global_seqs * advance
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        return micro
+
+
+def open_data(cfg, data):
+    """(train TokenStream that wraps, val TokenStream) over the files of ``find_data``. Raises DataError."""
+    ids = min(cfg.vocab_size, GPT2_IDS)  # padding rows are never a token
+    return (TokenStream([f for f, _ in data["train"]], wrap=True, vocab_size=ids),
+            TokenStream([f for f, _ in data["val"]], vocab_size=ids))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1335,48 +1426,40 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
     return torch.cat([cols, prefix_targets(prefix_table, targets)[..., None]], dim=-1)
 
 
-def tst_switch_step(cfg):
-    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
-
-    With ``--tst-bag-size 1`` phase 1 is plain next-token training through the TST code path,
-    so a run with s = 1 repeats a run without TST bit for bit.
-    """
-    return int(round(cfg.tst_frac * cfg.num_iterations))
-
-
-def phase_of(step, cfg):
-    """(phase, bag size, mode) of an optimizer step: phase 1 (TST) before the switch, else 2."""
-    if step < tst_switch_step(cfg):
-        return 1, cfg.tst_bag_size, cfg.tst_mode
-    return 2, 1, "full"
-
-
-def next_micro_batches(loader, step, cfg, rt):
-    """This rank's ``[(inputs, targets)]`` for optimizer ``step`` (its phase's layout), on the device.
+def next_micro_batches(loader, stage, seq_len, rt):
+    """This rank's ``[(inputs, targets)]`` for a step of ``stage`` (its layout and batch), on the device.
 
     Returns ``(micro_batches, raw_tokens)``: ``raw_tokens`` is what the whole step read from the stream.
     """
-    _, s, mode = phase_of(step, cfg)
-    seq_tokens, advance = sequence_layout(mode, s, cfg.seq_len)
-    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance)]
-    return micro, loader.global_seqs * advance
+    s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
+    seq_tokens, advance = sequence_layout(mode, s, seq_len)
+    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance, global_seqs)]
+    return micro, global_seqs * advance
 
 
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
 def build_optimizers(model, cfg, compile=False):
-    """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on the embeddings, the head and the scalars.
+    """Aurora/Muon (or AdamW) on the "matrix" parameters; Adam on "embed", "head" and "scalar" (``route``).
 
     ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
+
+    Raises:
+        ConfigError: a parameter without an optimizer group (named, with the fix).
     """
     cuda = next(model.parameters()).is_cuda
-    matrices = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters() if p.ndim == 2]
-    embeds = [model.embed.weight] + [table.weight for table in model.value_embeds]
-    scalars = [p for p in model.parameters() if p.ndim < 2]  # mixing and skip weights
-    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[model.lm_head.weight], lr=cfg.head_lr)]
+    groups = {g: [] for g in OPT_GROUPS}
+    for name, p in model.named_parameters():
+        if getattr(p, "opt_group", None) not in groups:
+            raise ConfigError(f"parameter {name} {tuple(p.shape)} has no optimizer group; tag it where it is "
+                              f"created with route(param, group), group one of {', '.join(OPT_GROUPS)}")
+        groups[p.opt_group].append((name, p))
+    matrices = groups["matrix"]
+    embeds, scalars = [p for _, p in groups["embed"]], [p for _, p in groups["scalar"]]
+    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[p for _, p in groups["head"]], lr=cfg.head_lr)]
     if scalars:
         adam_groups.append(dict(params=scalars, lr=cfg.scalar_lr))
     betas = (cfg.adam_beta1, cfg.adam_beta2)
@@ -1397,78 +1480,20 @@ def build_optimizers(model, cfg, compile=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule
+# Optimizer settings of a step (from the stage table)
 
-def lr_scale(step, cfg):
-    """lr multiplier at 0-based ``step``: linear warmup, flat, then linear decay to --lr-floor at step N."""
-    N = cfg.num_iterations
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    cooldown = cfg.cooldown_frac * N
-    if cooldown > 0 and step >= N - cooldown:
-        return cfg.lr_floor + (1 - cfg.lr_floor) * max(0.0, (N - step) / cooldown)
-    return 1.0
-
-
-def momentum_at(step, cfg):
-    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps."""
-    if cfg.momentum_warmup_steps == 0:
-        return cfg.momentum
-    frac = min(step / cfg.momentum_warmup_steps, 1.0)
-    return (1 - frac) * cfg.momentum_start + frac * cfg.momentum
-
-
-def apply_schedule(opts, step, cfg):
-    """Set every group's lr (and Aurora's momentum) for ``step``; returns the lr scale."""
-    scale = lr_scale(step, cfg)
+def apply_schedule(opts, row):
+    """Set every group's lr (and Aurora's momentum) from a stage-table ``row``; returns the lr scale."""
     for opt in opts:
         for g in opt.param_groups:
-            g["lr"] = g["initial_lr"] * scale
+            g["lr"] = g["initial_lr"] * row.lr_scale
             if isinstance(opt, Aurora):
-                g["momentum"] = momentum_at(step, cfg)
-    return scale
+                g["momentum"] = row.momentum
+    return row.lr_scale
 
 
 # ----------------------------------------------------------------------------------------------
-# Runtime and one step's gradients (gradient accumulation, all-reduce across processes)
-
-@dataclass
-class Runtime:
-    """Where and how this process runs: its rank among ``world`` processes, device, compile, bf16,
-    and ``accum``, the micro-batches per process per optimizer step."""
-    rank: int
-    world: int
-    device: torch.device
-    compile: bool
-    bf16: bool = False
-    accum: int = 1
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def distributed(self):
-        return self.world > 1
-
-    def autocast(self):
-        """bf16 autocast (default on CUDA), else plain float32 (exactly repeatable on CPU)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def to_device(self, t):
-        """Host tensor to the device, contiguous (pinned and asynchronous on CUDA).
-
-        Contiguous matters: compiled graphs are specialized to strides, and the loader's
-        sequences are overlapping views.
-        """
-        if self.device.type == "cuda":
-            return t.contiguous().pin_memory().to(self.device, non_blocking=True)
-        return t.contiguous()
-
+# One step's gradients (gradient accumulation, all-reduce across processes)
 
 def all_reduce_sum(t, rt):
     if rt.distributed:
@@ -1628,16 +1653,32 @@ def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
 
 
+@contextmanager
+def eval_mode(model):
+    """``model`` in eval mode (no gradients) inside the block, back in its previous mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def evaluate(model, val, mode, bag_size, cfg, rt):
-    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric)."""
+    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric).
+
+    The model runs in eval mode: training-only loss terms (``GPT.train_only_loss``) are left out.
+    """
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
-    for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
-        inputs, targets = rt.to_device(inputs), rt.to_device(targets)
-        with rt.autocast():
-            total += model(inputs, targets).double()
-        count += (targets != IGNORE_INDEX).sum()
+    with eval_mode(model):
+        for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+            inputs, targets = rt.to_device(inputs), rt.to_device(targets)
+            with rt.autocast():
+                total += model(inputs, targets).double()
+            count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
     if count.item() == 0:
@@ -1657,55 +1698,14 @@ class Progress:
     flops: float = 0.0          # model FLOPs (model_flops_per_position x positions)
 
 
-class Clock:
-    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
-
-    def __init__(self, rt, progress):
-        self.rt, self.progress, self.t0 = rt, progress, None
-
-    def start(self):
-        self.rt.sync()
-        self.t0 = time.perf_counter()
-
-    @contextmanager
-    def paused(self):
-        self.rt.sync()
-        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
-        yield
-        self.start()
-
-
-class NanGuard:
-    """The first step whose loss was not finite, kept on the device: no host sync per step.
-
-    ``check`` (one sync) runs at every logged line and before every checkpoint write.
-    """
-
-    def __init__(self, device, lr_flags):
-        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
-        self.lr_flags = lr_flags
-
-    def update(self, loss, step):
-        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
-
-    def check(self, model=None):
-        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
-        bad = int(self.first_bad)
-        if bad:
-            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
-                                     f"({self.lr_flags}) or check the data")
-        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
-                                     f"no checkpoint was written")
-
-
 @dataclass
 class Run:
-    """What the loop works on: config, runtime, the model (``net``: compiled, if it is), optimizers,
-    data, progress, the run log and the stop flag the signal handler sets."""
+    """What the loop works on: config and its stage table, runtime, the model (``net``: compiled, if
+    it is), optimizers, data, progress, the run log and the stop flag the signal handler sets."""
     cfg: Config
+    schedule: Schedule
     rt: Runtime
-    log: "RunLog"
+    log: harness.RunLog
     model: GPT
     net: nn.Module
     opts: list
@@ -1716,67 +1716,28 @@ class Run:
     stop: dict
     data: dict
 
-
-def training_loop(run, start_step, end_step):
-    """The speedrun itself: one optimizer step per iteration.
-
-    Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
-    """
-    cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
-    switch = tst_switch_step(cfg)
-    if start_step == 0:
-        validate(run, 0)
-    clock.start()
-    for step in range(start_step, end_step):
-        if step == switch > 0:
-            log_switch(run, step)
-        micro, raw_tokens = next_micro_batches(run.loader, step, cfg, rt)
-        if run.loader.wrapped:
-            log_wrap(run, step + 1)
-        scale = apply_schedule(run.opts, step, cfg)
-        run.model.set_window(step)
-        loss = accumulate_gradients(run.net, micro, rt)
-        for opt in run.opts:
-            opt.step()
-        run.model.zero_grad(set_to_none=True)
-        run.guard.update(loss, step + 1)
-        count_step(run.progress, cfg, raw_tokens, step)
-
-        done = step + 1
-        last, stopping = done == end_step, stop_requested(run)
-        if done % cfg.log_every == 0 or last or stopping:
-            with clock.paused():
-                log_train_line(run, done, loss, scale)
-        val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
-        save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
-        if val_now or save_now or (stopping and not last):
-            with clock.paused():
-                if val_now:
-                    validate(run, done)
-                if save_now or (stopping and not last):
-                    save(run, done)
-            if stopping and not last:
-                return done
-    return None
+    def phase_at(self, step):
+        """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
+        return self.schedule[step].stage.phase
 
 
-def count_step(progress, cfg, raw_tokens, step):
+def count_step(progress, row, raw_tokens):
     progress.raw_tokens += raw_tokens
-    progress.positions += cfg.batch_tokens
-    progress.flops += model_flops_per_position(cfg, step) * cfg.batch_tokens
+    progress.positions += row.stage.batch_tokens
+    progress.flops += row.flops_per_position * row.stage.batch_tokens
 
 
 def validate(run, step):
     """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
     cfg, rt = run.cfg, run.rt
-    phase = phase_of(max(step - 1, 0), cfg)[0]  # the phase that trained the model so far
-    run.model.set_window(step)  # the window schedule's value at this step (the full window at the end)
+    stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
+    run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
-    extra = {"phase": phase}
-    if phase == 1:
-        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, cfg.tst_mode, cfg.tst_bag_size, cfg, rt):.4f}"
+    extra = {"phase": stage.phase}
+    if stage.phase == 1:
+        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}"
     p = run.progress
     extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
     run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
@@ -1788,32 +1749,32 @@ def log_train_line(run, step, loss, scale):
     value, p = loss.item(), run.progress
     run.log.summary.setdefault("train_losses", []).append([step, value])
     run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
-        phase=phase_of(step - 1, run.cfg)[0], tokens=p.raw_tokens, positions=p.positions,
+        phase=run.phase_at(step - 1), tokens=p.raw_tokens, positions=p.positions,
         flops=f"{p.flops:.3e}", lr_scale=f"{scale:.4f}")))
 
 
-def log_switch(run, step):
-    run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {run.cfg.tst_bag_size} -> 1, mode "
-                 f"{run.cfg.tst_mode} -> next-token); same weights and optimizer state; "
+def log_stage(run, step):
+    """The line at the first step of a stage: ``tst_switch`` when TST ends, else ``stage``."""
+    was, now = run.schedule[step - 1].stage, run.schedule[step].stage
+    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
+    into = "next-token" if now.phase == 2 else now.mode
+    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
+                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
                  f"tokens:{run.progress.raw_tokens}")
 
 
-def log_wrap(run, step):
-    stream = run.loader.stream
-    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
-                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
-
-
-def step_line(step, cfg, what, value, train_time_ms, extra):
-    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
-    avg = train_time_ms / max(step, 1)
-    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
-    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
-            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
+def log_model_line(run):
+    cfg, rt = run.cfg, run.rt
+    n_params = sum(p.numel() for p in run.model.parameters())
+    tst = ", ".join(f"{st.mode} s={st.bag_size} for steps [{st.start}, {st.end})"
+                    for st in run.schedule.stages if st.phase == 1) or "off"
+    run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
+                 f"position at step 0; "
+                 f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
 
 def warm_up(run):
-    """Compile every graph the run will use (both phases, train and val) before the clock starts.
+    """Compile every graph the stage table implies (one per distinct objective, train and val) before the clock.
 
     Returns the warm-up time in ms (0 without --compile); reported, not counted in train_time.
     """
@@ -1821,8 +1782,8 @@ def warm_up(run):
     if not rt.compile:
         return 0.0
     t0 = time.perf_counter()
-    phases = sorted({phase_of(s, cfg) for s in (0, tst_switch_step(cfg), cfg.num_iterations - 1)})
-    for _, s, mode in phases:
+    graphs = list(dict.fromkeys(run.schedule.graphs() + [(1, "full")]))  # + the val metric's next-token
+    for s, mode in graphs:
         seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
         dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
         inputs, targets = make_batch(rt.to_device(dummy), mode, s)
@@ -1830,15 +1791,58 @@ def warm_up(run):
             run.net(inputs, targets).backward()
         run.model.zero_grad(set_to_none=True)
         vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
-        with torch.no_grad(), rt.autocast():
+        with eval_mode(run.net), rt.autocast():
             run.net(rt.to_device(vi), rt.to_device(vt))
     for opt in run.opts:
         if isinstance(opt, Aurora):
             opt.warmup()
     rt.sync()
     ms = 1000 * (time.perf_counter() - t0)
-    run.log.line(f"compile: warm-up of {len(phases)} phase graph(s) took {ms:.0f}ms (not in train_time)")
+    run.log.line(f"compile: warm-up of {len(graphs)} phase graph(s) took {ms:.0f}ms (not in train_time)")
     return ms
+
+
+def training_loop(run, start_step, end_step):
+    """The speedrun itself: one optimizer step per iteration.
+
+    Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
+    """
+    cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
+    if start_step == 0:
+        validate(run, 0)
+    clock.start()
+    for step in range(start_step, end_step):
+        row = run.schedule[step]  # every per-step quantity comes from the stage table
+        if step == row.stage.start > 0:
+            log_stage(run, step)
+        micro, raw_tokens = next_micro_batches(run.loader, row.stage, cfg.seq_len, rt)
+        if run.loader.wrapped:
+            log_wrap(run, step + 1)
+        scale = apply_schedule(run.opts, row)
+        run.model.set_window(row.window)
+        loss = accumulate_gradients(run.net, micro, rt)
+        for opt in run.opts:
+            opt.step()
+        run.model.zero_grad(set_to_none=True)
+        run.guard.update(loss, step + 1)
+        count_step(run.progress, row, raw_tokens)
+
+        done = step + 1
+        last, stopping = done == end_step, harness.stop_requested(run)
+        if done % cfg.log_every == 0 or last or stopping:
+            with clock.paused():
+                log_train_line(run, done, loss, scale)
+        val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
+        save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
+        if val_now or save_now or (stopping and not last):
+            with clock.paused():
+                if val_now:
+                    validate(run, done)
+                if save_now or (stopping and not last):
+                    harness.save(run, done)
+            if stopping and not last:
+                return done
+    return None
 
 
 def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
@@ -1848,16 +1852,16 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     ``stop`` the dict the signal handler fills (``{"signal": name}``). Returns ``(status, reason)``.
     """
     train_stream, val_stream = open_data(cfg, data)
-    log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
+    harness.log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
-    run = Run(cfg, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
+    run = Run(cfg, Schedule(cfg), rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
               build_optimizers(model, cfg, compile=rt.compile),
               TrainLoader(train_stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
               stop if stop is not None else {"signal": None}, data)
-    start_step = restore(run, *resume[:2]) if resume else 0
+    start_step = harness.restore(run, *resume[:2]) if resume else 0
     log_model_line(run)
     compile_ms = warm_up(run)
     log.update(compile_time_ms=round(compile_ms))
@@ -1869,842 +1873,53 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
         return "interrupted", f"{run.stop['signal']}; resume with --resume auto --run-id {log.summary['run_id']}"
     if rt.compile:
         log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
-    log_summary(run, end_step, compile_ms)
+    harness.log_summary(run, end_step, compile_ms)
     if end_step < cfg.num_iterations:
         return "stopped_early", f"--max-steps {cfg.max_steps}"
     return "complete", None
 
 
-# ==============================================================================================
-# Harness: CLI checks, data files, checkpoints and resume, the run log, signals, main.
-# Nothing below changes what a run computes.
-# ==============================================================================================
+def plan(cfg):
+    """What a run would do, for ``--describe`` (``harness.Trainer.plan``): no data, no device.
 
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, "") or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """A bad flag gets its one error line, not the 40-line usage above it."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+    Lines for the parameter count (the model built on the meta device) and, per stage, its
+    steps, latent positions, raw tokens (text read) and FLOPs per step; ``flops_total`` (model
+    FLOPs of all N steps), ``tokens_total`` (raw train tokens read), ``steps``: all from the stage table.
+    """
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    table, N, L = Schedule(cfg), cfg.num_iterations, cfg.seq_len
+    flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
+    lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
+             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+    for st in table.stages:
+        what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
+                     f"{st.raw_tokens(L):,} raw tokens per step, "
+                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
+    tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
+    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, steps=N)
 
 
-def build_parser():
-    """argparse parser generated from Config: one --kebab-case flag per field, plus --preset."""
-    p = _Parser(
-        prog="train_gpt.py",
-        description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
-                    "--preset sets several at once and explicit flags override it.",
-        epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
-                                        for k, v in PRESETS.items()),
-        formatter_class=_DefaultsFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="bundle of defaults")
-    p.add_argument("--describe", action="store_true",
-                   help="print what the run would do (config, parameters, FLOPs, tokens, projected time) and exit; "
-                        "needs no data and no GPU")
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=f.default, help=f.metadata["help"])
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, type=typ, choices=f.metadata.get("choices"), **kw)
-    return p
+TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
+                          shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
+                          train=train, plan=plan)
+RUN_DEFINING = TRAINER.run_defining
 
 
 def parse_config(argv=None):
-    """Config from command-line words: dataclass defaults < --preset < explicit flags.
-
-    Returns ``(Config, preset name or None)``.
-
-    Raises:
-        ConfigError: a value that cannot work (names the flag).
-    """
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
-    if known.preset:
-        parser.set_defaults(**PRESETS[known.preset])
-    args, extra = parser.parse_known_args(argv)
-    if extra and all(os.path.exists(a) for a in extra):
-        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, "
-                          f"e.g. --train-files 'data/fineweb10B/fineweb_train_*.bin'")
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    cfg = Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
-    validate_config(cfg)
-    return cfg, args.preset
+    """``(Config, preset)`` from command-line words (``harness.parse_config``). Raises ConfigError."""
+    return harness.parse_config(argv, TRAINER)
 
 
 def config_to_argv(config):
     """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
-    values = dataclasses.asdict(config) if isinstance(config, Config) else dict(config)
-    argv = []
-    for f in fields(Config):
-        if f.name not in values or values[f.name] is None:
-            continue
-        flag, value = "--" + f.name.replace("_", "-"), values[f.name]
-        if f.type in (bool, "bool"):
-            argv.append(flag if value else "--no-" + flag[2:])
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _flag(name):
-    return "--" + name.replace("_", "-")
-
-
-def validate_config(cfg):
-    """Raise ConfigError naming the flag for any value that cannot work (the CLI's only check)."""
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-    for f in fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float):
-            need(math.isfinite(value), f"{_flag(f.name)} must be finite (got {value})")
-        if isinstance(value, int) and not isinstance(value, bool):  # sizes, counts, seeds: int32 is plenty
-            need(value < 2**31, f"{_flag(f.name)} must be < 2**31 (got {value})")
-    for name in ("n_layer", "n_head", "model_dim", "mlp_ratio", "seq_len", "batch_tokens",
-                 "micro_batch_seqs", "num_iterations", "val_tokens", "vocab_size", "log_every"):
-        need(getattr(cfg, name) >= 1, f"{_flag(name)} must be >= 1 (got {getattr(cfg, name)})")
-    for name in ("max_steps", "val_every", "val_batch_seqs", "save_every", "warmup_steps", "momentum_warmup_steps",
-                 "adamw_lr", "adamw_wd", "embed_lr", "head_lr", "scalar_lr"):
-        need(getattr(cfg, name) >= 0, f"{_flag(name)} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("momentum_start", "adam_beta1", "adam_beta2"):
-        need(0.0 <= getattr(cfg, name) < 1.0, f"{_flag(name)} must be in [0, 1) (got {getattr(cfg, name)})")
-    try:  # Aurora's own check, its arguments named as flags
-        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
-                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
-    except ValueError as e:
-        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
-                     pp_beta="pp_beta", ns="ns")
-        name, rest = str(e).split(" ", 1)
-        raise ConfigError(f"{_flag(flags.get(name, name))} {rest}") from None
-    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
-         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
-    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
-    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
-    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
-    need(cfg.batch_tokens % cfg.seq_len == 0,
-         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
-    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
-    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
-    need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
-    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
-    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
-    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
-    check_architecture(cfg, need)
-    need(cfg.warmup_steps <= cfg.num_iterations,
-         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
-    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
-        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
-             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
-             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
-    need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
-         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
-
-
-def check_architecture(cfg, need):
-    """The architecture flags' checks (part of ``validate_config``); ``need(ok, msg)`` raises ConfigError."""
-    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
-    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
-         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
-    layers = {}
-    for name in ("short_window_layers", "no_attn_layers"):
-        text = getattr(cfg, name)
-        try:
-            layers[name] = layer_set(text)
-        except ValueError as e:
-            raise ConfigError(f"{_flag(name)} {text!r}: {e}") from None
-        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
-        need(not bad, f"{_flag(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})")
-    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
-    k, n = cfg.value_embeds, cfg.n_layer
-    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
-    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
-    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
-    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
-                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
-    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
-    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
-
-
-def grad_accum_steps(cfg, world):
-    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
-
-    Raises:
-        ConfigError: no even split; names the --micro-batch-seqs values that work, or, when no value
-            can work with this many processes, the process counts that can.
-    """
-    seqs = cfg.batch_tokens // cfg.seq_len
-    if seqs % (cfg.micro_batch_seqs * world) == 0:
-        return seqs // (cfg.micro_batch_seqs * world)
-    fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
-    if fits:
-        raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
-                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
-    counts = [w for w in range(1, min(seqs, 64) + 1) if seqs % w == 0]
-    raise ConfigError(f"{world} processes cannot share the {seqs} sequences of a step (--batch-tokens / --seq-len) "
-                      f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
-
-
-def raw_tokens_per_step(cfg, step):
-    """Raw text tokens optimizer ``step`` reads from the train stream (TST phase 1: s times the positions)."""
-    _, s, mode = phase_of(step, cfg)
-    return cfg.batch_tokens // cfg.seq_len * sequence_layout(mode, s, cfg.seq_len)[1]
-
-
-def train_tokens_needed(cfg):
-    """Raw train tokens a whole run reads (phase 1 reads s times more per step), labels included."""
-    switch, N = tst_switch_step(cfg), cfg.num_iterations
-    total = switch * raw_tokens_per_step(cfg, 0) + (N - switch) * raw_tokens_per_step(cfg, N - 1)
-    return total + cfg.tst_bag_size * cfg.seq_len  # the last sequence's labels
-
-
-# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets), for --describe's projections.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "B200": 2250.0}
-
-
-def _duration(seconds):
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2g} s"
-
-
-def describe(cfg, preset):
-    """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
-
-    The resolved config; the parameter count (the model built on the meta device); per phase
-    its steps, latent positions, raw tokens (text read) and FLOPs (``model_flops_per_position``)
-    per step; ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw
-    train tokens read), ``steps`` (int); then the train time projected from ``flops_total`` at
-    40% and 60% of each GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
-    """
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    N, switch = cfg.num_iterations, tst_switch_step(cfg)
-    flops = [model_flops_per_position(cfg, step) * cfg.batch_tokens for step in range(N)]
-    lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
-             "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True),
-             f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
-             f"sequences of {cfg.seq_len:,} latent positions, window {window_at(0, cfg)[0]} -> {window_at(N, cfg)[0]}"]
-    for phase, (first, last) in ((1, (0, switch)), (2, (switch, N))):
-        if last > first:
-            _, s, mode = phase_of(first, cfg)
-            what = f"TST {mode} s={s}" if phase == 1 else "next-token"
-            lines.append(f"phase {phase} ({what}): steps [{first}, {last}): {cfg.batch_tokens:,} positions and "
-                         f"{raw_tokens_per_step(cfg, first):,} raw tokens per step, "
-                         f"{min(flops[first:last]):.3e} - {max(flops[first:last]):.3e} FLOPs per step")
-    total = sum(flops)
-    lines += [f"flops_total: {total:.4e}", f"tokens_total: {sum(raw_tokens_per_step(cfg, t) for t in range(N))}",
-              f"steps: {N}"]
-    for gpu, tflops in PEAK_BF16_TFLOPS.items():
-        for n_gpus in (1, 8):
-            t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))
-            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): "
-                         f"{_duration(t40)} at 40% of peak, {_duration(t60)} at 60%")
-    return lines
-
-
-# ----------------------------------------------------------------------------------------------
-# Data files: which shards a run reads, identified by content
-
-def resolve_files(pattern, flag):
-    """Sorted files matching a glob. Raises DataError naming the flag when nothing matches."""
-    files = sorted(glob.glob(os.path.expanduser(pattern)))
-    if not files:
-        raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
-                        f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
-    for f in files:  # a FIFO would block the first read, a folder fail it
-        if not os.path.isfile(f):
-            raise DataError(f"{f}: not a regular file (a folder, FIFO or device); {flag} must match shard files")
-    return files
-
-
-def fingerprint(path, n_bytes=1 << 20):
-    """sha256 (16 hex) of a file's size, first and last MiB: fast, identifies a shard's contents."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h = hashlib.sha256(str(size).encode())
-            h.update(f.read(n_bytes))
-            f.seek(max(0, size - n_bytes))
-            h.update(f.read(n_bytes))
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
-    return h.hexdigest()[:16]
-
-
-def find_data(cfg):
-    """``{"train": [[path, fingerprint], ...], "val": [...]}`` of the run's globs.
-
-    Raises:
-        DataError: a glob matches nothing, or a train file has a val file's content (the
-            val tokens would be trained on).
-    """
-    data = {kind: [[f, fingerprint(f)] for f in resolve_files(pattern, flag)]
-            for kind, pattern, flag in (("train", cfg.train_files, "--train-files"),
-                                        ("val", cfg.val_files, "--val-files"))}
-    val_fps = {fp: f for f, fp in data["val"]}
-    for f, fp in data["train"]:
-        if fp in val_fps:
-            raise DataError(f"--train-files {cfg.train_files!r}: {f} has the content of val shard {val_fps[fp]}; "
-                            f"training on val tokens voids the val loss: exclude it (e.g. '<dir>/*_train_*.bin')")
-    return data
-
-
-def open_data(cfg, data):
-    """(train TokenStream that wraps, val TokenStream) over the files of ``find_data``. Raises DataError."""
-    ids = min(cfg.vocab_size, GPT2_IDS)  # padding rows are never a token
-    return (TokenStream([f for f, _ in data["train"]], wrap=True, vocab_size=ids),
-            TokenStream([f for f, _ in data["val"]], vocab_size=ids))
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and resume
-
-CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio")
-
-
-def checkpoint_state(run, step):
-    """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
-    return dict(config=dataclasses.asdict(run.cfg), step=step, phase=phase_of(step, run.cfg)[0],
-                run_id=run.log.summary["run_id"], model=run.model.state_dict(),
-                optimizers=[o.state_dict() for o in run.opts], loader_position=run.loader.position,
-                counters=dataclasses.asdict(run.progress), data=run.data,
-                rng=dict(torch=torch.get_rng_state(),
-                         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
-
-
-def save_checkpoint(state, path):
-    """Write a checkpoint atomically: serialize, checksum, write ``<path>.tmp.<pid>``, rename.
-
-    The file is ``torch.save({"format", "sha256", "payload"})`` where ``payload`` is the
-    uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load.
-
-    Raises:
-        ConfigError: the folder lacks the space (checked first: needed and free MB named) or
-            the write fails (disk full, file too large, I/O error); the temporary file is removed.
-    """
-    inner, outer = io.BytesIO(), io.BytesIO()  # serialized in memory: a failed write is a plain OSError
-    torch.save(state, inner)
-    payload = inner.getbuffer()
-    torch.save(dict(format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
-                    payload=torch.frombuffer(payload, dtype=torch.uint8)), outer)
-    folder, tmp = os.path.dirname(path) or ".", f"{path}.tmp.{os.getpid()}"
-    need_mb = (outer.getbuffer().nbytes >> 20) + 1
-    try:
-        os.makedirs(folder, exist_ok=True)
-        free_mb = shutil.disk_usage(folder).free >> 20
-        if free_mb < need_mb:
-            raise OSError(28, f"No space left: {need_mb} MB needed, {free_mb} MB free")
-        with open(tmp, "wb") as f:
-            f.write(outer.getbuffer())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ConfigError(f"--checkpoint-dir: cannot write {path} ({e.strerror}; the checkpoint is ~{need_mb} MB); "
-                          f"free space there or choose another --checkpoint-dir") from None
-    finally:  # a failed write, or a signal during it, leaves no temporary file
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_checkpoint(path):
-    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config, data).
-
-    Raises:
-        ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
-            (checksum mismatch); the message names the file and what to do.
-    """
-    if not os.path.isfile(path):
-        raise ConfigError(f"--resume {path}: no such checkpoint file")
-    with open(path, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
-    if not is_zip:
-        raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint (give a checkpoints/<run_id>/step_N.pt)")
-    try:
-        outer = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several kinds for a truncated or mangled archive
-        first = (str(e).splitlines() or [""])[0][:120]
-        raise ConfigError(f"--resume {path}: truncated or unreadable checkpoint ({type(e).__name__}: "
-                          f"{first}); resume from an older one") from None
-    if not isinstance(outer, dict) or outer.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint")
-    payload = outer["payload"].numpy().tobytes()
-    if hashlib.sha256(payload).hexdigest() != outer["sha256"]:
-        raise ConfigError(f"--resume {path}: corrupt checkpoint (sha256 mismatch); resume from an older one")
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-
-
-def find_latest_checkpoint(checkpoint_dir, run_id=""):
-    """The highest-step ``step_NNNNNN.pt`` of a run under ``checkpoint_dir`` (``<dir>/<run_id>/`` if named).
-
-    By step number, not file time: a copied folder loses its modification times.
-
-    Raises:
-        ConfigError: no checkpoint there, or checkpoints of several runs and no --run-id.
-    """
-    where = os.path.join(checkpoint_dir, run_id) if run_id else checkpoint_dir
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
-             if (m := re.fullmatch(r"step_(\d+)\.pt", os.path.basename(p)))]
-    if not found:
-        raise ConfigError(f"--resume auto: no checkpoint under {where!r} (--checkpoint-dir"
-                          + (", --run-id)" if run_id else ")"))
-    runs = sorted({os.path.dirname(p) for _, p in found})
-    if len(runs) > 1:
-        raise ConfigError(f"--resume auto: checkpoints of {len(runs)} runs under {where!r} "
-                          f"({', '.join(os.path.relpath(r, where) for r in runs)}); "
-                          + ("keep one folder of step_*.pt files there" if run_id else "name one with --run-id"))
-    return max(found)[1]
-
-
-def check_resume(state, cfg, data):
-    """Differences in run-defining config fields and in the data between a checkpoint and this run.
-
-    Returns the list of differences (continued past with ``--resume-force``).
-
-    Raises:
-        ConfigError: any difference without --resume-force, or a different model shape at all.
-    """
-    # a field newer than the checkpoint counts as its default there (what that trainer computed)
-    saved = {**{f.name: f.default for f in fields(Config)}, **state["config"]}
-    diffs = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
-             for k in RUN_DEFINING if saved[k] != getattr(cfg, k)]
-    shape = [d for d in diffs if d.split(":")[0] in SHAPE_FIELDS]
-    if shape:
-        raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
-                          + "); use the checkpoint's model flags")
-    for kind in ("train", "val"):
-        was, now = state.get("data", data)[kind], data[kind]
-        if [fp for _, fp in was] != [fp for _, fp in now]:
-            diffs.append(f"{kind} data: checkpoint {len(was)} file(s) ({', '.join(os.path.basename(f) for f, _ in was)}) "
-                         f"vs now {len(now)} ({', '.join(os.path.basename(f) for f, _ in now)}) with other contents")
-    if diffs and not cfg.resume_force:
-        raise ConfigError("--resume: the checkpoint was made with a different run config or data ("
-                          + "; ".join(diffs) + "); use the same flags and shards, or --resume-force to continue anyway")
-    return diffs
-
-
-def prepare_resume(cfg, data):
-    """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written."""
-    path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
-    state = load_checkpoint(path)
-    return state, path, check_resume(state, cfg, data)
-
-
-def restore(run, state, path):
-    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
-    run.model.load_state_dict(state["model"])
-    for opt, sd in zip(run.opts, state["optimizers"]):
-        opt.load_state_dict(sd)
-    run.loader.position = state["loader_position"]
-    run.progress = Progress(**state["counters"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and run.rt.device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    p = run.progress
-    run.log.line(f"resume: from {path} at step {state['step']} (phase {state['phase']}) "
-                 f"train_time:{p.train_time_ms:.0f}ms tokens:{p.raw_tokens}")
-    return state["step"]
-
-
-def save(run, step):
-    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights."""
-    run.guard.check(run.model)
-    if run.rt.master:
-        path = os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
-        save_checkpoint(checkpoint_state(run, step), path)
-        run.log.line(f"checkpoint: step {step} -> {path}")
-    if run.rt.distributed:
-        dist.barrier()
-
-
-def check_checkpoint_dir(cfg, run_id):
-    """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
-    if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
-        return
-    where = os.path.join(cfg.checkpoint_dir, run_id)
-    try:
-        os.makedirs(where, exist_ok=True)
-        probe = os.path.join(where, f".write_test.{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir!r}: cannot write checkpoints there "
-                          f"({e.strerror}); choose another --checkpoint-dir") from None
-
-
-# ----------------------------------------------------------------------------------------------
-# The run log: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
-
-SEPARATOR = "=" * 100  # between the source snapshot and the run
-SOURCE_FILES = ("train_gpt.py", "aurora_opt.py")
-
-
-def source_snapshot():
-    """The exact source of both files, each after a ``### file <name> lines=<n> sha256=<hex>`` line."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    parts = []
-    for name in SOURCE_FILES:
-        with open(os.path.join(here, name), encoding="utf-8") as f:
-            text = f.read()
-        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        parts.append(f"### file {name} lines={len(text.splitlines())} sha256={digest}\n{text}")
-        if not text.endswith("\n"):
-            parts.append("\n")
-    return "".join(parts)
-
-
-def _run_quiet(cmd):
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def environment_lines(rt):
-    """Versions, host, devices (GPU model and nvidia-smi, or CPU model, cores and threads)."""
-    lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
-             f"cuda: {torch.version.cuda}  numpy: {np.__version__}",
-             f"host: {platform.node()}  platform: {platform.platform()}",
-             f"world_size: {rt.world}  device: {rt.device}  compile: {rt.compile}  bf16: {rt.bf16}"]
-    if rt.device.type == "cuda":
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        lines.append(f"gpus: {len(names)} x {names[0]}" if len(set(names)) == 1 else f"gpus: {names}")
-        smi = _run_quiet(["nvidia-smi"])
-        if smi:
-            lines.append(smi)
-    else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):
-            with open("/proc/cpuinfo") as f:
-                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-        lines.append(f"cpu: {cpu}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
-    return lines
-
-
-def git_description():
-    commit = _run_quiet(["git", "rev-parse", "HEAD"])
-    if not commit:
-        return "none (not a git checkout)"
-    dirty = _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"])
-    return commit + (" (uncommitted changes)" if dirty else "")
-
-
-class RunLog:
-    """The run's log file and JSON summary. Only rank 0 writes; every rank may call it.
-
-    The text file holds, in order: source snapshot, separator, environment, command line,
-    config, git commit, data files, step lines, summary, ``status:`` line. A new log never
-    replaces an existing one; ``resume=True`` appends to the run's log when it exists.
-
-    Raises:
-        ConfigError: the log exists (and this is no resume), or --log-dir cannot be written
-            (at creation or later, e.g. a full disk).
-    """
-
-    def __init__(self, cfg, rt, run_id, resume=False):
-        self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
-        self.summary = dict(run_id=run_id, status="running")
-        if not rt.master:
-            return
-        path = os.path.join(cfg.log_dir, f"{run_id}.txt")
-        json_path = os.path.join(cfg.log_dir, f"{run_id}.json")
-        try:
-            if not os.path.isdir(cfg.log_dir):
-                os.makedirs(cfg.log_dir)
-            if resume and os.path.exists(path):
-                if os.path.exists(json_path):
-                    self.summary = self._read_summary(json_path)
-                self.file = open(path, "a", encoding="utf-8")
-            else:
-                self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
-                self.is_new = True
-        except FileExistsError:
-            if not os.path.isdir(cfg.log_dir):
-                raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
-            raise ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
-                              f"(or continue that run with --resume)") from None
-        except OSError as e:
-            raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e.strerror}); "
-                              f"choose another --log-dir") from None
-        self.path, self.json_path = path, json_path
-        if self.is_new:
-            try:
-                self._write(source_snapshot() + SEPARATOR + "\n")
-            except ConfigError:  # not even the snapshot fits: leave no partial log behind
-                self.file.close()
-                os.remove(path)
-                raise
-
-    @staticmethod
-    def _read_summary(json_path):
-        """The JSON summary of the run being resumed. Raises ConfigError when it is not valid JSON."""
-        try:
-            with open(json_path, encoding="utf-8") as f:
-                summary = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--resume: {json_path} is not valid JSON ({e}); restore it, or move it away "
-                              f"to start a new summary") from None
-        if not isinstance(summary, dict):
-            raise ConfigError(f"--resume: {json_path} is not a run summary; restore it, or move it away")
-        return summary
-
-    def _write(self, text):
-        try:
-            self.file.write(text)
-            self.file.flush()
-        except OSError as e:
-            raise ConfigError(f"--log-dir: cannot write {self.path} ({e.strerror}); free space there "
-                              f"or choose another --log-dir") from None
-
-    def line(self, text, echo=True):
-        if not self.rt.master:
-            return
-        if echo:
-            print(text, flush=True)
-        self._write(text + "\n")
-
-    def update(self, **kw):
-        self.summary.update(kw)
-
-    def finish(self, status, reason=None):
-        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...).
-
-        Best effort: when even that cannot be written (a full disk), say so on stderr.
-        """
-        if not self.rt.master or self.path is None or self.file.closed:
-            return
-        reason = " | ".join(str(reason).split("\n")) if reason else None  # the status stays one line
-        self.summary["status"] = status
-        self.summary.pop("reason", None)  # a resumed run's earlier stop reason no longer applies
-        if reason:
-            self.summary["reason"] = reason
-        tmp = self.json_path + ".tmp"
-        try:
-            self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.summary, f, indent=1)
-            os.replace(tmp, self.json_path)
-        except (OSError, ConfigError) as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            print(f"train_gpt.py: could not finish the log {self.path} as {status} ({e})", file=sys.stderr)
-        finally:
-            try:
-                self.file.close()
-            except OSError:  # the last flush failed: already reported
-                pass
-
-
-def log_run_header(log, cfg, rt, preset, resume, data, streams):
-    """Every start (a resume too, maybe on another machine) records where and how it ran, and on what data."""
-    if resume and resume[2]:
-        log.line("resume_force: continuing despite differences: " + "; ".join(resume[2]))
-    for text in environment_lines(rt):
-        log.line(text, echo=False)
-    log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        log.line(f"launcher: torchrun, {os.environ.get('LOCAL_WORLD_SIZE', '?')} process(es) per node, "
-                 f"world size {rt.world}", echo=False)
-    log.line(f"git: {git_description()}", echo=False)
-    if log.is_new:
-        log.line(f"preset: {preset}", echo=False)
-        log.line("config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), echo=False)
-    for kind, stream in zip(("train", "val"), streams):
-        for (f, fp), n in zip(data[kind], stream.sizes):
-            log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
-
-
-def log_model_line(run):
-    cfg, rt, switch = run.cfg, run.rt, tst_switch_step(run.cfg)
-    n_params = sum(p.numel() for p in run.model.parameters())
-    tst = "off" if switch == 0 else f"{cfg.tst_mode} s={cfg.tst_bag_size} for steps [0, {switch})"
-    run.log.line(f"model: {n_params:,} parameters, {model_flops_per_position(cfg):,.0f} FLOPs per latent position "
-                 f"at step 0; "
-                 f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
-
-
-def peak_memory_mib(rt):
-    if rt.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(rt.device) / 2**20
-    import resource  # peak resident set size of this process, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def log_summary(run, end_step, compile_ms):
-    p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
-    log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=p.flops / max(p.positions, 1),
-               train_epochs=round(run.loader.position / run.loader.stream.total, 4),
-               peak_memory_mib=round(peak, 1), world_size=run.rt.world)
-    log.line(SEPARATOR)
-    log.line(f"summary: final_val_loss:{log.summary.get('final_val_loss', float('nan')):.4f} "
-             f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
-             f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
-             f"compile_time:{compile_ms:.0f}ms")
-
-
-# ----------------------------------------------------------------------------------------------
-# Processes, signals, main
-
-def setup_runtime(cfg):
-    """Pick the device and join the process group when launched by torchrun.
-
-    The device index comes from LOCAL_RANK (multi-node safe); NCCL on CUDA, gloo on CPU, with
-    a timeout so a rank that died never leaves the others hanging in a collective.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-    accum = grad_accum_steps(cfg, world)
-    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        tune_cpu_allocator()
-    if world > 1:
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
-                                **({"device_id": device} if kind == "cuda" else {}))
-    use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
-    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
-    return Runtime(rank, world, device, use_compile, use_bf16, accum)
-
-
-def tune_cpu_allocator():
-    """glibc: keep freed big blocks (the [N, V] logits) in the heap instead of unmapping them.
-
-    A CPU step allocates and frees ~100 MB buffers; returning them to the OS and faulting them
-    in again doubles the step time. Same as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2**31-1.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-
-
-def compiled_graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def known_failure(err):
-    """One line for a failure of the machine rather than of the code, else None: a torch.compile
-    toolchain failure (no working C++ compiler, ...) or running out of memory."""
-    names, texts = set(), []
-    while err is not None:
-        names.add(type(err).__name__)
-        texts.append(str(err))
-        err = err.__cause__ or err.__context__
-    if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
-        kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
-        return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
-                f"(and Triton on CUDA) or run with --no-compile")
-    if names & {"OutOfMemoryError", "MemoryError"} or any("can't allocate memory" in t for t in texts):
-        return ("out of memory (" + texts[0].splitlines()[0][:120] + "); lower --micro-batch-seqs (the "
-                "accumulation grows to keep the batch) or the model size (--model-dim, --mlp-ratio, --n-layer)")
-    return None
-
-
-class StopRequested(Exception):
-    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
-
-
-def install_stop_handlers(stop, save_on_interrupt):
-    """SIGINT/SIGTERM: stop now (log marked incomplete), or with --save-on-interrupt after the
-    current step (checkpoint, log marked interrupted). Returns the previous handlers."""
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-        if not save_on_interrupt:
-            raise StopRequested(f"interrupted by {stop['signal']}")
-    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-def stop_requested(run):
-    """True once a signal asked to stop after this step; with torchrun, once any rank got one."""
-    if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
-        flag = torch.tensor(float(run.stop["signal"] is not None), device=run.rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and run.stop["signal"] is None:
-            run.stop["signal"] = "SIGTERM (on another rank)"
-    return run.stop["signal"] is not None
-
-
-def start(cfg):
-    """Everything that can be refused before a file is written: runtime, data files, resume, run id, folders."""
-    rt = setup_runtime(cfg)
-    data = find_data(cfg)
-    resume = prepare_resume(cfg, data) if cfg.resume else None
-    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    if rt.master:
-        check_checkpoint_dir(cfg, run_id)
-    return rt, data, resume, run_id
+    return harness.config_to_argv(config, Config)
 
 
 def main(argv=None):
-    """Run from command-line words; returns the exit status (0 only for a completed run).
-
-    Everything that can be refused (flags, data files, the checkpoint to resume, the log and
-    checkpoint folders) is checked before the log is created; from then on any failure closes
-    the log with ``status:incomplete`` and the reason.
-    """
-    log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
-    status, reason, code = "incomplete", None, 1
-    try:
-        cfg, preset = parse_config(argv)
-        if build_parser().parse_known_args(argv)[0].describe:
-            print("\n".join(describe(cfg, preset)))
-            return 0
-        handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
-        rt, data, resume, run_id = start(cfg)
-        rank = rt.rank
-        log = RunLog(cfg, rt, run_id, resume=resume is not None)
-        status, reason = train(cfg, rt, log, data, preset, resume, stop)
-        code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
-    except (ConfigError, DataError, FloatingPointError) as e:
-        reason = f"rank {rank}: {e}"
-        print(f"train_gpt.py: error: {reason}", file=sys.stderr)
-        code = 1 if isinstance(e, FloatingPointError) else 2
-    except (KeyboardInterrupt, StopRequested) as e:
-        reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
-        print(f"train_gpt.py: {reason}", file=sys.stderr)
-        code = 130
-    except BaseException as e:  # a toolchain or memory failure gets one line; anything else keeps its traceback
-        message = known_failure(e)
-        if message is None:
-            if log is not None:
-                log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
-            raise
-        reason = f"rank {rank}: {message}"
-        print(f"train_gpt.py: error: {reason}", file=sys.stderr)
-        code = 2
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    if log is not None:
-        log.finish(status, reason)
-        if log.path:
-            print(f"log: {log.path} ({status})", file=sys.stderr)
-    if code == 0 and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    """Run from command-line words (``harness.main``); returns the exit status."""
+    return harness.main(argv, TRAINER)
 
 
 if __name__ == "__main__":

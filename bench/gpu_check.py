@@ -114,12 +114,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO, "train_gpt.py")
 sys.path.insert(0, REPO)
 try:  # a broken trainer must not stop the environment and device checks from reporting
+    import harness as H
     import train_gpt as T
     TRAINER_IMPORT_ERROR = None
 except Exception as _e:  # noqa: BLE001
-    T, TRAINER_IMPORT_ERROR = None, f"import train_gpt failed: {type(_e).__name__}: {_e}"
+    H, T, TRAINER_IMPORT_ERROR = None, None, f"import train_gpt failed: {type(_e).__name__}: {_e}"
 
-SEPARATOR = T.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
+SEPARATOR = H.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
 SCHEMA = "gpu_check-1"
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA datasheets (SXM parts);
@@ -528,7 +529,7 @@ def write_shard(path, tokens):
     header = np.zeros(256, dtype="<i4")
     header[0], header[1], header[2] = 20240520, 1, len(tokens)  # magic, version, n_tokens (SPEC.md)
     if T is not None:
-        header[0], header[1] = T.SHARD_MAGIC, T.SHARD_VERSION
+        header[0], header[1] = H.SHARD_MAGIC, H.SHARD_VERSION
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header.tobytes())

@@ -424,10 +424,15 @@ def order_key(pattern):
     return "/".join(str(pattern).replace(os.sep, "/").rstrip("/").split("/")[-2:])
 
 
+TRAINER_FILES = ("train_gpt.py", "aurora_opt.py", "harness.py")  # what a run's log snapshots
+
+
 def code_hashes(code_dir):
     """``{file name: sha256}`` of the trainer snapshot's files (what every run's log header records)."""
     out = {}
-    for name in ("train_gpt.py", "aurora_opt.py"):
+    for name in TRAINER_FILES:
+        if name == "harness.py" and not os.path.exists(os.path.join(code_dir, name)):
+            continue  # a snapshot of the trainer from before the harness moved out of train_gpt.py
         with open(os.path.join(code_dir, name), "rb") as f:
             out[name] = hashlib.sha256(f.read()).hexdigest()
     return out
@@ -595,7 +600,7 @@ def snapshot_trainer(out):
     code = os.path.join(out, "code")
     if not os.path.exists(os.path.join(code, "train_gpt.py")):
         os.makedirs(code, exist_ok=True)
-        for name in ("aurora_opt.py", "train_gpt.py"):
+        for name in TRAINER_FILES:
             shutil.copyfile(os.path.join(REPO, name), os.path.join(code, name))
         print(f"trainer snapshot: {code}", flush=True)
     else:

@@ -1,7 +1,7 @@
 """Check that a run log is a faithful snapshot of the code, and optionally that it reproduces.
 
     python records/verify.py LOG                     # snapshot consistent and equal to the working tree?
-    python records/verify.py LOG --extract DIR       # write the logged train_gpt.py / aurora_opt.py to DIR
+    python records/verify.py LOG --extract DIR       # write the logged source files to DIR
     python records/verify.py LOG --rerun 3           # + re-run the first 3 steps on CPU with the logged
                                                      #   code and config, compare their losses
     python records/verify.py LOG --rerun 3 --train-files 'data/x/*_train_*.bin' --val-files '...'
@@ -12,7 +12,8 @@ Checks, in order:
    its header (a file edited inside the log no longer matches: reported, and the run fails). A
    log that ends before a header's n lines (a cut copy, an interrupted write) is reported as
    truncated; the cut file is then neither hashed, compared nor extracted. Which files a complete
-   snapshot holds, the logged train_gpt.py says (its ``SOURCE_FILES``, read, never run);
+   snapshot holds, the logged code says (its ``SOURCE_FILES``, read, never run: in train_gpt.py
+   in logs of two files, in harness.py in logs of three);
 2. (unless ``--extract``) each stored file equals the working tree's file (``--repo``, default
    the repository that holds this records/ folder), else the first differing line is reported;
 3. with ``--rerun K``: the extracted code is written to a temp dir and run (from ``--run-dir``,
@@ -75,6 +76,7 @@ sys.path.insert(0, HERE)
 from compare import SEPARATOR, has_line_end, parse_lines, parse_log, read_log_lines, split_snapshot  # noqa: E402
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says
+SOURCE_LIST_HOLDERS = (ENTRY, "harness.py")  # where a logged trainer keeps its SOURCE_FILES
 PRINT_TOL = 1e-4  # losses are printed with 4 decimals
 # A rerun on another CPU model, thread count or process count sums float32 in another order, and
 # the two runs drift apart as training goes on (measured: records/README.md, "Tolerances of
@@ -142,20 +144,32 @@ def extract(lines):
 
 
 def snapshot_names(sources, header_names):
-    """The files a complete snapshot holds: those the logged train_gpt.py lists in its own
+    """The files a complete snapshot holds: those the logged code lists in its own
     ``SOURCE_FILES = (...)`` (read with ``ast``, never run), then any other header's file.
 
-    ``sources`` is ``{name: text}`` as ``extract`` returns it; without a readable list (an old or
-    edited train_gpt.py) the headers' names and ``train_gpt.py`` are all that is known.
+    The list lives in the logged train_gpt.py (logs of two files) or, since the harness moved
+    out of it, in the logged harness.py (logs of three files); the first file that defines it
+    counts. ``sources`` is ``{name: text}`` as ``extract`` returns it; without a readable list
+    (an old or edited trainer) the headers' names and ``train_gpt.py`` are all that is known.
     """
     names = [ENTRY]
+    for holder in SOURCE_LIST_HOLDERS:
+        listed = source_files_listed(sources.get(holder, ""))
+        if listed is not None:
+            names += listed
+            break
+    return list(dict.fromkeys(names + list(header_names)))
+
+
+def source_files_listed(text):
+    """The names of a module-level ``SOURCE_FILES = (...)`` in source ``text`` (never run), or None."""
     try:
-        for node in ast.parse(sources.get(ENTRY, "")).body:
+        for node in ast.parse(text).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SOURCE_FILES" for t in node.targets):
-                names += [n for n in ast.literal_eval(node.value) if isinstance(n, str)]
+                return [n for n in ast.literal_eval(node.value) if isinstance(n, str)]
     except (SyntaxError, ValueError, TypeError):
         pass
-    return list(dict.fromkeys(names + list(header_names)))
+    return None
 
 
 def first_difference(name, logged, current):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import harness as H
 import train_gpt as T
 from conftest import loss_lines, read_log, sample_args
 
@@ -30,7 +31,7 @@ def tiny(**kw):
     base = dict(n_layer=4, model_dim=32, n_head=2, seq_len=16, batch_tokens=64, micro_batch_seqs=4,
                 num_iterations=10, val_tokens=64, tst_bag_size=4, logit_softcap=15.0)
     cfg = T.Config(**{**base, **kw})
-    T.validate_config(cfg)
+    H.validate_config(cfg)
     return cfg
 
 
@@ -179,7 +180,7 @@ def ref_windows(cfg, step):
 
 def compare_with_reference(cfg, inputs, targets, step=0, seed=0):
     model = float64_model(cfg, seed)
-    model.set_window(step)
+    model.set_window(T.window_at(step, cfg))
     logits = model(inputs)
     loss = model(inputs, targets)
     loss.backward()
@@ -311,7 +312,7 @@ def test_set_window_equals_a_model_built_with_that_fixed_window(step):
     inputs, targets = plain_batch(cfg, seed=4, p_eot=0.1)
     grown = float64_model(cfg)
     for s in (10, 0, step):  # move the schedule around first: no stale mask or cached window
-        grown.set_window(s)
+        grown.set_window(T.window_at(s, cfg))
     long, _ = T.window_at(step, cfg)
     fixed_cfg = dataclasses.replace(cfg, window=long, window_start=0)
     fixed = float64_model(fixed_cfg)
@@ -324,9 +325,9 @@ def test_growing_window_changes_the_output():
     cfg = tiny(**ALL_ON)
     model = float64_model(cfg)
     inputs, _ = plain_batch(cfg, seed=4)
-    model.set_window(0)
+    model.set_window(T.window_at(0, cfg))
     a = model(inputs)
-    model.set_window(10)
+    model.set_window(T.window_at(10, cfg))
     assert (a - model(inputs)).abs().amax() > 1e-3
 
 
@@ -540,7 +541,7 @@ def test_accumulation_is_exact_in_float64(s):
     seq_tokens, _ = T.sequence_layout("full", s, cfg.seq_len)
     inputs, targets = T.make_batch(random_tokens((8, seq_tokens), seed=s, p_eot=0.05), "full", s)
     model = float64_model(cfg)
-    model.set_window(3)
+    model.set_window(T.window_at(3, cfg))
     one = T.accumulate_gradients(model, [(inputs, targets)], rt)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -583,3 +584,35 @@ def test_new_architecture_trains_through_the_switch_and_accumulation_is_exact(tm
     flops = sum(T.model_flops_per_position(cfg, s) for s in range(6)) * cfg.batch_tokens
     assert a["flops"] == pytest.approx(flops, rel=1e-9)   # the window schedule counted step by step
     assert T.model_flops_per_position(cfg, 0) < T.model_flops_per_position(cfg, 5)
+
+
+def hand_flops_per_position(cfg, step):
+    """The FLOP formula written out by hand from the shapes (the accounting before it was read off the model)."""
+    d, no_attn, short = cfg.model_dim, T.layer_set(cfg.no_attn_layers), T.layer_set(cfg.short_window_layers)
+    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
+    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
+    long, half = T.window_at(step, cfg)
+    keys = sum(T.attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
+    return 6 * n_matmul + 12 * d * keys
+
+
+@pytest.mark.parametrize("preset", sorted(T.PRESETS))
+def test_every_presets_flops_from_the_model_equal_the_hand_count_at_every_step(preset):
+    cfg, _ = T.parse_config(["--preset", preset])
+    table = T.Schedule(cfg)
+    assert [row.flops_per_position for row in table.rows] == [
+        hand_flops_per_position(cfg, step) for step in range(cfg.num_iterations + 1)]
+
+
+def test_a_new_matmul_weight_is_counted_without_editing_the_flop_count(monkeypatch):
+    cfg = tiny(**ALL_ON)
+    before = T.FlopProfile(cfg).n_matmul
+    init, forward = T.MLP.__init__, T.MLP.forward
+
+    def init_with_gate(self, cfg):
+        init(self, cfg)
+        self.gate = T._linear(cfg.model_dim, cfg.model_dim)
+
+    monkeypatch.setattr(T.MLP, "__init__", init_with_gate)
+    monkeypatch.setattr(T.MLP, "forward", lambda self, x: forward(self, x) * torch.sigmoid(self.gate(x)))
+    assert T.FlopProfile(cfg).n_matmul == before + cfg.n_layer * cfg.model_dim ** 2

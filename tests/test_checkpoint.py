@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import harness as H
 import train_gpt as T
 from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args
 
@@ -23,7 +24,7 @@ def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
     assert run(tmp_path / "split", "--tst-frac", frac, "--run-id", "r", "--max-steps", "6", "--save-final") == 0
     ckpt = tmp_path / "split" / "ckpt" / "r" / "step_000006.pt"
     assert ckpt.exists()
-    state = T.load_checkpoint(str(ckpt))
+    state = H.load_checkpoint(str(ckpt))
     assert state["step"] == 6 and state["phase"] == (1 if switch > 6 else 2)
     assert state["loader_position"] == state["counters"]["raw_tokens"]
     assert run(tmp_path / "split", "--tst-frac", frac, "--resume", "auto") == 0  # same run id, same log
@@ -44,7 +45,7 @@ def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
 
 def test_checkpoint_holds_everything_a_run_needs(tmp_path):
     assert run(tmp_path, "--run-id", "c", "--max-steps", "3", "--save-every", "3") == 0
-    state = T.load_checkpoint(str(tmp_path / "ckpt" / "c" / "step_000003.pt"))
+    state = H.load_checkpoint(str(tmp_path / "ckpt" / "c" / "step_000003.pt"))
     for key in ("model", "optimizers", "step", "phase", "loader_position", "rng", "config", "run_id", "counters"):
         assert key in state
     assert len(state["optimizers"]) == 2 and state["run_id"] == "c" and state["config"]["num_iterations"] == 12
@@ -66,7 +67,7 @@ def test_corrupt_checkpoint_is_refused_with_a_clear_message(tmp_path, capsys, ho
     ckpt = tmp_path / "ckpt" / "c" / "step_000002.pt"
     corrupt(ckpt, how)
     with pytest.raises(T.ConfigError, match=needle):
-        T.load_checkpoint(str(ckpt))
+        H.load_checkpoint(str(ckpt))
     assert run(tmp_path, "--resume", str(ckpt)) == 2
     err = capsys.readouterr().err
     assert needle in err and str(ckpt) in err
@@ -155,7 +156,7 @@ def test_interrupt_saves_a_checkpoint_marks_the_log_and_resumes(tmp_path, sig):
     assert text.splitlines()[-1].startswith("status:interrupted reason:" + signal.Signals(sig).name)
     saved = [n for n in os.listdir(tmp_path / "ckpt" / "i") if n.endswith(".pt")]
     assert len(saved) == 1
-    step = T.load_checkpoint(str(tmp_path / "ckpt" / "i" / saved[0]))["step"]
+    step = H.load_checkpoint(str(tmp_path / "ckpt" / "i" / saved[0]))["step"]
     assert 3 <= step < 400 and f"step:{step}/400 train_loss" in text
     assert T.main(tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--resume", "auto",
                             "--max-steps", "2")) == 0
@@ -173,10 +174,10 @@ def test_a_checkpoint_from_before_a_new_flag_resumes_as_that_flags_default(tmp_p
     no_masks = ["--no-doc-mask", "--window", "0", "--window-start", "0", "--short-window-layers", ""]
     assert run(tmp_path, "--run-id", "o", "--max-steps", "2", "--save-final", *no_masks) == 0
     path = tmp_path / "ckpt" / "o" / "step_000002.pt"
-    state = T.load_checkpoint(str(path))
+    state = H.load_checkpoint(str(path))
     del state["config"]["window"], state["config"]["doc_mask"]  # as an older trainer saved it
-    T.save_checkpoint(state, str(path))
+    H.save_checkpoint(state, str(path))
     assert run(tmp_path, "--resume", "auto", "--max-steps", "1", *no_masks) == 0
     with pytest.raises(T.ConfigError, match="window: checkpoint 0 vs now 4"):
-        T.check_resume(state, T.parse_config(tiny_args(tmp_path, "--num-iterations", "12", *no_masks,
-                                                       "--window", "4"))[0], state["data"])
+        H.check_resume(state, T.parse_config(tiny_args(tmp_path, "--num-iterations", "12", *no_masks,
+                                                       "--window", "4"))[0], state["data"], T.TRAINER)

@@ -28,6 +28,7 @@ DATA = "data/sample"  # relative to the repo root, where runs are launched
 sys.path.insert(0, RECORDS)
 
 import compare  # noqa: E402
+import harness  # noqa: E402
 import train_gpt  # noqa: E402
 import verify  # noqa: E402
 
@@ -44,7 +45,7 @@ def fresh(tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
     tree = root / "tree"
     tree.mkdir()
-    for name in train_gpt.SOURCE_FILES:
+    for name in harness.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
@@ -508,7 +509,7 @@ def test_verify_extract_is_byte_identical(fresh, tmp_path):
     out = tmp_path / "extracted"
     proc = run_tool("verify.py", fresh["log"], "--extract", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in train_gpt.SOURCE_FILES:
+    for name in harness.SOURCE_FILES:
         got, want = (out / name).read_bytes(), open(os.path.join(fresh["tree"], name), "rb").read()
         assert got == want, name
         header = [ln for ln in read_text(fresh["log"]).splitlines() if ln.startswith(f"### file {name} ")][0]

@@ -12,6 +12,7 @@ from collections import namedtuple
 
 import pytest
 
+import harness as H
 import train_gpt as T
 from conftest import REPO, read_log, subprocess_env, tiny_args, write_shard
 
@@ -92,9 +93,9 @@ def test_resume_auto_picks_the_highest_step_whatever_the_file_times(tmp_path):
     assert sorted(os.listdir(folder)) == ["step_000002.pt", "step_000004.pt"]
     os.utime(folder / "step_000002.pt", (2_000_000_000, 2_000_000_000))  # a copy that lost its times
     os.utime(folder / "step_000004.pt", (1_000_000_000, 1_000_000_000))
-    assert T.find_latest_checkpoint(str(tmp_path / "ckpt")) == str(folder / "step_000004.pt")
+    assert H.find_latest_checkpoint(str(tmp_path / "ckpt")) == str(folder / "step_000004.pt")
     (folder / "step_000010.pt").write_bytes((folder / "step_000004.pt").read_bytes())  # 10 > 4 as numbers
-    assert T.find_latest_checkpoint(str(tmp_path / "ckpt"), "m") == str(folder / "step_000010.pt")
+    assert H.find_latest_checkpoint(str(tmp_path / "ckpt"), "m") == str(folder / "step_000010.pt")
 
 
 def test_resume_auto_without_run_id_refuses_to_guess_between_runs(tmp_path):
@@ -102,7 +103,7 @@ def test_resume_auto_without_run_id_refuses_to_guess_between_runs(tmp_path):
         (tmp_path / "ckpt" / run_id).mkdir(parents=True)
         (tmp_path / "ckpt" / run_id / "step_000002.pt").write_bytes(b"x")
     with pytest.raises(T.ConfigError, match=r"checkpoints of 2 runs .*\(a, b\); name one with --run-id"):
-        T.find_latest_checkpoint(str(tmp_path / "ckpt"))
+        H.find_latest_checkpoint(str(tmp_path / "ckpt"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_cleanly(tmp_path):
 
 def test_too_little_free_space_is_said_before_writing(tmp_path, monkeypatch, capsys):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(T.shutil, "disk_usage", lambda path: Usage(10 << 20, 9 << 20, 1 << 20))
+    monkeypatch.setattr(H.shutil, "disk_usage", lambda path: Usage(10 << 20, 9 << 20, 1 << 20))
     assert T.main(tiny_args(tmp_path, "--run-id", "s", "--save-every", "2", "--val-every", "0")) == 2
     err = capsys.readouterr().err
     assert "No space left" in err and "1 MB free" in err and "MB needed" in err and "--checkpoint-dir" in err
@@ -171,11 +172,11 @@ def test_compile_without_a_cxx_compiler_says_so_in_one_line(tmp_path):
 def test_a_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def interrupted_replace(src, dst):
         assert os.path.exists(src)  # the temporary file was fully written
-        raise T.StopRequested("interrupted by SIGINT")
-    monkeypatch.setattr(T.os, "replace", interrupted_replace)
+        raise H.StopRequested("interrupted by SIGINT")
+    monkeypatch.setattr(H.os, "replace", interrupted_replace)
     state = {"w": T.torch.zeros(1000)}
-    with pytest.raises(T.StopRequested):
-        T.save_checkpoint(state, str(tmp_path / "ckpt" / "step_000002.pt"))
+    with pytest.raises(H.StopRequested):
+        H.save_checkpoint(state, str(tmp_path / "ckpt" / "step_000002.pt"))
     assert os.listdir(tmp_path / "ckpt") == []
 
 
@@ -188,9 +189,9 @@ def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag):
 def test_out_of_memory_is_one_line_naming_the_flags_to_lower():
     err = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
                        "you tried to allocate 123 bytes.")
-    line = T.known_failure(err)
+    line = H.known_failure(err)
     assert line.startswith("out of memory (") and "--micro-batch-seqs" in line and "\n" not in line
-    assert T.known_failure(ValueError("something else")) is None
+    assert H.known_failure(ValueError("something else")) is None
 
 
 def test_a_damaged_summary_on_resume_is_named(tmp_path, capsys):
@@ -206,4 +207,4 @@ def test_resume_auto_names_nested_copies_of_one_run_by_their_paths(tmp_path):
         (tmp_path / "ckpt" / sub).mkdir(parents=True, exist_ok=True)
         (tmp_path / "ckpt" / sub / "step_000002.pt").write_bytes(b"x")
     with pytest.raises(T.ConfigError, match=r"2 runs under .*\(\., a\); keep one folder of step_\*\.pt files"):
-        T.find_latest_checkpoint(str(tmp_path / "ckpt"), "a")
+        H.find_latest_checkpoint(str(tmp_path / "ckpt"), "a")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sample
+import harness
 import train_gpt as T
 from conftest import REPO, subprocess_env, tiny_args
 
@@ -76,7 +77,7 @@ def test_tokens_are_valid_ids_among_the_top_k_and_stop_at_n(ckpt):
 
 def test_a_phase_1_checkpoint_samples_in_next_token_mode(tmp_path):
     path = checkpoint(tmp_path, "p1", "--tst-frac", "0.75", "--max-steps", "3")
-    assert T.load_checkpoint(path)["phase"] == 1
+    assert harness.load_checkpoint(path)["phase"] == 1
     model, cfg, step = sample.load_model(path, torch.device("cpu"))
     assert step == 3 and cfg.tst_bag_size > 1 and model._window == T.window_at(3, cfg)
     new = sample.generate(model, prompt_ids("The"), 5, generator=torch.Generator().manual_seed(0))

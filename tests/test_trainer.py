@@ -1,4 +1,6 @@
 """The trainer end to end: config, shard reader, loader, model, schedule, log snapshot, bad input."""
+import dataclasses
+import glob
 import json
 import math
 import os
@@ -9,16 +11,17 @@ import numpy as np
 import pytest
 import torch
 
+import harness as H
 import train_gpt as T
-from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, SAMPLE_DIR, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 # ---------------------------------------------------------------------------------------------
 # config and CLI
 
 
 def test_every_config_field_is_a_flag_with_its_default_in_help():
-    text = T.build_parser().format_help()
-    for f in T.fields(T.Config):
+    text = H.build_parser(T.TRAINER).format_help()
+    for f in dataclasses.fields(T.Config):
         assert "--" + f.name.replace("_", "-") in text
 
 
@@ -106,7 +109,7 @@ def test_shard_reader_rejects_file_shorter_than_header(tmp_path):
 
 def test_empty_glob_names_the_flag(tmp_path):
     with pytest.raises(T.DataError, match="--train-files"):
-        T.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
+        H.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
 
 
 def test_token_stream_reads_across_shards_and_wraps(shard_dir):
@@ -142,7 +145,7 @@ def test_loader_slices_are_the_same_for_any_split_of_processes_and_micro_steps(s
     ("record_h200", 1, None, 8), ("record_8xb200", 8, None, 1), ("cpu_smoke", 2, 8, 1), ("cpu_smoke", 1, 4, 4)])
 def test_grad_accum_steps_fill_the_global_batch(preset, world, micro, accum):
     cfg, _ = T.parse_config(["--preset", preset] + (["--micro-batch-seqs", str(micro)] if micro else []))
-    assert T.grad_accum_steps(cfg, world) == accum
+    assert H.grad_accum_steps(cfg, world) == accum
     assert accum * cfg.micro_batch_seqs * world * cfg.seq_len == cfg.batch_tokens
 
 
@@ -152,7 +155,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
     cfg, _ = T.parse_config(["--preset", preset])
     seqs = cfg.batch_tokens // cfg.seq_len
     with pytest.raises(T.ConfigError, match="run with a process count in") as err:
-        T.grad_accum_steps(cfg, world)
+        H.grad_accum_steps(cfg, world)
     counts = [int(c) for c in str(err.value).split("[")[1].rstrip("]").split(",")]
     assert counts and all(seqs % c == 0 for c in counts) and world not in counts and 8 in counts
     assert "--micro-batch-seqs" not in str(err.value).split("whatever")[0]  # no flag value can fix it
@@ -161,7 +164,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
 def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
     cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--micro-batch-seqs", "3"])
     with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 3 x 2 .* use one of \[1, 2, 4, 8\]"):
-        T.grad_accum_steps(cfg, 2)
+        H.grad_accum_steps(cfg, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +280,10 @@ def run_main(tmp_path, *extra):
 def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
     code, text = run_main(tmp_path, "--run-id", "e2e", "--tst-frac", "0.5")
     assert code == 0
-    head, rest = text.split(T.SEPARATOR + "\n", 1)
-    for name in T.SOURCE_FILES:  # the exact source of both files
+    head, rest = text.split(H.SEPARATOR + "\n", 1)
+    assert [l.split()[2] for l in head.splitlines() if l.startswith("### file ")] == list(H.SOURCE_FILES)
+    assert H.SOURCE_FILES == ("train_gpt.py", "aurora_opt.py", "harness.py")
+    for name in H.SOURCE_FILES:  # the exact source of every snapshotted file
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             src = f.read()
         assert f"### file {name} lines={len(src.splitlines())}" in head
@@ -318,14 +323,14 @@ def test_reading_past_the_end_of_the_train_shards_is_logged(tmp_path, shard_dir)
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0"))
     assert code == 0
-    text = read_log(tmp_path / "logs", "w").split(T.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
+    text = read_log(tmp_path / "logs", "w").split(H.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
     summary = json.loads((tmp_path / "logs" / "w.json").read_text())
     assert summary["train_epochs"] == pytest.approx(8 * 256 / 3000, abs=1e-4)
     assert "wrapped around" not in text
     code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w2",
                             "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0.5"))
     assert code == 0  # 4 steps x 1024 + 4 x 256 = 5120 tokens > 3000: wraps during step 3
-    text = read_log(tmp_path / "logs", "w2").split(T.SEPARATOR)[1]
+    text = read_log(tmp_path / "logs", "w2").split(H.SEPARATOR)[1]
     assert "wrapped around during step 3; from here on tokens are read again (epoch 2)" in text
     assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5120 / 3000,
                                                                                                     abs=1e-4)
@@ -454,3 +459,46 @@ def test_a_fifo_among_the_shards_is_refused_at_once_not_read(tmp_path, shard_dir
     assert out.returncode == 2
     assert error_lines(out) == [f"train_gpt.py: error: rank 0: {shard_dir / 't_train_000009.bin'}: not a regular "
                                 f"file (a folder, FIFO or device); --train-files must match shard files"]
+
+
+# ---------------------------------------------------------------------------------------------
+# train/eval split of the loss
+
+
+def test_a_training_only_loss_term_never_reaches_the_val_loss(monkeypatch):
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+                             "--seq-len", "16", "--val-tokens", "200", "--val-batch-seqs", "4"])
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    with torch.no_grad():  # a non-zero head, so the loss depends on the weights
+        model.lm_head.weight.normal_(0, 0.05)
+    val = T.ValData(T.TokenStream(sorted(glob.glob(os.path.join(SAMPLE_DIR, "*_val_*.bin")))), cfg.val_tokens)
+    rt = T.Runtime(0, 1, torch.device("cpu"), False)
+    inputs, targets = next(val.batches("full", 1, cfg.seq_len, 4, rt))
+    plain_val, plain_train = T.evaluate(model, val, "full", 1, cfg, rt), model(inputs, targets)
+    monkeypatch.setattr(T.GPT, "train_only_loss", lambda self, x, logits, targets: logits.float().square().sum())
+    assert model.training
+    assert model(inputs, targets).item() > plain_train.item() + 1.0  # the term is in the training loss
+    assert T.evaluate(model, val, "full", 1, cfg, rt) == plain_val  # and nowhere in the metric
+    assert model.training  # evaluate leaves the model as it found it
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer routing
+
+
+def test_every_parameter_is_routed_where_it_is_created_and_an_untagged_one_stops_the_run():
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
+    model = T.GPT(cfg)
+    tags = {n: p.opt_group for n, p in model.named_parameters()}
+    assert {n for n, g in tags.items() if g == "matrix"} == {
+        f"blocks.{n}" for n, p in model.blocks.named_parameters() if p.ndim == 2}
+    assert {n for n, g in tags.items() if g == "embed"} == {"embed.weight", "value_embeds.0.weight"}
+    assert {n for n, g in tags.items() if g == "head"} == {"lm_head.weight"}
+    assert all(p.ndim < 2 for n, p in model.named_parameters() if tags[n] == "scalar")
+    adam, aurora = T.build_optimizers(model, cfg)
+    assert [id(p) for p in aurora.param_groups[0]["params"]] == [
+        id(p) for n, p in model.named_parameters() if tags[n] == "matrix"]
+    model.blocks[0].gate = torch.nn.Linear(32, 2, bias=False)  # a new weight nobody routed
+    with pytest.raises(T.ConfigError, match=r"parameter blocks\.0\.gate\.weight \(2, 32\) has no optimizer group"):
+        T.build_optimizers(model, cfg)

@@ -270,10 +270,10 @@ def test_no_token_read_twice_or_skipped_across_the_switch(shard_dir):
     stream = T.TokenStream(sorted(str(p) for p in shard_dir.glob("t_train_*.bin")))
     loader = T.TrainLoader(stream, global_seqs=2, micro_seqs=1, rank=0, world=1)
     rt = T.Runtime(0, 1, torch.device("cpu"), False)
-    seen = []
+    seen, table = [], T.Schedule(cfg)
     for step in range(cfg.num_iterations):
-        micro, _ = T.next_micro_batches(loader, step, cfg, rt)
-        phase, s, _ = T.phase_of(step, cfg)
+        micro, _ = T.next_micro_batches(loader, table[step].stage, cfg.seq_len, rt)
+        phase, s = table[step].stage.phase, table[step].stage.bag_size
         assert phase == (1 if step < 4 else 2)
         for inputs, targets in micro:
             assert inputs.shape == (1, 4, s) and targets.shape == (1, 4, s)
@@ -286,8 +286,11 @@ def test_no_token_read_twice_or_skipped_across_the_switch(shard_dir):
 def test_phase_shapes_and_switch_step():
     cfg = tiny_cfg(num_iterations=10, tst_frac=0.3)
     assert T.tst_switch_step(cfg) == 3
-    assert [T.phase_of(i, cfg)[0] for i in range(10)] == [1] * 3 + [2] * 7
-    assert T.phase_of(2, cfg)[1:] == (cfg.tst_bag_size, cfg.tst_mode) and T.phase_of(3, cfg)[1:] == (1, "full")
+    table = T.Schedule(cfg)
+    assert [table[i].stage.phase for i in range(11)] == [1] * 3 + [2] * 8  # row N: the final validation's
+    assert table.stages == [T.Stage(0, 3, 1, cfg.tst_bag_size, cfg.tst_mode, cfg.batch_tokens),
+                            T.Stage(3, 10, 2, 1, "full", cfg.batch_tokens)]
+    assert table.graphs() == [(cfg.tst_bag_size, cfg.tst_mode), (1, "full")]
     assert T.tst_switch_step(dataclasses.replace(cfg, tst_frac=0.0)) == 0
     assert T.tst_switch_step(dataclasses.replace(cfg, num_iterations=3000)) == 900
 
@@ -338,3 +341,25 @@ def test_compiled_run_compiles_each_phase_once_and_never_during_training(tmp_pat
     assert summary["compile_time_ms"] > 0
     text = read_log(tmp_path / "logs", "c")
     assert "compile: warm-up of 2 phase graph(s)" in text
+
+
+def test_a_three_bag_size_schedule_compiles_every_graph_before_the_clock(tmp_path, monkeypatch):
+    """s = 8, then 4, then next-token: one edit (the stage rows) and every consumer follows the table."""
+    def three_stages(cfg):
+        b = cfg.batch_tokens
+        return [T.Stage(0, 2, 1, 8, "full", b), T.Stage(2, 4, 1, 4, "full", b), T.Stage(4, 6, 2, 1, "full", b)]
+    monkeypatch.setattr(T, "stages", three_stages)
+    torch._dynamo.reset()
+    assert T.main(tiny_args(tmp_path, "--compile", "--run-id", "b3", "--num-iterations", "6",
+                            "--val-every", "2")) == 0
+    summary = json.loads((tmp_path / "logs" / "b3.json").read_text())
+    assert summary["graphs_compiled_during_training"] == 0
+    text = read_log(tmp_path / "logs", "b3")
+    assert "compile: warm-up of 3 phase graph(s)" in text
+    assert "stage: step 2: phase 1 -> 1 (bag_size 8 -> 4" in text and "tst_switch: step 4: phase 1 -> 2" in text
+    seq, steps = 32, 256 // 32  # raw tokens per step: sequences x advance (L * s in phase 1)
+    assert summary["raw_tokens"] == 2 * steps * seq * 8 + 2 * steps * seq * 4 + 2 * steps * seq
+    assert T.train_tokens_needed(T.parse_config(tiny_args(tmp_path, "--num-iterations", "6"))[0]) == \
+        summary["raw_tokens"] + 8 * seq
+    val = [l for l in text.splitlines() if " val_loss:" in l]
+    assert "val_loss_tst:" in val[1] and "val_loss_tst:" in val[2] and "val_loss_tst:" not in val[3]

@@ -1,0 +1,1019 @@
+"""The harness of train_gpt.py: everything around the speedrun that does not change what it computes.
+
+The CLI generated from the trainer's Config, the config checks, data files and their
+fingerprints, the runtime (device, processes), checkpoints and resume checks, the run log with
+its source snapshot (docs/SPEC.md), ``--describe``, signals and the skeleton of ``main``. Like
+aurora_opt.py it imports nothing from train_gpt.py: the trainer hands in a ``Trainer`` (its
+Config class, presets, plan and train function) and the run object its loop works on.
+"""
+import argparse
+import ctypes
+import dataclasses
+import datetime
+import glob
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from aurora_opt import check_hparams
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the message names the flag and the fix."""
+
+
+class DataError(ValueError):
+    """A shard or glob that cannot be used; the message names the file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: shards of 256 x int32 header + uint16 tokens (llm.c / modded-nanogpt format)
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
+
+
+def read_shard_header(path):
+    """Validate a shard's header and size; return its number of tokens.
+
+    Raises:
+        DataError: missing file, short header, wrong magic or version, or a file size other
+            than exactly ``1024 + 2 * n_tokens`` bytes. The message names the file and the fix.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except OSError as e:  # missing, a directory, a symlink loop, unreadable
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
+    if header.size < HEADER_INTS:
+        raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {REMAKE}")
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC}); not a token shard, {REMAKE}")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION}); {REMAKE}")
+    n = int(header[2])
+    if n < 0 or size != HEADER_BYTES + 2 * n:
+        raise DataError(f"{path}: file is {size} bytes but its header says {n} tokens "
+                        f"({HEADER_BYTES + 2 * n} bytes); truncated or corrupt, {REMAKE}")
+    return n
+
+
+def load_shard(path, n_tokens=None):
+    """Memory-map a shard: uint16 numpy array of its tokens (header validated unless ``n_tokens`` is given)."""
+    n = read_shard_header(path) if n_tokens is None else n_tokens
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+# ----------------------------------------------------------------------------------------------
+# Runtime: this process's device, rank and precision
+
+@dataclass
+class Runtime:
+    """Where and how this process runs: its rank among ``world`` processes, device, compile, bf16,
+    and ``accum``, the micro-batches per process per optimizer step."""
+    rank: int
+    world: int
+    device: torch.device
+    compile: bool
+    bf16: bool = False
+    accum: int = 1
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world > 1
+
+    def autocast(self):
+        """bf16 autocast (default on CUDA), else plain float32 (exactly repeatable on CPU)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def to_device(self, t):
+        """Host tensor to the device, contiguous (pinned and asynchronous on CUDA).
+
+        Contiguous matters: compiled graphs are specialized to strides, and the loader's
+        sequences are overlapping views.
+        """
+        if self.device.type == "cuda":
+            return t.contiguous().pin_memory().to(self.device, non_blocking=True)
+        return t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# What the harness runs, and the CLI generated from its Config
+
+@dataclass
+class Trainer:
+    """The trainer as the harness sees it (train_gpt.py builds one; nothing here imports it).
+
+    Attributes:
+        config: the Config dataclass. Each field is a flag; its metadata holds ``help``, and
+            optionally ``choices``, ``low`` (smallest value) and ``high`` (values must stay below
+            it); ``check_config`` checks the values across fields.
+        presets: ``{name: {field: value}}``, applied over the defaults, under explicit flags.
+        operational: the fields that change how a run executes, not what it computes (every
+            other field defines the run: ``--resume`` refuses a checkpoint that differs in one).
+        shape_fields: the fields that fix the shape of the weights (no ``--resume-force`` past them).
+        train: ``train(cfg, rt, log, data, preset, resume, stop) -> (status, reason)``, the run.
+        plan: ``plan(cfg) -> dict(lines, flops_total, tokens_total, steps)``: what a run would do,
+            for ``--describe`` (no data, no device).
+        name: the program's name in messages.
+    """
+    config: type
+    presets: dict
+    operational: frozenset
+    shape_fields: tuple
+    train: Callable
+    plan: Callable
+    name: str = "train_gpt.py"
+
+    @property
+    def run_defining(self):
+        return tuple(f.name for f in fields(self.config) if f.name not in self.operational)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag gets its one error line, not the 40-line usage above it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+def build_parser(trainer):
+    """argparse parser generated from ``trainer.config``: one --kebab-case flag per field, plus --preset."""
+    p = _Parser(
+        prog=trainer.name,
+        description="Train a GPT with Aurora + Token-Superposition Training. Every flag shows its default; "
+                    "--preset sets several at once and explicit flags override it.",
+        epilog="presets: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
+                                        for k, v in trainer.presets.items()),
+        formatter_class=_DefaultsFormatter)
+    p.add_argument("--preset", choices=sorted(trainer.presets), default=None, help="bundle of defaults")
+    p.add_argument("--describe", action="store_true",
+                   help="print what the run would do (config, parameters, FLOPs, tokens, projected time) and exit; "
+                        "needs no data and no GPU")
+    for f in fields(trainer.config):
+        flag = flag_of(f.name)
+        kw = dict(default=f.default, help=f.metadata["help"])
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(flag, type=typ, choices=f.metadata.get("choices"), **kw)
+    return p
+
+
+def parse_config(argv, trainer):
+    """Config from command-line words: dataclass defaults < --preset < explicit flags.
+
+    Returns ``(Config, preset name or None)``.
+
+    Raises:
+        ConfigError: a value that cannot work (names the flag).
+    """
+    parser = build_parser(trainer)
+    known, _ = parser.parse_known_args(argv)
+    if known.preset:
+        parser.set_defaults(**trainer.presets[known.preset])
+    args, extra = parser.parse_known_args(argv)
+    if extra and all(os.path.exists(a) for a in extra):
+        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, "
+                          f"e.g. --train-files 'data/fineweb10B/fineweb_train_*.bin'")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    cfg = trainer.config(**{f.name: getattr(args, f.name) for f in fields(trainer.config)})
+    validate_config(cfg)
+    return cfg, args.preset
+
+
+def config_to_argv(config, config_class):
+    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
+    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    argv = []
+    for f in fields(config_class):
+        if f.name not in values or values[f.name] is None:
+            continue
+        flag, value = flag_of(f.name), values[f.name]
+        if f.type in (bool, "bool"):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def flag_of(name):
+    """The flag of a config field: ``--kebab-case``."""
+    return "--" + name.replace("_", "-")
+
+
+def validate_config(cfg):
+    """Raise ConfigError naming the flag for any value that cannot work (the CLI's only check).
+
+    Each field's own bounds come from its metadata (``low``, ``high``); then the checks across
+    fields (``check_config``).
+    """
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+    for f in fields(cfg):
+        value, low, high = getattr(cfg, f.name), f.metadata.get("low"), f.metadata.get("high")
+        if isinstance(value, float):
+            need(math.isfinite(value), f"{flag_of(f.name)} must be finite (got {value})")
+        if isinstance(value, int) and not isinstance(value, bool):  # sizes, counts, seeds: int32 is plenty
+            need(value < 2**31, f"{flag_of(f.name)} must be < 2**31 (got {value})")
+        if high is not None:
+            need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
+        elif low is not None:
+            need(value >= low, f"{flag_of(f.name)} must be >= {low} (got {value})")
+    check_config(cfg, need)
+    need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
+    need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
+         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
+
+
+def check_config(cfg, need):
+    """Raise, through ``need(ok, msg)`` (a ConfigError naming the flag), for values that cannot work together."""
+    try:  # Aurora's own check, its arguments named as flags
+        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
+                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
+    except ValueError as e:
+        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
+                     pp_beta="pp_beta", ns="ns")
+        name, rest = str(e).split(" ", 1)
+        raise ConfigError(f"{flag_of(flags.get(name, name))} {rest}") from None
+    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
+         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
+    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
+    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
+    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
+    need(cfg.batch_tokens % cfg.seq_len == 0,
+         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
+    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
+    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
+    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
+    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
+    check_architecture(cfg, need)
+    need(cfg.warmup_steps <= cfg.num_iterations,
+         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
+    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
+        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
+             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
+             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+
+
+def check_architecture(cfg, need):
+    """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
+    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
+    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
+         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
+    layers = {}
+    for name in ("short_window_layers", "no_attn_layers"):
+        text = getattr(cfg, name)
+        try:
+            layers[name] = layer_set(text)
+        except ValueError as e:
+            raise ConfigError(f"{flag_of(name)} {text!r}: {e}") from None
+        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
+        need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} "
+                      f"(layers are 0..{cfg.n_layer - 1})")
+    need(not layers["short_window_layers"] or cfg.window > 0, "--short-window-layers needs a --window")
+    k, n = cfg.value_embeds, cfg.n_layer
+    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
+    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
+    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
+                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
+    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
+    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+
+
+def layer_set(text):
+    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+
+    Raises:
+        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+    """
+    entries = [t.strip() for t in text.split(",")] if text.strip() else []
+    if not all(t.isdigit() for t in entries):
+        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
+    layers = frozenset(map(int, entries))
+    if len(layers) != len(entries):
+        raise ValueError("a layer is given twice")
+    return layers
+
+
+def grad_accum_steps(cfg, world):
+    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
+
+    Raises:
+        ConfigError: no even split; names the --micro-batch-seqs values that work, or, when no value
+            can work with this many processes, the process counts that can.
+    """
+    seqs = cfg.batch_tokens // cfg.seq_len
+    if seqs % (cfg.micro_batch_seqs * world) == 0:
+        return seqs // (cfg.micro_batch_seqs * world)
+    fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
+    if fits:
+        raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
+                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
+    counts = [w for w in range(1, min(seqs, 64) + 1) if seqs % w == 0]
+    raise ConfigError(f"{world} processes cannot share the {seqs} sequences of a step (--batch-tokens / --seq-len) "
+                      f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
+
+
+# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets), for --describe's projections.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "B200": 2250.0}
+
+
+def _duration(seconds):
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2g} s"
+
+
+def describe(cfg, preset, trainer):
+    """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
+
+    The resolved config; the trainer's plan (``Trainer.plan``: the model, the stages, then
+    ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw train tokens
+    read), ``steps`` (int)); then the train time projected from ``flops_total`` at 40% and 60% of
+    each GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
+    """
+    plan = trainer.plan(cfg)
+    total = plan["flops_total"]
+    lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
+             "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
+             f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}", f"steps: {plan['steps']}"]
+    for gpu, tflops in PEAK_BF16_TFLOPS.items():
+        for n_gpus in (1, 8):
+            t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))
+            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): "
+                         f"{_duration(t40)} at 40% of peak, {_duration(t60)} at 60%")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Data files: which shards a run reads, identified by content
+
+def resolve_files(pattern, flag):
+    """Sorted files matching a glob. Raises DataError naming the flag when nothing matches."""
+    files = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not files:
+        raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
+                        f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
+    for f in files:  # a FIFO would block the first read, a folder fail it
+        if not os.path.isfile(f):
+            raise DataError(f"{f}: not a regular file (a folder, FIFO or device); {flag} must match shard files")
+    return files
+
+
+def fingerprint(path, n_bytes=1 << 20):
+    """sha256 (16 hex) of a file's size, first and last MiB: fast, identifies a shard's contents."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h = hashlib.sha256(str(size).encode())
+            h.update(f.read(n_bytes))
+            f.seek(max(0, size - n_bytes))
+            h.update(f.read(n_bytes))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
+    return h.hexdigest()[:16]
+
+
+def find_data(cfg):
+    """``{"train": [[path, fingerprint], ...], "val": [...]}`` of the run's globs.
+
+    Raises:
+        DataError: a glob matches nothing, or a train file has a val file's content (the
+            val tokens would be trained on).
+    """
+    data = {kind: [[f, fingerprint(f)] for f in resolve_files(pattern, flag)]
+            for kind, pattern, flag in (("train", cfg.train_files, "--train-files"),
+                                        ("val", cfg.val_files, "--val-files"))}
+    val_fps = {fp: f for f, fp in data["val"]}
+    for f, fp in data["train"]:
+        if fp in val_fps:
+            raise DataError(f"--train-files {cfg.train_files!r}: {f} has the content of val shard {val_fps[fp]}; "
+                            f"training on val tokens voids the val loss: exclude it (e.g. '<dir>/*_train_*.bin')")
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and resume
+
+CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
+
+
+def checkpoint_state(run, step):
+    """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
+    return dict(config=dataclasses.asdict(run.cfg), step=step, phase=run.phase_at(step),
+                run_id=run.log.summary["run_id"], model=run.model.state_dict(),
+                optimizers=[o.state_dict() for o in run.opts], loader_position=run.loader.position,
+                counters=dataclasses.asdict(run.progress), data=run.data,
+                rng=dict(torch=torch.get_rng_state(),
+                         cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
+
+
+def save_checkpoint(state, path):
+    """Write a checkpoint atomically: serialize, checksum, write ``<path>.tmp.<pid>``, rename.
+
+    The file is ``torch.save({"format", "sha256", "payload"})`` where ``payload`` is the
+    uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load.
+
+    Raises:
+        ConfigError: the folder lacks the space (checked first: needed and free MB named) or
+            the write fails (disk full, file too large, I/O error); the temporary file is removed.
+    """
+    inner, outer = io.BytesIO(), io.BytesIO()  # serialized in memory: a failed write is a plain OSError
+    torch.save(state, inner)
+    payload = inner.getbuffer()
+    torch.save(dict(format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
+                    payload=torch.frombuffer(payload, dtype=torch.uint8)), outer)
+    folder, tmp = os.path.dirname(path) or ".", f"{path}.tmp.{os.getpid()}"
+    need_mb = (outer.getbuffer().nbytes >> 20) + 1
+    try:
+        os.makedirs(folder, exist_ok=True)
+        free_mb = shutil.disk_usage(folder).free >> 20
+        if free_mb < need_mb:
+            raise OSError(28, f"No space left: {need_mb} MB needed, {free_mb} MB free")
+        with open(tmp, "wb") as f:
+            f.write(outer.getbuffer())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir: cannot write {path} ({e.strerror}; the checkpoint is ~{need_mb} MB); "
+                          f"free space there or choose another --checkpoint-dir") from None
+    finally:  # a failed write, or a signal during it, leaves no temporary file
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path):
+    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config, data).
+
+    Raises:
+        ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
+            (checksum mismatch); the message names the file and what to do.
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume {path}: no such checkpoint file")
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
+    if not is_zip:
+        raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint (give a checkpoints/<run_id>/step_N.pt)")
+    try:
+        outer = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several kinds for a truncated or mangled archive
+        first = (str(e).splitlines() or [""])[0][:120]
+        raise ConfigError(f"--resume {path}: truncated or unreadable checkpoint ({type(e).__name__}: "
+                          f"{first}); resume from an older one") from None
+    if not isinstance(outer, dict) or outer.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint")
+    payload = outer["payload"].numpy().tobytes()
+    if hashlib.sha256(payload).hexdigest() != outer["sha256"]:
+        raise ConfigError(f"--resume {path}: corrupt checkpoint (sha256 mismatch); resume from an older one")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def find_latest_checkpoint(checkpoint_dir, run_id=""):
+    """The highest-step ``step_NNNNNN.pt`` of a run under ``checkpoint_dir`` (``<dir>/<run_id>/`` if named).
+
+    By step number, not file time: a copied folder loses its modification times.
+
+    Raises:
+        ConfigError: no checkpoint there, or checkpoints of several runs and no --run-id.
+    """
+    where = os.path.join(checkpoint_dir, run_id) if run_id else checkpoint_dir
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
+             if (m := re.fullmatch(r"step_(\d+)\.pt", os.path.basename(p)))]
+    if not found:
+        raise ConfigError(f"--resume auto: no checkpoint under {where!r} (--checkpoint-dir"
+                          + (", --run-id)" if run_id else ")"))
+    runs = sorted({os.path.dirname(p) for _, p in found})
+    if len(runs) > 1:
+        raise ConfigError(f"--resume auto: checkpoints of {len(runs)} runs under {where!r} "
+                          f"({', '.join(os.path.relpath(r, where) for r in runs)}); "
+                          + ("keep one folder of step_*.pt files there" if run_id else "name one with --run-id"))
+    return max(found)[1]
+
+
+def check_resume(state, cfg, data, trainer):
+    """Differences in run-defining config fields and in the data between a checkpoint and this run.
+
+    Returns the list of differences (continued past with ``--resume-force``).
+
+    Raises:
+        ConfigError: any difference without --resume-force, or a different model shape at all.
+    """
+    # a field newer than the checkpoint counts as its default there (what that trainer computed)
+    saved = {**{f.name: f.default for f in fields(cfg)}, **state["config"]}
+    diffs = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
+             for k in trainer.run_defining if saved[k] != getattr(cfg, k)]
+    shape = [d for d in diffs if d.split(":")[0] in trainer.shape_fields]
+    if shape:
+        raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
+                          + "); use the checkpoint's model flags")
+    for kind in ("train", "val"):
+        was, now = state.get("data", data)[kind], data[kind]
+        if [fp for _, fp in was] != [fp for _, fp in now]:
+            diffs.append(f"{kind} data: checkpoint {len(was)} file(s) ({', '.join(os.path.basename(f) for f, _ in was)}) "
+                         f"vs now {len(now)} ({', '.join(os.path.basename(f) for f, _ in now)}) with other contents")
+    if diffs and not cfg.resume_force:
+        raise ConfigError("--resume: the checkpoint was made with a different run config or data ("
+                          + "; ".join(diffs) + "); use the same flags and shards, or --resume-force to continue anyway")
+    return diffs
+
+
+def prepare_resume(cfg, data, trainer):
+    """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written."""
+    path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
+    state = load_checkpoint(path)
+    return state, path, check_resume(state, cfg, data, trainer)
+
+
+def restore(run, state, path):
+    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
+    run.model.load_state_dict(state["model"])
+    for opt, sd in zip(run.opts, state["optimizers"]):
+        opt.load_state_dict(sd)
+    run.loader.position = state["loader_position"]
+    run.progress = type(run.progress)(**state["counters"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and run.rt.device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    p = run.progress
+    run.log.line(f"resume: from {path} at step {state['step']} (phase {state['phase']}) "
+                 f"train_time:{p.train_time_ms:.0f}ms tokens:{p.raw_tokens}")
+    return state["step"]
+
+
+def save(run, step):
+    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights."""
+    run.guard.check(run.model)
+    if run.rt.master:
+        path = os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+        save_checkpoint(checkpoint_state(run, step), path)
+        run.log.line(f"checkpoint: step {step} -> {path}")
+    if run.rt.distributed:
+        dist.barrier()
+
+
+def check_checkpoint_dir(cfg, run_id):
+    """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
+    if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
+        return
+    where = os.path.join(cfg.checkpoint_dir, run_id)
+    try:
+        os.makedirs(where, exist_ok=True)
+        probe = os.path.join(where, f".write_test.{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir!r}: cannot write checkpoints there "
+                          f"({e.strerror}); choose another --checkpoint-dir") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The run log: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
+
+SEPARATOR = "=" * 100  # between the source snapshot and the run
+SOURCE_FILES = ("train_gpt.py", "aurora_opt.py", "harness.py")  # what a log snapshots, in order
+
+
+def source_snapshot():
+    """The exact source of every file of SOURCE_FILES, each after a ``### file <name> lines=<n> sha256=<hex>`` line."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in SOURCE_FILES:
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            text = f.read()
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        parts.append(f"### file {name} lines={len(text.splitlines())} sha256={digest}\n{text}")
+        if not text.endswith("\n"):
+            parts.append("\n")
+    return "".join(parts)
+
+
+def _run_quiet(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment_lines(rt):
+    """Versions, host, devices (GPU model and nvidia-smi, or CPU model, cores and threads)."""
+    lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
+             f"cuda: {torch.version.cuda}  numpy: {np.__version__}",
+             f"host: {platform.node()}  platform: {platform.platform()}",
+             f"world_size: {rt.world}  device: {rt.device}  compile: {rt.compile}  bf16: {rt.bf16}"]
+    if rt.device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"gpus: {len(names)} x {names[0]}" if len(set(names)) == 1 else f"gpus: {names}")
+        smi = _run_quiet(["nvidia-smi"])
+        if smi:
+            lines.append(smi)
+    else:
+        cpu = platform.processor() or platform.machine()
+        if os.path.exists("/proc/cpuinfo"):
+            with open("/proc/cpuinfo") as f:
+                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+        lines.append(f"cpu: {cpu}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
+    return lines
+
+
+def git_description():
+    commit = _run_quiet(["git", "rev-parse", "HEAD"])
+    if not commit:
+        return "none (not a git checkout)"
+    dirty = _run_quiet(["git", "status", "--porcelain", "--untracked-files=no"])
+    return commit + (" (uncommitted changes)" if dirty else "")
+
+
+class RunLog:
+    """The run's log file and JSON summary. Only rank 0 writes; every rank may call it.
+
+    The text file holds, in order: source snapshot, separator, environment, command line,
+    config, git commit, data files, step lines, summary, ``status:`` line. A new log never
+    replaces an existing one; ``resume=True`` appends to the run's log when it exists.
+
+    Raises:
+        ConfigError: the log exists (and this is no resume), or --log-dir cannot be written
+            (at creation or later, e.g. a full disk).
+    """
+
+    def __init__(self, cfg, rt, run_id, resume=False):
+        self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
+        self.summary = dict(run_id=run_id, status="running")
+        if not rt.master:
+            return
+        path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+        json_path = os.path.join(cfg.log_dir, f"{run_id}.json")
+        try:
+            if not os.path.isdir(cfg.log_dir):
+                os.makedirs(cfg.log_dir)
+            if resume and os.path.exists(path):
+                if os.path.exists(json_path):
+                    self.summary = self._read_summary(json_path)
+                self.file = open(path, "a", encoding="utf-8")
+            else:
+                self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
+                self.is_new = True
+        except FileExistsError:
+            if not os.path.isdir(cfg.log_dir):
+                raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
+            raise ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
+                              f"(or continue that run with --resume)") from None
+        except OSError as e:
+            raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e.strerror}); "
+                              f"choose another --log-dir") from None
+        self.path, self.json_path = path, json_path
+        if self.is_new:
+            try:
+                self._write(source_snapshot() + SEPARATOR + "\n")
+            except ConfigError:  # not even the snapshot fits: leave no partial log behind
+                self.file.close()
+                os.remove(path)
+                raise
+
+    @staticmethod
+    def _read_summary(json_path):
+        """The JSON summary of the run being resumed. Raises ConfigError when it is not valid JSON."""
+        try:
+            with open(json_path, encoding="utf-8") as f:
+                summary = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--resume: {json_path} is not valid JSON ({e}); restore it, or move it away "
+                              f"to start a new summary") from None
+        if not isinstance(summary, dict):
+            raise ConfigError(f"--resume: {json_path} is not a run summary; restore it, or move it away")
+        return summary
+
+    def _write(self, text):
+        try:
+            self.file.write(text)
+            self.file.flush()
+        except OSError as e:
+            raise ConfigError(f"--log-dir: cannot write {self.path} ({e.strerror}); free space there "
+                              f"or choose another --log-dir") from None
+
+    def line(self, text, echo=True):
+        if not self.rt.master:
+            return
+        if echo:
+            print(text, flush=True)
+        self._write(text + "\n")
+
+    def update(self, **kw):
+        self.summary.update(kw)
+
+    def finish(self, status, reason=None):
+        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...).
+
+        Best effort: when even that cannot be written (a full disk), say so on stderr.
+        """
+        if not self.rt.master or self.path is None or self.file.closed:
+            return
+        reason = " | ".join(str(reason).split("\n")) if reason else None  # the status stays one line
+        self.summary["status"] = status
+        self.summary.pop("reason", None)  # a resumed run's earlier stop reason no longer applies
+        if reason:
+            self.summary["reason"] = reason
+        tmp = self.json_path + ".tmp"
+        try:
+            self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.summary, f, indent=1)
+            os.replace(tmp, self.json_path)
+        except (OSError, ConfigError) as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            print(f"train_gpt.py: could not finish the log {self.path} as {status} ({e})", file=sys.stderr)
+        finally:
+            try:
+                self.file.close()
+            except OSError:  # the last flush failed: already reported
+                pass
+
+
+def log_run_header(log, cfg, rt, preset, resume, data, streams):
+    """Every start (a resume too, maybe on another machine) records where and how it ran, and on what data."""
+    if resume and resume[2]:
+        log.line("resume_force: continuing despite differences: " + "; ".join(resume[2]))
+    for text in environment_lines(rt):
+        log.line(text, echo=False)
+    log.line("command: " + " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv), echo=False)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        log.line(f"launcher: torchrun, {os.environ.get('LOCAL_WORLD_SIZE', '?')} process(es) per node, "
+                 f"world size {rt.world}", echo=False)
+    log.line(f"git: {git_description()}", echo=False)
+    if log.is_new:
+        log.line(f"preset: {preset}", echo=False)
+        log.line("config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), echo=False)
+    for kind, stream in zip(("train", "val"), streams):
+        for (f, fp), n in zip(data[kind], stream.sizes):
+            log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
+
+
+def peak_memory_mib(rt):
+    if rt.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(rt.device) / 2**20
+    import resource  # peak resident set size of this process, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def log_summary(run, end_step, compile_ms):
+    p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
+    log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=p.flops / max(p.positions, 1),
+               train_epochs=round(run.loader.position / run.loader.stream.total, 4),
+               peak_memory_mib=round(peak, 1), world_size=run.rt.world)
+    log.line(SEPARATOR)
+    log.line(f"summary: final_val_loss:{log.summary.get('final_val_loss', float('nan')):.4f} "
+             f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
+             f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
+             f"compile_time:{compile_ms:.0f}ms")
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's clock, NaN guard and log lines (nothing here changes what a run computes)
+
+class Clock:
+    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
+
+    def __init__(self, rt, progress):
+        self.rt, self.progress, self.t0 = rt, progress, None
+
+    def start(self):
+        self.rt.sync()
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        self.rt.sync()
+        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
+        yield
+        self.start()
+
+
+class NanGuard:
+    """The first step whose loss was not finite, kept on the device: no host sync per step.
+
+    ``check`` (one sync) runs at every logged line and before every checkpoint write.
+    """
+
+    def __init__(self, device, lr_flags):
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.lr_flags = lr_flags
+
+    def update(self, loss, step):
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
+
+    def check(self, model=None):
+        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
+        bad = int(self.first_bad)
+        if bad:
+            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
+                                     f"({self.lr_flags}) or check the data")
+        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
+                                     f"no checkpoint was written")
+
+
+def step_line(step, cfg, what, value, train_time_ms, extra):
+    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
+    avg = train_time_ms / max(step, 1)
+    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
+    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
+            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
+
+
+def log_wrap(run, step):
+    stream = run.loader.stream
+    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
+                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
+
+
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes, signals, main
+
+def setup_runtime(cfg):
+    """Pick the device and join the process group when launched by torchrun.
+
+    The device index comes from LOCAL_RANK (multi-node safe); NCCL on CUDA, gloo on CPU, with
+    a timeout so a rank that died never leaves the others hanging in a collective.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    accum = grad_accum_steps(cfg, world)
+    device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        tune_cpu_allocator()
+    if world > 1:
+        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
+                                **({"device_id": device} if kind == "cuda" else {}))
+    use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
+    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
+    return Runtime(rank, world, device, use_compile, use_bf16, accum)
+
+
+def tune_cpu_allocator():
+    """glibc: keep freed big blocks (the [N, V] logits) in the heap instead of unmapping them.
+
+    A CPU step allocates and frees ~100 MB buffers; returning them to the OS and faulting them
+    in again doubles the step time. Same as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2**31-1.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+def known_failure(err):
+    """One line for a failure of the machine rather than of the code, else None: a torch.compile
+    toolchain failure (no working C++ compiler, ...) or running out of memory."""
+    names, texts = set(), []
+    while err is not None:
+        names.add(type(err).__name__)
+        texts.append(str(err))
+        err = err.__cause__ or err.__context__
+    if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
+        kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
+        return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
+                f"(and Triton on CUDA) or run with --no-compile")
+    if names & {"OutOfMemoryError", "MemoryError"} or any("can't allocate memory" in t for t in texts):
+        return ("out of memory (" + texts[0].splitlines()[0][:120] + "); lower --micro-batch-seqs (the "
+                "accumulation grows to keep the batch) or the model size (--model-dim, --mlp-ratio, --n-layer)")
+    return None
+
+
+class StopRequested(Exception):
+    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
+
+
+def install_stop_handlers(stop, save_on_interrupt):
+    """SIGINT/SIGTERM: stop now (log marked incomplete), or with --save-on-interrupt after the
+    current step (checkpoint, log marked interrupted). Returns the previous handlers."""
+    def on_signal(signum, frame):
+        stop["signal"] = signal.Signals(signum).name
+        if not save_on_interrupt:
+            raise StopRequested(f"interrupted by {stop['signal']}")
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def stop_requested(run):
+    """True once a signal asked to stop after this step; with torchrun, once any rank got one."""
+    if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
+        flag = torch.tensor(float(run.stop["signal"] is not None), device=run.rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and run.stop["signal"] is None:
+            run.stop["signal"] = "SIGTERM (on another rank)"
+    return run.stop["signal"] is not None
+
+
+def start(cfg, trainer):
+    """Everything that can be refused before a file is written: runtime, data files, resume, run id, folders."""
+    rt = setup_runtime(cfg)
+    data = find_data(cfg)
+    resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+    if rt.master:
+        check_checkpoint_dir(cfg, run_id)
+    return rt, data, resume, run_id
+
+
+def main(argv, trainer):
+    """Run ``trainer`` from command-line words; returns the exit status (0 only for a completed run).
+
+    Everything that can be refused (flags, data files, the checkpoint to resume, the log and
+    checkpoint folders) is checked before the log is created; from then on any failure closes
+    the log with ``status:incomplete`` and the reason.
+    """
+    log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
+    status, reason, code = "incomplete", None, 1
+    try:
+        cfg, preset = parse_config(argv, trainer)
+        if build_parser(trainer).parse_known_args(argv)[0].describe:
+            print("\n".join(describe(cfg, preset, trainer)))
+            return 0
+        handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
+        rt, data, resume, run_id = start(cfg, trainer)
+        rank = rt.rank
+        log = RunLog(cfg, rt, run_id, resume=resume is not None)
+        status, reason = trainer.train(cfg, rt, log, data, preset, resume, stop)
+        code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
+    except (ConfigError, DataError, FloatingPointError) as e:
+        reason = f"rank {rank}: {e}"
+        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
+        code = 1 if isinstance(e, FloatingPointError) else 2
+    except (KeyboardInterrupt, StopRequested) as e:
+        reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
+        print(f"{trainer.name}: {reason}", file=sys.stderr)
+        code = 130
+    except BaseException as e:  # a toolchain or memory failure gets one line; anything else keeps its traceback
+        message = known_failure(e)
+        if message is None:
+            if log is not None:
+                log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
+            raise
+        reason = f"rank {rank}: {message}"
+        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
+        code = 2
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if log is not None:
+        log.finish(status, reason)
+        if log.path:
+            print(f"log: {log.path} ({status})", file=sys.stderr)
+    if code == 0 and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return code
