@@ -7,6 +7,7 @@ aurora_opt.py it imports nothing from train_gpt.py: the trainer hands in a ``Tra
 Config class, presets, plan and train function) and the run object its loop works on.
 """
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -24,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -784,6 +786,29 @@ def setup_runtime(cfg):
     return Runtime(rank, world, device, use_compile, use_bf16, accum)
 
 
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """File descriptor 2 goes to a temporary file inside the block; its text is replayed on stderr
+    when the block succeeds and dropped when it raises (the exception says what failed)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        text = held.read()
+        if text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+
 def join_process_group(backend, device, timeout_s):
     """``dist.init_process_group`` (env:// rendezvous from torchrun's variables), its failures in one line.
 
@@ -793,8 +818,9 @@ def join_process_group(backend, device, timeout_s):
             check: MASTER_ADDR/MASTER_PORT, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, --dist-timeout.
     """
     try:
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+        with quiet_native_stderr():  # c10d logs each failed try with a C++ stack: the line below says it once
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
     except (RuntimeError, ValueError, OSError) as e:  # DistError, DistNetworkError, gloo's and NCCL's errors
         cause = " ".join(str(e).split())[:200]
         ifname = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
@@ -925,9 +951,11 @@ class RunLock:
     """
 
     def __init__(self, log_dir, run_id):
-        self.path, self.file = os.path.join(log_dir, f"{run_id}.lock"), None
+        self.path, self.file, self.made_dir = os.path.join(log_dir, f"{run_id}.lock"), None, None
         try:
-            os.makedirs(log_dir, exist_ok=True)
+            if not os.path.isdir(log_dir):
+                os.makedirs(log_dir)
+                self.made_dir = log_dir  # removed again at release when the run wrote nothing there
             for _ in range(5):  # a file unlinked by a finishing holder between our open and flock: retry
                 f = open(self.path, "a+", encoding="utf-8")
                 try:
@@ -942,6 +970,9 @@ class RunLock:
                 if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
                     break
                 f.close()
+            else:
+                raise ConfigError(f"--run-id {run_id}: {self.path} keeps being replaced; is another run of "
+                                  f"this id starting and ending in a loop?")
             f.seek(0)
             f.truncate()
             f.write(f"{os.getpid()}\n")
@@ -952,7 +983,8 @@ class RunLock:
         self.file = f
 
     def release(self):
-        """Remove the file while still holding the lock, then let go (nothing left behind)."""
+        """Remove the file while still holding the lock, then let go (nothing left behind: a --log-dir
+        this lock created goes too when the run was refused before writing its log)."""
         if self.file is None:
             return
         try:
@@ -961,6 +993,11 @@ class RunLock:
             pass
         self.file.close()
         self.file = None
+        if self.made_dir:
+            try:
+                os.rmdir(self.made_dir)
+            except OSError:  # the run's log is there
+                pass
 
 
 def start(cfg, trainer):
@@ -968,13 +1005,19 @@ def start(cfg, trainer):
     folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
     rt = setup_runtime(cfg)
     data = find_data(cfg)
-    resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
-    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    lock = None
-    if rt.master:
-        check_checkpoint_dir(cfg, run_id)
-        lock = RunLock(cfg.log_dir, run_id)
+    # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
+    lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
+    try:
+        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        if rt.master:
+            check_checkpoint_dir(cfg, run_id)
+            lock = lock or RunLock(cfg.log_dir, run_id)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return rt, data, resume, run_id, lock
 
 
