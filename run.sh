@@ -97,8 +97,10 @@ while :; do
 done
 codes=$(cat "$TRAIN_GPT_EXIT_CODE_DIR"/rank* 2>/dev/null || true)
 rm -rf "$TRAIN_GPT_EXIT_CODE_DIR"
-if grep -qx 2 <<<"$codes"; then exit 2; fi  # a refusal first: the other ranks were stopped because of it
-if [ -n "$signalled" ] || grep -qx 130 <<<"$codes"; then
+# a refusal first: the other ranks were stopped because of it; 130 when every rank saw a signal
+# (one rank's crash also gets the others SIGTERMed by torchrun: that stays a failure)
+if grep -qx 2 <<<"$codes"; then exit 2; fi
+if [ -n "$signalled" ] || { [ -n "$codes" ] && ! grep -qvx 130 <<<"$codes"; }; then
     echo "run.sh: stopped by ${signalled:+SIG}${signalled:-a signal to a rank} (exit 130)" >&2
     exit 130
 fi
