@@ -84,8 +84,18 @@ fi
 TRAIN_GPT_EXIT_CODE_DIR=$(mktemp -d)
 export TRAIN_GPT_EXIT_CODE_DIR
 signalled=""
+# torchrun's own traceback for the signal it was sent (SignalException) says nothing: drop that one
+# block of its stderr, pass every other line on as it comes (the ranks' lines included)
+drop_signal_traceback() {
+    awk '/^Traceback \(most recent call last\):$/ { block = $0 "\n"; held = 1; next }
+         held { block = block $0 "\n"
+                if ($0 != "" && $0 !~ /^ /) { if ($0 !~ /SignalException: /) printf "%s", block; held = 0; fflush() }
+                next }
+         { print; fflush() }
+         END { if (held) printf "%s", block }'
+}
 setsid "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
-    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" train_gpt.py "${args[@]}" &
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" train_gpt.py "${args[@]}" 2> >(trap "" INT TERM; drop_signal_traceback >&2) &
 launcher=$!
 forward() { signalled=$1; kill -s "$1" "$launcher" 2>/dev/null || true; }
 trap 'forward INT' INT
