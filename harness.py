@@ -7,9 +7,11 @@ aurora_opt.py it imports nothing from train_gpt.py: the trainer hands in a ``Tra
 Config class, presets, plan and train function) and the run object its loop works on.
 """
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
+import fcntl
 import glob
 import hashlib
 import io
@@ -23,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -49,6 +52,7 @@ class DataError(ValueError):
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
+EOT_ID = 50256  # GPT-2 <|endoftext|>: a run of it is empty documents, not damage
 REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
 
 
@@ -82,6 +86,45 @@ def load_shard(path, n_tokens=None):
     """Memory-map a shard: uint16 numpy array of its tokens (header validated unless ``n_tokens`` is given)."""
     n = read_shard_header(path) if n_tokens is None else n_tokens
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+CORRUPT_RUN = 8192    # data/shard_format.py's rule: this many copies of one id (not <|endoftext|>) in a row
+SCAN_CHUNK = 1 << 22  # tokens per read of the start-up scan (8 MiB of uint16)
+
+
+def check_shard_tokens(path, tokens, max_id):
+    """Refuse, before step 0, a shard whose ids no GPT-2 shard holds (data/shard_format.py's rule).
+
+    One vectorized pass over the memory-mapped ``tokens`` in ``SCAN_CHUNK`` reads (a record's 14
+    train shards: a few seconds, bench/shard_checks.py): an id above ``max_id`` (another
+    tokenizer), or a run of ``CORRUPT_RUN`` or more copies of one id other than <|endoftext|> (a
+    zero-filled or lost stretch of a partial download or write that kept its size). Runs crossing
+    a chunk edge are carried over, so the verdict equals data/check_shards.py's (a test compares).
+
+    Raises:
+        DataError: naming the file, the first offending token and the fix.
+    """
+    run_id, run_start = -1, 0  # the run of one id open at the end of the previous chunk
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        block = np.asarray(tokens[start:start + SCAN_CHUNK])
+        top = int(block.max())
+        if top > max_id:
+            at = start + int(np.argmax(block > max_id))
+            raise DataError(f"{path}: token id {top} (first bad id at token {at:,}) is above {max_id}: not GPT-2 "
+                            f"BPE ids; re-tokenize with data/tokenize_text.py")
+        cuts = np.flatnonzero(block[1:] != block[:-1]) + 1  # where a new run begins in this chunk
+        if block[0] != run_id:
+            run_start = start
+        starts = np.concatenate(([run_start - start], cuts))
+        ends = np.concatenate((cuts, [len(block)]))
+        long = np.flatnonzero((ends - starts >= CORRUPT_RUN) & (block[np.maximum(starts, 0)] != EOT_ID))
+        if len(long):
+            i = long[0]
+            token, at = int(block[max(starts[i], 0)]), start + int(starts[i])
+            what = "zero-filled" if token == 0 else f"one id ({token}) repeated"
+            raise DataError(f"{path}: {ends[i] - starts[i]:,}+ tokens from token {at:,} are {what}, with no "
+                            f"<|endoftext|>: a partial download or write that kept its size; {REMAKE}")
+        run_id, run_start = int(block[-1]), start + int(starts[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,13 +624,24 @@ def restore(run, state, path):
     return state["step"]
 
 
-def save(run, step):
-    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights."""
+def checkpoint_path(run, step):
+    return os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+
+
+def save(run, step, log_line=True):
+    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights.
+
+    ``log_line=False``: the ``checkpoint:`` line is printed, not logged (the log's ``status:`` line,
+    written before, already names the file).
+    """
     run.guard.check(run.model)
     if run.rt.master:
-        path = os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+        path = checkpoint_path(run, step)
         save_checkpoint(checkpoint_state(run, step), path)
-        run.log.line(f"checkpoint: step {step} -> {path}")
+        if log_line:
+            run.log.line(f"checkpoint: step {step} -> {path}")
+        else:
+            print(f"checkpoint: step {step} -> {path}", flush=True)
     if run.rt.distributed:
         dist.barrier()
 
@@ -679,6 +733,7 @@ class RunLog:
 
     def __init__(self, cfg, rt, run_id, resume=False):
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
+        self.marked = None  # (status, reason) of the status line written by mark()
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
@@ -742,8 +797,9 @@ class RunLog:
     def update(self, **kw):
         self.summary.update(kw)
 
-    def finish(self, status, reason=None):
-        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...).
+    def mark(self, status, reason=None):
+        """Write the ``status:`` line and the JSON summary now, the file kept open: what a later
+        SIGKILL leaves. ``finish`` with the same status and reason then adds no second line.
 
         Best effort: when even that cannot be written (a full disk), say so on stderr.
         """
@@ -756,7 +812,9 @@ class RunLog:
             self.summary["reason"] = reason
         tmp = self.json_path + ".tmp"
         try:
-            self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            if self.marked != (status, reason):
+                self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            self.marked = (status, reason)
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(self.summary, f, indent=1)
             os.replace(tmp, self.json_path)
@@ -764,6 +822,14 @@ class RunLog:
             if os.path.exists(tmp):
                 os.remove(tmp)
             print(f"train_gpt.py: could not finish the log {self.path} as {status} ({e})", file=sys.stderr)
+
+    def finish(self, status, reason=None):
+        """Write the final ``status:`` line (unless ``mark`` wrote it) and the JSON summary
+        (``complete``, ``incomplete``, ...), and close the log."""
+        if not self.rt.master or self.path is None or self.file.closed:
+            return
+        try:
+            self.mark(status, reason)
         finally:
             try:
                 self.file.close()
@@ -893,12 +959,55 @@ def setup_runtime(cfg):
     else:
         tune_cpu_allocator()
     if world > 1:
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
-                                **({"device_id": device} if kind == "cuda" else {}))
+        join_process_group("nccl" if kind == "cuda" else "gloo", device, cfg.dist_timeout)
     use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
     use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
     return Runtime(rank, world, device, use_compile, use_bf16, accum)
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """File descriptor 2 goes to a temporary file inside the block; its text is replayed on stderr
+    when the block succeeds and dropped when it raises (the exception says what failed)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        text = held.read()
+        if text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+
+def join_process_group(backend, device, timeout_s):
+    """``dist.init_process_group`` (env:// rendezvous from torchrun's variables), its failures in one line.
+
+    Raises:
+        ConfigError: the group could not form (endpoint unreachable or taken, no such socket
+            interface, a rank missing until the timeout); the message names the cause and what to
+            check: MASTER_ADDR/MASTER_PORT, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, --dist-timeout.
+    """
+    try:
+        with quiet_native_stderr():  # c10d logs each failed try with a C++ stack: the line below says it once
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
+    except (RuntimeError, ValueError, OSError) as e:  # DistError, DistNetworkError, gloo's and NCCL's errors
+        cause = " ".join(str(e).split())[:200]
+        ifname = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
+        endpoint = f"{os.environ.get('MASTER_ADDR', '(unset)')}:{os.environ.get('MASTER_PORT', '(unset)')}"
+        raise ConfigError(f"cannot join the {backend} process group ({type(e).__name__}: {cause}); check "
+                          f"MASTER_ADDR:MASTER_PORT ({endpoint}) is reachable from every rank, "
+                          f"{ifname} ({os.environ.get(ifname, 'unset')}) names an interface of this host, "
+                          f"and --dist-timeout ({timeout_s} s) leaves every rank time to start") from None
 
 
 def tune_cpu_allocator():
@@ -935,85 +1044,247 @@ def known_failure(err):
 
 
 class StopRequested(Exception):
-    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
+    """Raised at a safe point (never by the signal handler) once SIGINT/SIGTERM asked the run to stop."""
 
 
-def install_stop_handlers(stop, save_on_interrupt):
-    """SIGINT/SIGTERM: stop now (log marked incomplete), or with --save-on-interrupt after the
-    current step (checkpoint, log marked interrupted). Returns the previous handlers."""
+def install_stop_handlers(stop):
+    """SIGINT/SIGTERM only set ``stop["signal"]``: nothing is raised inside library code (a
+    compile, a collective, a file write); the run stops at its next safe point (``should_stop``).
+    Returns the previous handlers."""
     def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-        if not save_on_interrupt:
-            raise StopRequested(f"interrupted by {stop['signal']}")
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
     return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
+def should_stop(stop, can_save=True):
+    """A safe point (between micro-batches, val batches, compiled graphs, steps).
+
+    Args:
+        stop: the dict the handler fills, ``{"signal": name or None, "save": --save-on-interrupt}``,
+            or None (no handler: never stops).
+        can_save: False where no checkpoint can be made (the compile warm-up, the step-0 val).
+
+    Returns:
+        True when a signal came and the caller should finish its step for the checkpoint
+        (--save-on-interrupt), else False.
+
+    Raises:
+        StopRequested: a signal came and there is nothing to save (no --save-on-interrupt, or
+            ``can_save`` is False).
+    """
+    if stop is None or stop["signal"] is None:
+        return False
+    if not (stop.get("save") and can_save):
+        raise StopRequested(f"interrupted by {stop['signal']}")
+    return True
+
+
 def stop_requested(run):
-    """True once a signal asked to stop after this step; with torchrun, once any rank got one."""
+    """True once a signal asked to stop after this step (--save-on-interrupt); with torchrun, once any
+    rank got one. Without --save-on-interrupt a signal raises StopRequested here (``should_stop``)."""
+    local = should_stop(run.stop)
     if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
-        flag = torch.tensor(float(run.stop["signal"] is not None), device=run.rt.device)
+        flag = torch.tensor(float(local), device=run.rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and run.stop["signal"] is None:
+        if flag.item() and not local:
             run.stop["signal"] = "SIGTERM (on another rank)"
     return run.stop["signal"] is not None
 
 
+def interrupt_reason(run, step):
+    """The ``status:interrupted`` reason of a run stopped after ``step`` with a checkpoint."""
+    return (f"{run.stop['signal']} after step {step}; checkpoint {checkpoint_path(run, step)}; "
+            f"resume with --resume auto --run-id {run.log.summary['run_id']}")
+
+
+def save_on_stop(run, step):
+    """--save-on-interrupt: mark the log ``status:interrupted`` first, then write the checkpoint, so
+    that a SIGKILL during the write (torchrun's shutdown timeout) still leaves the log marked."""
+    run.log.mark("interrupted", interrupt_reason(run, step))
+    save(run, step, log_line=False)
+
+
+def interrupt_in_chain(err):
+    """The StopRequested or KeyboardInterrupt in ``err``'s cause/context chain (a compile callback
+    wraps it in its own error), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (StopRequested, KeyboardInterrupt)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# One run at a time per run id
+
+class RunLock:
+    """An exclusive ``flock`` on ``<log_dir>/<run_id>.lock`` held for the run's life (its log, JSON
+    summary and checkpoint folder), taken before the log is written. The file holds the holder's
+    pid. A killed holder never blocks: the OS releases its lock; the file's presence means nothing.
+
+    Raises:
+        ConfigError: another process holds the lock (names its pid), or --log-dir cannot be written.
+    """
+
+    def __init__(self, log_dir, run_id):
+        self.path, self.file, self.made_dir = os.path.join(log_dir, f"{run_id}.lock"), None, None
+        try:
+            if not os.path.isdir(log_dir):
+                os.makedirs(log_dir)
+                self.made_dir = log_dir  # removed again at release when the run wrote nothing there
+            for _ in range(5):  # a file unlinked by a finishing holder between our open and flock: retry
+                f = open(self.path, "a+", encoding="utf-8")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    f.close()
+                    raise ConfigError(f"--run-id {run_id}: the run is already going (pid {holder} holds "
+                                      f"{self.path}); wait for it to end or stop it, or choose another "
+                                      f"--run-id") from None
+                if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+                f.close()
+            else:
+                raise ConfigError(f"--run-id {run_id}: {self.path} keeps being replaced; is another run of "
+                                  f"this id starting and ending in a loop?")
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        except OSError as e:
+            raise ConfigError(f"--log-dir {log_dir!r}: cannot write {self.path} ({e.strerror}); "
+                              f"choose another --log-dir") from None
+        self.file = f
+
+    def release(self):
+        """Remove the file while still holding the lock, then let go (nothing left behind: a --log-dir
+        this lock created goes too when the run was refused before writing its log)."""
+        if self.file is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:  # already gone or not removable: the lock itself still ends on close
+            pass
+        self.file.close()
+        self.file = None
+        if self.made_dir:
+            try:
+                os.rmdir(self.made_dir)
+            except OSError:  # the run's log is there
+                pass
+
+
 def start(cfg, trainer):
-    """Everything that can be refused before a file is written: runtime, data files, resume, run id, folders."""
+    """Everything that can be refused before a file is written: runtime, data files, resume, run id,
+    folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
     rt = setup_runtime(cfg)
     data = find_data(cfg)
-    resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
-    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    if rt.master:
-        check_checkpoint_dir(cfg, run_id)
-    return rt, data, resume, run_id
+    # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
+    lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
+    try:
+        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        if rt.master:
+            check_checkpoint_dir(cfg, run_id)
+            lock = lock or RunLock(cfg.log_dir, run_id)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return rt, data, resume, run_id, lock
 
 
 def main(argv, trainer):
     """Run ``trainer`` from command-line words; returns the exit status (0 only for a completed run).
 
     Everything that can be refused (flags, data files, the checkpoint to resume, the log and
-    checkpoint folders) is checked before the log is created; from then on any failure closes
-    the log with ``status:incomplete`` and the reason.
+    checkpoint folders, the run's lock) is checked before the log is created; from then on any
+    failure closes the log with ``status:incomplete`` and the reason. Exit 2 for a refusal,
+    130 for a signal (SIGINT/SIGTERM, handled at safe points), 1 for a failure of the run.
     """
-    log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
+    log, lock, rank, stop, handlers = None, None, os.environ.get("RANK", "0"), {"signal": None}, {}
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv, trainer)
         if build_parser(trainer).parse_known_args(argv)[0].describe:
             print("\n".join(describe(cfg, preset, trainer)))
             return 0
-        handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
-        rt, data, resume, run_id = start(cfg, trainer)
+        stop["save"] = cfg.save_on_interrupt
+        handlers = install_stop_handlers(stop)
+        rt, data, resume, run_id, lock = start(cfg, trainer)
         rank = rt.rank
         log = RunLog(cfg, rt, run_id, resume=resume is not None)
         status, reason = trainer.train(cfg, rt, log, data, preset, resume, stop)
         code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
-    except (ConfigError, DataError, FloatingPointError) as e:
-        reason = f"rank {rank}: {e}"
-        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
-        code = 1 if isinstance(e, FloatingPointError) else 2
-    except (KeyboardInterrupt, StopRequested) as e:
-        reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
-        print(f"{trainer.name}: {reason}", file=sys.stderr)
-        code = 130
-    except BaseException as e:  # a toolchain or memory failure gets one line; anything else keeps its traceback
-        message = known_failure(e)
-        if message is None:
-            if log is not None:
-                log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
-            raise
-        reason = f"rank {rank}: {message}"
-        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
-        code = 2
+    except SystemExit as e:  # --help, or argparse's own exit
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    except BaseException as e:
+        status, reason, code = "incomplete", *failure(e, rank, stop, log, trainer.name)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    if log is not None:
-        log.finish(status, reason)
-        if log.path:
-            print(f"log: {log.path} ({status})", file=sys.stderr)
+        if log is not None:
+            log.finish(status, reason)
+            if log.path:
+                print(f"log: {log.path} ({status})", file=sys.stderr)
+        if lock is not None:
+            lock.release()
+        write_exit_code(code, rank)
     if code == 0 and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return code
+
+
+def failure(err, rank, stop, log, name):
+    """``(reason, exit code)`` of an exception that ended ``main``, its one line printed on stderr.
+
+    A refusal (ConfigError, DataError) exits 2, a non-finite loss 1, a signal 130: a StopRequested
+    or KeyboardInterrupt anywhere in the cause chain, or any error after a stop signal came (a
+    Ctrl-C also reaches the compile workers, whose death the compile then reports); a toolchain
+    or memory failure 2.
+
+    Raises:
+        the exception itself when it is none of these (its traceback is the report); the log is
+        closed first, marked incomplete with its type and message.
+    """
+    if isinstance(err, (ConfigError, DataError, FloatingPointError)):
+        reason = f"rank {rank}: {err}"
+        print(f"{name}: error: {reason}", file=sys.stderr)
+        return reason, 1 if isinstance(err, FloatingPointError) else 2
+    interrupt = interrupt_in_chain(err)
+    if interrupt is not None or stop["signal"] is not None:
+        what = str(interrupt or "") or f"interrupted by {stop['signal'] or 'KeyboardInterrupt'}"
+        if interrupt is not err:
+            what += f" (the run then ended in {type(err).__name__})"
+        reason = f"rank {rank}: {what}"
+        print(f"{name}: {reason}", file=sys.stderr)
+        return reason, 130
+    message = known_failure(err)
+    if message is None:
+        if log is not None:
+            log.finish("incomplete", f"rank {rank}: {type(err).__name__}: {err}")
+        raise err
+    reason = f"rank {rank}: {message}"
+    print(f"{name}: error: {reason}", file=sys.stderr)
+    return reason, 2
+
+
+EXIT_CODE_DIR = "TRAIN_GPT_EXIT_CODE_DIR"  # run.sh: where each rank leaves its exit status (torchrun hides it)
+
+
+def write_exit_code(code, rank):
+    """Leave ``code`` in ``$TRAIN_GPT_EXIT_CODE_DIR/rank<N>`` when run.sh set it (best effort)."""
+    folder = os.environ.get(EXIT_CODE_DIR)
+    if folder:
+        try:
+            with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass

@@ -989,6 +989,8 @@ class TokenStream:
         self.files = list(files)
         self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
         self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
+            harness.check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
         self.offsets = np.cumsum([0] + self.sizes)
         self.total = int(self.offsets[-1])
         self.wrap, self.vocab_size = wrap, vocab_size
@@ -1574,13 +1576,14 @@ def grad_buckets(model):
     return held
 
 
-def accumulate_gradients(model, micro_batches, rt):
+def accumulate_gradients(model, micro_batches, rt, stop=None):
     """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
 
     Args:
         model: callable ``(inputs, targets) -> loss sum`` (the GPT, possibly compiled).
         micro_batches: list of ``(inputs [b, L, k], targets [b, L, j])`` of this process.
         rt: Runtime (device, process group).
+        stop: the signal flag (``harness.should_stop``), checked between micro-batches.
 
     Returns:
         float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
@@ -1605,6 +1608,7 @@ def accumulate_gradients(model, micro_batches, rt):
             for h in handles:
                 h.remove()
         total += loss_sum.detach()
+        harness.should_stop(stop)  # a safe point: raises on a signal unless the step must finish to be saved
     if buckets is not None:
         buckets.finish()
     return all_reduce_sum(total, rt) / n_valid
@@ -1666,22 +1670,25 @@ def eval_mode(model):
 
 
 @torch.no_grad()
-def evaluate(model, val, mode, bag_size, cfg, rt):
+def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
     """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric).
 
     The model runs in eval mode: training-only loss terms (``GPT.train_only_loss``) are left out.
+    A signal (``stop``) ends the loop between batches (a partial mean: the caller drops it).
     """
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
     with eval_mode(model):
         for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+            if harness.should_stop(stop):  # every rank still meets the all-reduces below
+                break
             inputs, targets = rt.to_device(inputs), rt.to_device(targets)
             with rt.autocast():
                 total += model(inputs, targets).double()
             count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
-    if count.item() == 0:
+    if count.item() == 0 and not harness.should_stop(stop):
         raise DataError(f"--val-tokens {val.n_tokens}: no label to score for the {mode} s={bag_size} objective")
     return (total / count).item()
 
@@ -1728,20 +1735,29 @@ def count_step(progress, row, raw_tokens):
 
 
 def validate(run, step):
-    """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
+    """Log the val loss at ``step`` (and the TST objective while in phase 1).
+
+    Returns False when a signal cut it short (nothing logged; every rank agrees), else True.
+    """
     cfg, rt = run.cfg, run.rt
     stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
     run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
-    loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
+    loss = evaluate(run.net, run.val, "full", 1, cfg, rt, run.stop)
+    if harness.stop_requested(run):
+        return False
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
     extra = {"phase": stage.phase}
     if stage.phase == 1:
-        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}"
+        loss_tst = evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt, run.stop)
+        if harness.stop_requested(run):
+            return False
+        extra["val_loss_tst"] = f"{loss_tst:.4f}"
     p = run.progress
     extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
     run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
     run.log.update(final_val_loss=loss, val_step=step)
+    return True
 
 
 def log_train_line(run, step, loss, scale):
@@ -1793,6 +1809,7 @@ def warm_up(run):
         vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
         with eval_mode(run.net), rt.autocast():
             run.net(rt.to_device(vi), rt.to_device(vt))
+        harness.should_stop(run.stop, can_save=False)  # a safe point between graphs: no step to save yet
     for opt in run.opts:
         if isinstance(opt, Aurora):
             opt.warmup()
@@ -1808,8 +1825,8 @@ def training_loop(run, start_step, end_step):
     Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
     """
     cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
-    if start_step == 0:
-        validate(run, 0)
+    if start_step == 0 and not validate(run, 0):
+        raise harness.StopRequested(f"interrupted by {run.stop['signal']} during the step-0 validation")
     clock.start()
     for step in range(start_step, end_step):
         row = run.schedule[step]  # every per-step quantity comes from the stage table
@@ -1820,7 +1837,7 @@ def training_loop(run, start_step, end_step):
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, row)
         run.model.set_window(row.window)
-        loss = accumulate_gradients(run.net, micro, rt)
+        loss = accumulate_gradients(run.net, micro, rt, run.stop)
         for opt in run.opts:
             opt.step()
         run.model.zero_grad(set_to_none=True)
@@ -1836,12 +1853,13 @@ def training_loop(run, start_step, end_step):
         save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
         if val_now or save_now or (stopping and not last):
             with clock.paused():
-                if val_now:
-                    validate(run, done)
-                if save_now or (stopping and not last):
+                if val_now and not validate(run, done):
+                    stopping, last = True, False  # a signal during validation: stop here, val not logged
+                if stopping and not last:
+                    harness.save_on_stop(run, done)  # the status line first, then the checkpoint
+                    return done
+                if save_now:
                     harness.save(run, done)
-            if stopping and not last:
-                return done
     return None
 
 
@@ -1853,6 +1871,9 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     """
     train_stream, val_stream = open_data(cfg, data)
     harness.log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
+    if cfg.fp8 and (why := fp8_unavailable_reason(rt.device)):  # e.g. a CPU or a GPU before sm_89
+        log.line(f"fp8: off ({why}); the matmuls run in {'bf16' if rt.bf16 else 'float32'}")
+        cfg = dataclasses.replace(cfg, fp8=False)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
@@ -1870,7 +1891,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     stopped_at = training_loop(run, start_step, end_step)
     if stopped_at is not None:
         log.update(**dataclasses.asdict(run.progress), steps=stopped_at)
-        return "interrupted", f"{run.stop['signal']}; resume with --resume auto --run-id {log.summary['run_id']}"
+        return "interrupted", harness.interrupt_reason(run, stopped_at)
     if rt.compile:
         log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
     harness.log_summary(run, end_step, compile_ms)
