@@ -109,9 +109,9 @@ def check_shard_tokens(path, tokens, max_id):
         block = np.asarray(tokens[start:start + SCAN_CHUNK])
         top = int(block.max())
         if top > max_id:
-            at = start + int(np.argmax(block > max_id))
-            raise DataError(f"{path}: token id {top} (first bad id at token {at:,}) is above {max_id}: not GPT-2 "
-                            f"BPE ids; re-tokenize with data/tokenize_text.py")
+            first = int(np.argmax(block > max_id))
+            raise DataError(f"{path}: token id {block[first]} at token {start + first} is >= {max_id + 1}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
         cuts = np.flatnonzero(block[1:] != block[:-1]) + 1  # where a new run begins in this chunk
         if block[0] != run_id:
             run_start = start

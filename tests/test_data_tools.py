@@ -1132,7 +1132,7 @@ def test_run_sh_without_gpu_or_data_dir_trains_on_the_sample(tmp_path):
     res = _run_sh(tmp_path, {}, *tiny, "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert res.returncode == 0, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh:")]
-    assert line == ("run.sh: preset cpu_smoke, CPU, data data/sample (the repository's Wikipedia sample: no GPU "
+    assert line == ("run.sh: preset cpu_smoke, 1 process on CPU, data data/sample (the repository's Wikipedia sample: no GPU "
                     "and DATA_DIR not set), logs in logs/"), line
     log = read_log(tmp_path / "logs")
     assert "data/sample/wikipedia_val_000000.bin" in log and "status:complete" in log
