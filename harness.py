@@ -690,6 +690,15 @@ def _run_quiet(cmd):
         return ""
 
 
+def cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else ``platform``'s best guess."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return cpu
+
+
 def environment_lines(rt):
     """Versions, host, devices (GPU model and nvidia-smi, or CPU model, cores and threads)."""
     lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
@@ -703,11 +712,7 @@ def environment_lines(rt):
         if smi:
             lines.append(smi)
     else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):
-            with open("/proc/cpuinfo") as f:
-                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-        lines.append(f"cpu: {cpu}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
+        lines.append(f"cpu: {cpu_model()}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
     return lines
 
 
