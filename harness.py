@@ -7,9 +7,11 @@ aurora_opt.py it imports nothing from train_gpt.py: the trainer hands in a ``Tra
 Config class, presets, plan and train function) and the run object its loop works on.
 """
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
+import fcntl
 import glob
 import hashlib
 import io
@@ -23,13 +25,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from aurora_opt import check_hparams
 
 
 class ConfigError(ValueError):
@@ -45,6 +52,7 @@ class DataError(ValueError):
 
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
+EOT_ID = 50256  # GPT-2 <|endoftext|>: a run of it is empty documents, not damage
 REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
 
 
@@ -78,6 +86,45 @@ def load_shard(path, n_tokens=None):
     """Memory-map a shard: uint16 numpy array of its tokens (header validated unless ``n_tokens`` is given)."""
     n = read_shard_header(path) if n_tokens is None else n_tokens
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+CORRUPT_RUN = 8192    # data/shard_format.py's rule: this many copies of one id (not <|endoftext|>) in a row
+SCAN_CHUNK = 1 << 22  # tokens per read of the start-up scan (8 MiB of uint16)
+
+
+def check_shard_tokens(path, tokens, max_id):
+    """Refuse, before step 0, a shard whose ids no GPT-2 shard holds (data/shard_format.py's rule).
+
+    One vectorized pass over the memory-mapped ``tokens`` in ``SCAN_CHUNK`` reads (a record's 14
+    train shards: a few seconds, bench/shard_checks.py): an id above ``max_id`` (another
+    tokenizer), or a run of ``CORRUPT_RUN`` or more copies of one id other than <|endoftext|> (a
+    zero-filled or lost stretch of a partial download or write that kept its size). Runs crossing
+    a chunk edge are carried over, so the verdict equals data/check_shards.py's (a test compares).
+
+    Raises:
+        DataError: naming the file, the first offending token and the fix.
+    """
+    run_id, run_start = -1, 0  # the run of one id open at the end of the previous chunk
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        block = np.asarray(tokens[start:start + SCAN_CHUNK])
+        top = int(block.max())
+        if top > max_id:
+            first = int(np.argmax(block > max_id))
+            raise DataError(f"{path}: token id {block[first]} at token {start + first} is >= {max_id + 1}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
+        cuts = np.flatnonzero(block[1:] != block[:-1]) + 1  # where a new run begins in this chunk
+        if block[0] != run_id:
+            run_start = start
+        starts = np.concatenate(([run_start - start], cuts))
+        ends = np.concatenate((cuts, [len(block)]))
+        long = np.flatnonzero((ends - starts >= CORRUPT_RUN) & (block[np.maximum(starts, 0)] != EOT_ID))
+        if len(long):
+            i = long[0]
+            token, at = int(block[max(starts[i], 0)]), start + int(starts[i])
+            what = "zero-filled" if token == 0 else f"one id ({token}) repeated"
+            raise DataError(f"{path}: {ends[i] - starts[i]:,}+ tokens from token {at:,} are {what}, with no "
+                            f"<|endoftext|>: a partial download or write that kept its size; {REMAKE}")
+        run_id, run_start = int(block[-1]), start + int(starts[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +178,7 @@ class Trainer:
     Attributes:
         config: the Config dataclass. Each field is a flag; its metadata holds ``help``, and
             optionally ``choices``, ``low`` (smallest value) and ``high`` (values must stay below
-            it). The instance's ``check(need)`` runs the cross-field checks.
+            it); ``check_config`` checks the values across fields.
         presets: ``{name: {field: value}}``, applied over the defaults, under explicit flags.
         operational: the fields that change how a run executes, not what it computes (every
             other field defines the run: ``--resume`` refuses a checkpoint that differs in one).
@@ -240,8 +287,8 @@ def flag_of(name):
 def validate_config(cfg):
     """Raise ConfigError naming the flag for any value that cannot work (the CLI's only check).
 
-    Each field's own bounds come from its metadata (``low``, ``high``); then the harness's
-    fields; then the config's cross-field checks, ``cfg.check(need)``.
+    Each field's own bounds come from its metadata (``low``, ``high``); then the checks across
+    fields (``check_config``).
     """
     def need(ok, msg):
         if not ok:
@@ -256,10 +303,93 @@ def validate_config(cfg):
             need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
         elif low is not None:
             need(value >= low, f"{flag_of(f.name)} must be >= {low} (got {value})")
-    cfg.check(need)
+    check_config(cfg, need)
     need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
     need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
          f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' only (it names files)")
+
+
+def check_config(cfg, need):
+    """Raise, through ``need(ok, msg)`` (a ConfigError naming the flag), for values that cannot work together."""
+    try:  # Aurora's own check, its arguments named as flags
+        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
+                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
+    except ValueError as e:
+        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
+                     pp_beta="pp_beta", ns="ns")
+        name, rest = str(e).split(" ", 1)
+        raise ConfigError(f"{flag_of(flags.get(name, name))} {rest}") from None
+    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
+         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
+    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
+    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
+    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
+    need(cfg.batch_tokens % cfg.seq_len == 0,
+         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
+    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
+    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
+    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
+    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
+    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
+    check_architecture(cfg, need)
+    need(not cfg.tied_embed or (cfg.stages == "record89" and cfg.optimizer in ("normuon", "aurora_normuon")),
+         "--tied-embed needs --stages record89 and --optimizer normuon or aurora_normuon (its untie step and Adam)")
+    if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
+        need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
+             f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
+        need(cfg.batch_tokens // (3 * cfg.seq_len) % cfg.micro_batch_seqs == 0,
+             f"--micro-batch-seqs {cfg.micro_batch_seqs} must divide stage 1's {cfg.batch_tokens // (3 * cfg.seq_len)} "
+             f"sequences (--stages record89: a third of --batch-tokens / --seq-len)")
+        need(cfg.extension_steps < cfg.num_iterations - 2, f"--extension-steps {cfg.extension_steps} leaves fewer "
+                                                           f"than 3 of --num-iterations {cfg.num_iterations} scheduled")
+    need(cfg.warmup_steps <= cfg.num_iterations,
+         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
+    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
+        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
+             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
+             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+
+
+def check_architecture(cfg, need):
+    """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
+    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
+    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
+         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
+    layers = {}
+    for name in ("short_window_layers", "no_attn_layers"):
+        text = getattr(cfg, name)
+        try:
+            layers[name] = layer_set(text)
+        except ValueError as e:
+            raise ConfigError(f"{flag_of(name)} {text!r}: {e}") from None
+        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
+        need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} "
+                      f"(layers are 0..{cfg.n_layer - 1})")
+    need(not layers["short_window_layers"] or cfg.window > 0 or cfg.stages == "record89",
+         "--short-window-layers needs a --window (or --stages record89)")
+    k, n = cfg.value_embeds, cfg.n_layer
+    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
+    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
+    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
+                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
+    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
+    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+
+
+def layer_set(text):
+    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+
+    Raises:
+        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+    """
+    entries = [t.strip() for t in text.split(",")] if text.strip() else []
+    if not all(t.isdigit() for t in entries):
+        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
+    layers = frozenset(map(int, entries))
+    if len(layers) != len(entries):
+        raise ValueError("a layer is given twice")
+    return layers
 
 
 def grad_accum_steps(cfg, world):
@@ -507,13 +637,24 @@ def restore(run, state, path):
     return state["step"]
 
 
-def save(run, step):
-    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights."""
+def checkpoint_path(run, step):
+    return os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+
+
+def save(run, step, log_line=True):
+    """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights.
+
+    ``log_line=False``: the ``checkpoint:`` line is printed, not logged (the log's ``status:`` line,
+    written before, already names the file).
+    """
     run.guard.check(run.model)
     if run.rt.master:
-        path = os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
+        path = checkpoint_path(run, step)
         save_checkpoint(checkpoint_state(run, step), path)
-        run.log.line(f"checkpoint: step {step} -> {path}")
+        if log_line:
+            run.log.line(f"checkpoint: step {step} -> {path}")
+        else:
+            print(f"checkpoint: step {step} -> {path}", flush=True)
     if run.rt.distributed:
         dist.barrier()
 
@@ -562,6 +703,15 @@ def _run_quiet(cmd):
         return ""
 
 
+def cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else ``platform``'s best guess."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return cpu
+
+
 def environment_lines(rt):
     """Versions, host, devices (GPU model and nvidia-smi, or CPU model, cores and threads)."""
     lines = [f"python: {platform.python_version()}  torch: {torch.__version__}  "
@@ -575,11 +725,7 @@ def environment_lines(rt):
         if smi:
             lines.append(smi)
     else:
-        cpu = platform.processor() or platform.machine()
-        if os.path.exists("/proc/cpuinfo"):
-            with open("/proc/cpuinfo") as f:
-                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-        lines.append(f"cpu: {cpu}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
+        lines.append(f"cpu: {cpu_model()}  cores: {os.cpu_count()}  torch threads: {torch.get_num_threads()}")
     return lines
 
 
@@ -605,6 +751,7 @@ class RunLog:
 
     def __init__(self, cfg, rt, run_id, resume=False):
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
+        self.marked = None  # (status, reason) of the status line written by mark()
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
@@ -668,8 +815,9 @@ class RunLog:
     def update(self, **kw):
         self.summary.update(kw)
 
-    def finish(self, status, reason=None):
-        """Write the final ``status:`` line and the JSON summary (``complete``, ``incomplete``, ...).
+    def mark(self, status, reason=None):
+        """Write the ``status:`` line and the JSON summary now, the file kept open: what a later
+        SIGKILL leaves. ``finish`` with the same status and reason then adds no second line.
 
         Best effort: when even that cannot be written (a full disk), say so on stderr.
         """
@@ -682,7 +830,9 @@ class RunLog:
             self.summary["reason"] = reason
         tmp = self.json_path + ".tmp"
         try:
-            self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            if self.marked != (status, reason):
+                self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""))
+            self.marked = (status, reason)
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(self.summary, f, indent=1)
             os.replace(tmp, self.json_path)
@@ -690,6 +840,14 @@ class RunLog:
             if os.path.exists(tmp):
                 os.remove(tmp)
             print(f"train_gpt.py: could not finish the log {self.path} as {status} ({e})", file=sys.stderr)
+
+    def finish(self, status, reason=None):
+        """Write the final ``status:`` line (unless ``mark`` wrote it) and the JSON summary
+        (``complete``, ``incomplete``, ...), and close the log."""
+        if not self.rt.master or self.path is None or self.file.closed:
+            return
+        try:
+            self.mark(status, reason)
         finally:
             try:
                 self.file.close()
@@ -736,6 +894,69 @@ def log_summary(run, end_step, compile_ms):
 
 
 # ----------------------------------------------------------------------------------------------
+# The loop's clock, NaN guard and log lines (nothing here changes what a run computes)
+
+class Clock:
+    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
+
+    def __init__(self, rt, progress):
+        self.rt, self.progress, self.t0 = rt, progress, None
+
+    def start(self):
+        self.rt.sync()
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        self.rt.sync()
+        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
+        yield
+        self.start()
+
+
+class NanGuard:
+    """The first step whose loss was not finite, kept on the device: no host sync per step.
+
+    ``check`` (one sync) runs at every logged line and before every checkpoint write.
+    """
+
+    def __init__(self, device, lr_flags):
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.lr_flags = lr_flags
+
+    def update(self, loss, step):
+        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
+
+    def check(self, model=None):
+        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
+        bad = int(self.first_bad)
+        if bad:
+            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
+                                     f"({self.lr_flags}) or check the data")
+        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
+                                     f"no checkpoint was written")
+
+
+def step_line(step, cfg, what, value, train_time_ms, extra):
+    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
+    avg = train_time_ms / max(step, 1)
+    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
+    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
+            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
+
+
+def log_wrap(run, step):
+    stream = run.loader.stream
+    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
+                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
+
+
+def compiled_graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# ----------------------------------------------------------------------------------------------
 # Processes, signals, main
 
 def setup_runtime(cfg):
@@ -756,12 +977,55 @@ def setup_runtime(cfg):
     else:
         tune_cpu_allocator()
     if world > 1:
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.dist_timeout),
-                                **({"device_id": device} if kind == "cuda" else {}))
+        join_process_group("nccl" if kind == "cuda" else "gloo", device, cfg.dist_timeout)
     use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
     use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
     return Runtime(rank, world, device, use_compile, use_bf16, accum)
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """File descriptor 2 goes to a temporary file inside the block; its text is replayed on stderr
+    when the block succeeds and dropped when it raises (the exception says what failed)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        text = held.read()
+        if text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+
+def join_process_group(backend, device, timeout_s):
+    """``dist.init_process_group`` (env:// rendezvous from torchrun's variables), its failures in one line.
+
+    Raises:
+        ConfigError: the group could not form (endpoint unreachable or taken, no such socket
+            interface, a rank missing until the timeout); the message names the cause and what to
+            check: MASTER_ADDR/MASTER_PORT, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, --dist-timeout.
+    """
+    try:
+        with quiet_native_stderr():  # c10d logs each failed try with a C++ stack: the line below says it once
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
+    except (RuntimeError, ValueError, OSError) as e:  # DistError, DistNetworkError, gloo's and NCCL's errors
+        cause = " ".join(str(e).split())[:200]
+        ifname = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
+        endpoint = f"{os.environ.get('MASTER_ADDR', '(unset)')}:{os.environ.get('MASTER_PORT', '(unset)')}"
+        raise ConfigError(f"cannot join the {backend} process group ({type(e).__name__}: {cause}); check "
+                          f"MASTER_ADDR:MASTER_PORT ({endpoint}) is reachable from every rank, "
+                          f"{ifname} ({os.environ.get(ifname, 'unset')}) names an interface of this host, "
+                          f"and --dist-timeout ({timeout_s} s) leaves every rank time to start") from None
 
 
 def tune_cpu_allocator():
@@ -798,85 +1062,247 @@ def known_failure(err):
 
 
 class StopRequested(Exception):
-    """Raised by the SIGINT/SIGTERM handler when no checkpoint-on-interrupt is wanted."""
+    """Raised at a safe point (never by the signal handler) once SIGINT/SIGTERM asked the run to stop."""
 
 
-def install_stop_handlers(stop, save_on_interrupt):
-    """SIGINT/SIGTERM: stop now (log marked incomplete), or with --save-on-interrupt after the
-    current step (checkpoint, log marked interrupted). Returns the previous handlers."""
+def install_stop_handlers(stop):
+    """SIGINT/SIGTERM only set ``stop["signal"]``: nothing is raised inside library code (a
+    compile, a collective, a file write); the run stops at its next safe point (``should_stop``).
+    Returns the previous handlers."""
     def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-        if not save_on_interrupt:
-            raise StopRequested(f"interrupted by {stop['signal']}")
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
     return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
+def should_stop(stop, can_save=True):
+    """A safe point (between micro-batches, val batches, compiled graphs, steps).
+
+    Args:
+        stop: the dict the handler fills, ``{"signal": name or None, "save": --save-on-interrupt}``,
+            or None (no handler: never stops).
+        can_save: False where no checkpoint can be made (the compile warm-up, the step-0 val).
+
+    Returns:
+        True when a signal came and the caller should finish its step for the checkpoint
+        (--save-on-interrupt), else False.
+
+    Raises:
+        StopRequested: a signal came and there is nothing to save (no --save-on-interrupt, or
+            ``can_save`` is False).
+    """
+    if stop is None or stop["signal"] is None:
+        return False
+    if not (stop.get("save") and can_save):
+        raise StopRequested(f"interrupted by {stop['signal']}")
+    return True
+
+
 def stop_requested(run):
-    """True once a signal asked to stop after this step; with torchrun, once any rank got one."""
+    """True once a signal asked to stop after this step (--save-on-interrupt); with torchrun, once any
+    rank got one. Without --save-on-interrupt a signal raises StopRequested here (``should_stop``)."""
+    local = should_stop(run.stop)
     if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
-        flag = torch.tensor(float(run.stop["signal"] is not None), device=run.rt.device)
+        flag = torch.tensor(float(local), device=run.rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and run.stop["signal"] is None:
+        if flag.item() and not local:
             run.stop["signal"] = "SIGTERM (on another rank)"
     return run.stop["signal"] is not None
 
 
+def interrupt_reason(run, step):
+    """The ``status:interrupted`` reason of a run stopped after ``step`` with a checkpoint."""
+    return (f"{run.stop['signal']} after step {step}; checkpoint {checkpoint_path(run, step)}; "
+            f"resume with --resume auto --run-id {run.log.summary['run_id']}")
+
+
+def save_on_stop(run, step):
+    """--save-on-interrupt: mark the log ``status:interrupted`` first, then write the checkpoint, so
+    that a SIGKILL during the write (torchrun's shutdown timeout) still leaves the log marked."""
+    run.log.mark("interrupted", interrupt_reason(run, step))
+    save(run, step, log_line=False)
+
+
+def interrupt_in_chain(err):
+    """The StopRequested or KeyboardInterrupt in ``err``'s cause/context chain (a compile callback
+    wraps it in its own error), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (StopRequested, KeyboardInterrupt)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# One run at a time per run id
+
+class RunLock:
+    """An exclusive ``flock`` on ``<log_dir>/<run_id>.lock`` held for the run's life (its log, JSON
+    summary and checkpoint folder), taken before the log is written. The file holds the holder's
+    pid. A killed holder never blocks: the OS releases its lock; the file's presence means nothing.
+
+    Raises:
+        ConfigError: another process holds the lock (names its pid), or --log-dir cannot be written.
+    """
+
+    def __init__(self, log_dir, run_id):
+        self.path, self.file, self.made_dir = os.path.join(log_dir, f"{run_id}.lock"), None, None
+        try:
+            if not os.path.isdir(log_dir):
+                os.makedirs(log_dir)
+                self.made_dir = log_dir  # removed again at release when the run wrote nothing there
+            for _ in range(5):  # a file unlinked by a finishing holder between our open and flock: retry
+                f = open(self.path, "a+", encoding="utf-8")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    f.close()
+                    raise ConfigError(f"--run-id {run_id}: the run is already going (pid {holder} holds "
+                                      f"{self.path}); wait for it to end or stop it, or choose another "
+                                      f"--run-id") from None
+                if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+                f.close()
+            else:
+                raise ConfigError(f"--run-id {run_id}: {self.path} keeps being replaced; is another run of "
+                                  f"this id starting and ending in a loop?")
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        except OSError as e:
+            raise ConfigError(f"--log-dir {log_dir!r}: cannot write {self.path} ({e.strerror}); "
+                              f"choose another --log-dir") from None
+        self.file = f
+
+    def release(self):
+        """Remove the file while still holding the lock, then let go (nothing left behind: a --log-dir
+        this lock created goes too when the run was refused before writing its log)."""
+        if self.file is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:  # already gone or not removable: the lock itself still ends on close
+            pass
+        self.file.close()
+        self.file = None
+        if self.made_dir:
+            try:
+                os.rmdir(self.made_dir)
+            except OSError:  # the run's log is there
+                pass
+
+
 def start(cfg, trainer):
-    """Everything that can be refused before a file is written: runtime, data files, resume, run id, folders."""
+    """Everything that can be refused before a file is written: runtime, data files, resume, run id,
+    folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
     rt = setup_runtime(cfg)
     data = find_data(cfg)
-    resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
-    run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                            datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
-    if rt.master:
-        check_checkpoint_dir(cfg, run_id)
-    return rt, data, resume, run_id
+    # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
+    lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
+    try:
+        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
+                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        if rt.master:
+            check_checkpoint_dir(cfg, run_id)
+            lock = lock or RunLock(cfg.log_dir, run_id)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return rt, data, resume, run_id, lock
 
 
 def main(argv, trainer):
     """Run ``trainer`` from command-line words; returns the exit status (0 only for a completed run).
 
     Everything that can be refused (flags, data files, the checkpoint to resume, the log and
-    checkpoint folders) is checked before the log is created; from then on any failure closes
-    the log with ``status:incomplete`` and the reason.
+    checkpoint folders, the run's lock) is checked before the log is created; from then on any
+    failure closes the log with ``status:incomplete`` and the reason. Exit 2 for a refusal,
+    130 for a signal (SIGINT/SIGTERM, handled at safe points), 1 for a failure of the run.
     """
-    log, rank, stop, handlers = None, os.environ.get("RANK", "0"), {"signal": None}, {}
+    log, lock, rank, stop, handlers = None, None, os.environ.get("RANK", "0"), {"signal": None}, {}
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv, trainer)
         if build_parser(trainer).parse_known_args(argv)[0].describe:
             print("\n".join(describe(cfg, preset, trainer)))
             return 0
-        handlers = install_stop_handlers(stop, cfg.save_on_interrupt)
-        rt, data, resume, run_id = start(cfg, trainer)
+        stop["save"] = cfg.save_on_interrupt
+        handlers = install_stop_handlers(stop)
+        rt, data, resume, run_id, lock = start(cfg, trainer)
         rank = rt.rank
         log = RunLog(cfg, rt, run_id, resume=resume is not None)
         status, reason = trainer.train(cfg, rt, log, data, preset, resume, stop)
         code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
-    except (ConfigError, DataError, FloatingPointError) as e:
-        reason = f"rank {rank}: {e}"
-        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
-        code = 1 if isinstance(e, FloatingPointError) else 2
-    except (KeyboardInterrupt, StopRequested) as e:
-        reason = f"rank {rank}: interrupted ({str(e) or 'KeyboardInterrupt'})"
-        print(f"{trainer.name}: {reason}", file=sys.stderr)
-        code = 130
-    except BaseException as e:  # a toolchain or memory failure gets one line; anything else keeps its traceback
-        message = known_failure(e)
-        if message is None:
-            if log is not None:
-                log.finish("incomplete", f"rank {rank}: {type(e).__name__}: {e}")
-            raise
-        reason = f"rank {rank}: {message}"
-        print(f"{trainer.name}: error: {reason}", file=sys.stderr)
-        code = 2
+    except SystemExit as e:  # --help, or argparse's own exit
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    except BaseException as e:
+        status, reason, code = "incomplete", *failure(e, rank, stop, log, trainer.name)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    if log is not None:
-        log.finish(status, reason)
-        if log.path:
-            print(f"log: {log.path} ({status})", file=sys.stderr)
+        if log is not None:
+            log.finish(status, reason)
+            if log.path:
+                print(f"log: {log.path} ({status})", file=sys.stderr)
+        if lock is not None:
+            lock.release()
+        write_exit_code(code, rank)
     if code == 0 and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return code
+
+
+def failure(err, rank, stop, log, name):
+    """``(reason, exit code)`` of an exception that ended ``main``, its one line printed on stderr.
+
+    A refusal (ConfigError, DataError) exits 2, a non-finite loss 1, a signal 130: a StopRequested
+    or KeyboardInterrupt anywhere in the cause chain, or any error after a stop signal came (a
+    Ctrl-C also reaches the compile workers, whose death the compile then reports); a toolchain
+    or memory failure 2.
+
+    Raises:
+        the exception itself when it is none of these (its traceback is the report); the log is
+        closed first, marked incomplete with its type and message.
+    """
+    if isinstance(err, (ConfigError, DataError, FloatingPointError)):
+        reason = f"rank {rank}: {err}"
+        print(f"{name}: error: {reason}", file=sys.stderr)
+        return reason, 1 if isinstance(err, FloatingPointError) else 2
+    interrupt = interrupt_in_chain(err)
+    if interrupt is not None or stop["signal"] is not None:
+        what = str(interrupt or "") or f"interrupted by {stop['signal'] or 'KeyboardInterrupt'}"
+        if interrupt is not err:
+            what += f" (the run then ended in {type(err).__name__})"
+        reason = f"rank {rank}: {what}"
+        print(f"{name}: {reason}", file=sys.stderr)
+        return reason, 130
+    message = known_failure(err)
+    if message is None:
+        if log is not None:
+            log.finish("incomplete", f"rank {rank}: {type(err).__name__}: {err}")
+        raise err
+    reason = f"rank {rank}: {message}"
+    print(f"{name}: error: {reason}", file=sys.stderr)
+    return reason, 2
+
+
+EXIT_CODE_DIR = "TRAIN_GPT_EXIT_CODE_DIR"  # run.sh: where each rank leaves its exit status (torchrun hides it)
+
+
+def write_exit_code(code, rank):
+    """Leave ``code`` in ``$TRAIN_GPT_EXIT_CODE_DIR/rank<N>`` when run.sh set it (best effort)."""
+    folder = os.environ.get(EXIT_CODE_DIR)
+    if folder:
+        try:
+            with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass

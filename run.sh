@@ -4,7 +4,11 @@
 #                                          # if missing), the repository's sample data/sample without one
 #   DATA_DIR=data/mytext bash run.sh       # any folder of *_train_*.bin / *_val_*.bin shards
 #   bash run.sh --seed 3                   # extra arguments go to train_gpt.py
-# Exit status 0 only for a completed run (or one stopped by --max-steps); the log path is printed at the end.
+#   NPROC=2 bash run.sh                    # that many processes under torchrun (gloo on CPU, for tests)
+# Exit status as the trainer's: 0 only for a completed run (or one stopped by --max-steps), 2 for a refusal
+# (a flag, the data, a run already going), 130 for SIGINT/SIGTERM; the log path is printed at the end.
+# Under torchrun, a signal gives every rank SHUTDOWN_TIMEOUT seconds (default 120) to finish its step, write
+# the checkpoint (--save-on-interrupt) and close the log before torchrun kills it.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
@@ -26,6 +30,13 @@ else
         echo "run.sh: note: $n_gpus GPUs found; using $nproc so the global batch splits evenly" >&2
     fi
     if [ "$nproc" -eq 8 ]; then preset=record_8xb200; else preset=record_h200; fi
+fi
+if [ -n "${NPROC:-}" ]; then
+    if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+        echo "run.sh: NPROC=$NPROC: give a process count (1, 2, 4, 8)" >&2
+        exit 2
+    fi
+    nproc=$NPROC
 fi
 sample_note=""
 if [ -z "${DATA_DIR:-}" ]; then
@@ -62,9 +73,45 @@ fi
 # the trainer takes globs: escape glob characters in the folder name itself
 data_glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')
 args=(--preset "$preset" --train-files "$data_glob/*_train_*.bin" --val-files "$data_glob/*_val_*.bin" "$@")
-echo "run.sh: preset $preset, $([ "$nproc" -eq 0 ] && echo "CPU" || echo "$nproc GPU process(es)"), data $DATA_DIR$sample_note, logs in logs/" >&2
+echo "run.sh: preset $preset, $([ "$nproc" -le 1 ] && echo "1 process" || echo "$nproc processes") on $([ "$n_gpus" -eq 0 ] && echo CPU || echo GPU), data $DATA_DIR$sample_note, logs in logs/" >&2
 if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"
-else
-    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "${args[@]}"
 fi
+
+# torchrun exits 1 whatever its workers did: each rank leaves its exit status in a folder (harness.py,
+# TRAIN_GPT_EXIT_CODE_DIR); torchrun runs in its own session so that a Ctrl-C reaches it once, from here,
+# and it forwards one signal to every rank, waiting --shutdown-timeout seconds before SIGKILL.
+TRAIN_GPT_EXIT_CODE_DIR=$(mktemp -d)
+export TRAIN_GPT_EXIT_CODE_DIR
+signalled=""
+# torchrun's own traceback for the signal it was sent (SignalException) says nothing: drop that one
+# block of its stderr, pass every other line on as it comes (the ranks' lines included)
+drop_signal_traceback() {
+    awk '/^Traceback \(most recent call last\):$/ { block = $0 "\n"; held = 1; next }
+         held { block = block $0 "\n"
+                if ($0 != "" && $0 !~ /^ /) { if ($0 !~ /SignalException: /) printf "%s", block; held = 0; fflush() }
+                next }
+         { print; fflush() }
+         END { if (held) printf "%s", block }'
+}
+setsid "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" train_gpt.py "${args[@]}" 2> >(trap "" INT TERM; drop_signal_traceback >&2) &
+launcher=$!
+forward() { signalled=$1; kill -s "$1" "$launcher" 2>/dev/null || true; }
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+rc=0
+while :; do
+    wait "$launcher" && rc=0 || rc=$?
+    kill -0 "$launcher" 2>/dev/null || break  # wait returned for a signal, not for torchrun's end
+done
+codes=$(cat "$TRAIN_GPT_EXIT_CODE_DIR"/rank* 2>/dev/null || true)
+rm -rf "$TRAIN_GPT_EXIT_CODE_DIR"
+# a refusal first: the other ranks were stopped because of it; 130 when every rank saw a signal
+# (one rank's crash also gets the others SIGTERMed by torchrun: that stays a failure)
+if grep -qx 2 <<<"$codes"; then exit 2; fi
+if [ -n "$signalled" ] || { [ -n "$codes" ] && ! grep -qvx 130 <<<"$codes"; }; then
+    echo "run.sh: stopped by ${signalled:+SIG}${signalled:-a signal to a rank} (exit 130)" >&2
+    exit 130
+fi
+exit "$rc"

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,12 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import harness
-from aurora_opt import (NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, check_hparams, record89_adam_groups,
-                        record89_matrix_groups)
-from harness import ConfigError, DataError, Runtime, load_shard, read_shard_header
+from aurora_opt import NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups, record89_matrix_groups
+from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
+                     log_wrap, read_shard_header, step_line)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
@@ -140,6 +141,8 @@ class Config:
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
+    fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
+                          "fp8_linear); needs a GPU of compute capability 8.9+ (fp8_unavailable_reason says why not)")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -149,9 +152,6 @@ class Config:
     resume: str = _f("", "checkpoint file to continue from, or 'auto' (highest step under --checkpoint-dir)")
     resume_force: bool = _f(False, "resume even if the checkpoint's config or data differs in what changes the run")
 
-    def check(self, need):
-        """The cross-field checks (``check_config``); ``harness.validate_config`` runs them."""
-        check_config(self, need)
 
 
 # The architecture of the modded-nanogpt record history, switched on by the presets (each element
@@ -205,7 +205,7 @@ PRESETS = {
 # Fields that change where files go or how a run executes, not what it computes; every other
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
 OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "dist_timeout",
+                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
                          "checkpoint_dir", "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"})
 
 
@@ -318,14 +318,14 @@ class Schedule:
     """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
 
     def __init__(self, cfg):
-        self.stages = stages(cfg)
+        self.stages, flops = stages(cfg), FlopProfile(cfg)
         self.rows = []
         N = cfg.num_iterations
         for step in range(N + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
             window = stage_window(step, stage, cfg)
             self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
-                                     model_flops_per_position(cfg, step, window), stage_objective(step, stage)))
+                                     flops.per_position(window), stage_objective(step, stage)))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -676,15 +676,65 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
     Args:
         doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
         window: latent positions a query sees (0 = no window).
-        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph);
-            False: bool ``[B, 1, T, T]`` for SDPA (broadcast over heads).
+        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph from
+            block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
+            (broadcast over heads), from the same ``mask_mod``.
         block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
     """
     if flex:
-        B, T = doc_ids.shape
-        return create_block_mask(mask_mod(doc_ids, window), B, None, T, T, device=doc_ids.device,
-                                 BLOCK_SIZE=block_size)
+        return block_mask_from_bounds(doc_ids, window, block_size)
     return attention_mask(doc_ids, window)[:, None]
+
+
+def _ordered_blocks(blocks):
+    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
+
+
+def block_mask_from_bounds(doc_ids, window, block_size=128):
+    """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
+
+    ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
+    (query block, key block) pair is classified from the blocks' first/last positions and
+    documents alone (``O((T / block_size)^2)`` work), and only the partial blocks are masked
+    per element, by the same ``mask_mod``, inside FlexAttention. Exact because document ids
+    are non-decreasing along a row: with query block [q0, q1] and key block [k0, k1],
+
+    * some pair is allowed iff ``k0 <= q1``, ``doc[k1] >= doc[q0]`` and ``q0 - k1 < window``
+      (the pair (q0, k1), or the diagonal when the blocks coincide, is then allowed);
+    * every pair is allowed iff ``k1 <= q0``, ``doc[k0] == doc[q1]`` and ``q1 - k0 < window``,
+      and neither block reaches past T (create_block_mask counts padding as masked).
+
+    Args:
+        doc_ids: int64 ``[B, T]``, non-decreasing along T (``latent_document_ids``).
+        window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
+            the device, so a window schedule neither syncs nor changes the compiled graph.
+        block_size: the tile, query and key alike (FlexAttention's default 128).
+
+    Returns:
+        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window), B, None, T, T,
+        BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
+    """
+    B, T = doc_ids.shape
+    n = -(-T // block_size)
+    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
+    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
+    complete = first + block_size <= T                               # [n] no padding in the block
+    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
+    doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]        # [B, n]
+    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
+    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
+    if torch.is_tensor(window) or window > 0:
+        some = some & (q0 - k1 < window)
+        every = every & (q1 - k0 < window)
+    partial = some & ~every
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod(doc_ids, window), seq_lengths=(T, T))
 
 
 def attend(q, k, v, mask=None, scale=None):
@@ -702,23 +752,142 @@ def attend(q, k, v, mask=None, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def layer_set(text):
-    """The layers a comma-list flag names ("1,2,5") as a frozenset of ints; "" = none.
+OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
 
-    Raises:
-        ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
+
+def route(param, group):
+    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
+
+    ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
     """
-    entries = [t.strip() for t in text.split(",")] if text.strip() else []
-    if not all(t.isdigit() for t in entries):
-        raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
-    layers = frozenset(map(int, entries))
-    if len(layers) != len(entries):
-        raise ValueError("a layer is given twice")
-    return layers
+    assert group in OPT_GROUPS, group
+    param.opt_group = group
+    return param
 
 
-def _linear(d_in, d_out, zero=False):
+# FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
+# up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
+# tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max    # 57344
+
+
+def fp8_unavailable_reason(device):
+    """Why ``--fp8`` cannot run on ``device`` (a ``torch.device`` or string), or None if it can.
+
+    FP8 tensor-core matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 or newer
+    (Ada, Hopper, Blackwell). The harness logs the reason and runs in bf16.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 matmuls need a CUDA GPU (device is {device.type}); running without fp8"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"fp8 matmuls need compute capability 8.9+ ({torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}); running without fp8")
+    return None
+
+
+def fp8_scale(t, fp8_max=E4M3_MAX):
+    """Per-tensor scale ``amax(|t|) / fp8_max``: float32 0-d, on t's device (no host sync).
+
+    ``t / scale`` then spans the format's range. Current scaling of every operand, as record #84
+    scales the up-projection's input; the records' other scales are static or delayed (see
+    ``fp8_linear``).
+    """
+    return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
+
+
+def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
+    """``t / scale`` saturated to the format's max (448 for e4m3, 57344 for e5m2), rounded to ``dtype``.
+
+    Rounding is torch's conversion (round to nearest even); the clamp makes overflow saturate on
+    every backend (the records' Triton quantizer clamps to 448 the same way) instead of NaN.
+    """
+    limit = torch.finfo(dtype).max
+    return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
+
+
+def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
+    """``(a * a_scale) @ (b * b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` (R = reduction) -> ``[M, N]``.
+
+    CUDA: ``torch._scaled_mm`` (row-major a, column-major b: ``b.t()`` of a contiguous b).
+    ``emulate``: the same product in ``out_dtype`` from the fp8 values (exact products; sums
+    rounded in ``out_dtype``), for CPU tests of the scaling math.
+    """
+    if emulate:
+        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``y = x @ w.T`` with x and w in e4m3 at current per-tensor scales (see ``fp8_linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, fp8_grad, emulate):
+        x_s, w_s = fp8_scale(x), fp8_scale(w)
+        x_f8, w_f8 = fp8_quantize(x, x_s), fp8_quantize(w, w_s)
+        out = upcast(x).dtype if emulate else torch.bfloat16
+        ctx.fp8_grad, ctx.emulate, ctx.dtypes = fp8_grad, emulate, (x.dtype, w.dtype)
+        if fp8_grad:  # the head (record #21): the backward reads the fp8 copies, half the bytes of bf16
+            ctx.save_for_backward(x_f8, w_f8, x_s, w_s)
+        else:         # the MLP (records #84, #89): the backward stays in bf16 (high precision if emulated)
+            ctx.save_for_backward(*((x, w) if emulate else (x.bfloat16(), w.bfloat16())))
+        return fp8_mm(x_f8, x_s, w_f8, w_s, out, fast_accum=True, emulate=emulate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_dtype, w_dtype = ctx.dtypes
+        if not ctx.fp8_grad:
+            x, w = ctx.saved_tensors
+            g = grad.to(x.dtype)
+            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None
+        x_f8, w_f8, x_s, w_s = ctx.saved_tensors
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21); the record's static
+        # scale assumes its loss's gradient bound, ours is divided by the global label count (a
+        # device value), so the scale follows the gradient's own amax
+        g_s = fp8_scale(grad, E5M2_MAX)
+        g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
+        out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
+        grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
+        out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
+        grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None
+
+
+def fp8_linear(x, weight, fp8_grad=False, emulate=False):
+    """``F.linear(x, weight)`` (no bias) as an FP8 matmul: x ``[..., in]``, weight ``[out, in]``.
+
+    Forward: x and weight each scaled by their current ``amax / 448`` (``fp8_scale``), saturated
+    and rounded to float8_e4m3fn, multiplied with fast accumulation; bf16 out on CUDA. Backward
+    with ``fp8_grad`` (the LM head, record #21): the output gradient scaled by its amax into
+    float8_e5m2, ``dx`` from the e4m3 weight (bf16), ``dW`` from the e4m3 input (float32).
+    Without it (the MLP, records #84 and #89): ``dx``, ``dW`` from the unquantized x and weight.
+    ``emulate``: the same scales and roundings, products in float32 (float64 for float64 x):
+    the CPU path of the tests. Record #89's delayed scaling of the down-projection (the previous
+    step's amax, so no extra pass) is not ported: every scale here is current.
+    """
+    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+def fp8_fits(x, weight):
+    """Whether ``x @ weight.T`` fits ``torch._scaled_mm``'s shape rules (every dim a multiple of 16)."""
+    return x.numel() // x.size(-1) % 16 == 0 and x.size(-1) % 16 == 0 and weight.size(0) % 16 == 0
+
+
+def fp8_active(on, x, weight):
+    """Whether a ``--fp8`` matmul runs in FP8: flag on, a training forward (grad enabled: val stays
+    bf16, as the records evaluate), x on CUDA, shapes that ``torch._scaled_mm`` takes."""
+    return on and torch.is_grad_enabled() and x.is_cuda and fp8_fits(x, weight)
+
+
+def _linear(d_in, d_out, zero=False, group="matrix"):
+    """A bias-free ``nn.Linear`` whose weight is routed to ``group``."""
     lin = nn.Linear(d_in, d_out, bias=False)
+    route(lin.weight, group)
     with torch.no_grad():
         if zero:  # output projections start at zero: each block starts as the identity
             lin.weight.zero_()
@@ -737,15 +906,16 @@ class CausalSelfAttention(nn.Module):
     learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
     """
 
-    def __init__(self, cfg, value_embed=False):
+    def __init__(self, cfg, value_embed=False, rotary=None):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
         self.proj = _linear(d, d, zero=True)
-        self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
+        # the model passes its one table (GPT.rotary); a layer built alone makes its own
+        self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
-        self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if value_embed else None
+        self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
 
     def forward(self, x, mask=None, ve=None):
         """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
@@ -764,12 +934,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.fc = _linear(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
         self.proj = _linear(cfg.mlp_ratio * cfg.model_dim, cfg.model_dim, zero=True)
+        self.fp8 = cfg.fp8
 
     def forward(self, x):
+        if fp8_active(self.fp8, x, self.fc.weight):  # records #84, #89
+            return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
         return self.proj(F.relu(self.fc(x)).square())
 
 
@@ -781,12 +956,12 @@ class Block(nn.Module):
     ``--no-attn-layers`` has no attention (record #21 drops layer 7's).
     """
 
-    def __init__(self, cfg, layer, value_embed=False):
+    def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        self.attn = CausalSelfAttention(cfg, value_embed) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
         self.mlp = MLP(cfg)
-        self.x0_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if cfg.x0_mix else None
+        self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
 
     def forward(self, x, x0=None, mask=None, ve=None):
         if self.x0_mix is not None:
@@ -829,9 +1004,14 @@ class GPT(nn.Module):
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
-        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer) for i in range(n))
-        self.skip_weights = nn.Parameter(torch.ones(n // 2)) if cfg.unet else None
-        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True)
+        for table in [self.embed, *self.value_embeds]:
+            route(table.weight, "embed")
+        # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
+        # each at the record's 49,152 positions)
+        self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
+        self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
+        self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
@@ -875,14 +1055,29 @@ class GPT(nn.Module):
             x = block(x, x0, masks[i in self.short], ve)
             if self.skip_weights is not None and i < half:
                 skips.append(x)
-        logits, c = self.lm_head(rms_norm(x)), self.cfg.logit_softcap
-        if targets is not None:  # the cap is applied inside the fused loss
-            return loss_sum(logits, targets, weights, self.cfg)
+        x, head = rms_norm(x), self.lm_head.weight
+        if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
+            logits = fp8_linear(x, head, fp8_grad=True)
+        else:
+            logits = self.lm_head(x)
+        c = self.cfg.logit_softcap
+        if targets is not None:  # the cap is applied inside the fused loss; eval mode: the metric alone
+            loss = loss_sum(logits, targets, weights if self.training else None, self.cfg)
+            extra = self.train_only_loss(x, logits, targets) if self.training else None
+            return loss if extra is None else loss + extra
         logits = upcast(logits)
         if self.cfg.logit_cap == "sigmoid":
             A, B, C = SIGMOID_CAP
             return A * torch.sigmoid((logits + B) / C)
         return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def train_only_loss(self, x, logits, targets):
+        """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
+
+        ``x`` is the final residual ``[B, L, d]``, ``logits`` ``[B, L, V]``, ``targets`` ``[B, L, j]``.
+        Never called in eval mode, so no term here can reach ``val_loss``.
+        """
+        return None
 
 
 def windowed(cfg):
@@ -912,93 +1107,47 @@ def attended_keys(seq_len, window):
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
-def model_flops_per_position(cfg, step=0, window=None):
-    """Training FLOPs per latent position at optimizer ``step``: ``6 * N_matmul + 12 d * keys``.
+class FlopProfile:
+    """What a forward of the model multiplies, read from the model itself on the meta device (no memory, no data).
 
-    ``N_matmul`` counts every weight used in a matmul (attention and MLP matrices of the layers
-    that have them, and the LM head; embeddings and value embeddings are lookups). The second
-    term is attention's QK^T and AV products, forward and backward (12 d FLOPs per attended
-    key), summed over the layers with attention, each over the keys its queries actually attend
-    (``attended_keys``: causality and the layer's window at ``step``; document masks ignored),
-    as in PaLM's accounting (arXiv 2204.02311, appendix B) made exact for the mask. TST phase 1
-    costs the same per latent position. ``window``: ``(long, short)`` instead of ``window_at(step)``.
+    ``n_matmul``: the weights a forward multiplies per latent position, counted from the matmuls
+    it runs (FlopCounterMode's mm/addmm FLOPs / 2 per position; attention's own products are the
+    second term): every ``nn.Linear`` the
+    forward calls, the LM head included, a new one counted without an edit here; embeddings
+    and value embeddings are lookups. ``layers``: ``(has_attention, short_window)`` per block.
     """
-    d, no_attn, short = cfg.model_dim, layer_set(cfg.no_attn_layers), layer_set(cfg.short_window_layers)
-    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
-    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    long, half = window if window is not None else window_at(step, cfg)
-    keys = sum(attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
-    return 6 * n_matmul + 12 * d * keys
+
+    def __init__(self, cfg):
+        from torch.utils.flop_counter import FlopCounterMode
+        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
+        with torch.device("meta"):
+            model = GPT(cfg)
+            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
+        with FlopCounterMode(display=False) as counter:
+            model(inputs)
+        ops = counter.get_flop_counts()["Global"]
+        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
+        self.n_matmul = int(matmul) // (2 * L)
+        self.layers = [(block.attn is not None, i in model.short) for i, block in enumerate(model.blocks)]
+        self.cfg = cfg
+
+    def per_position(self, window):
+        """Training FLOPs per latent position under ``window`` (long, short): ``6 * N_matmul + 12 d * keys``.
+
+        The second term is attention's QK^T and AV products, forward and backward (12 d FLOPs per
+        attended key), summed over the layers with attention, each over the keys its queries
+        actually attend (``attended_keys``: causality and the layer's window, a stage-table
+        column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
+        made exact for the mask. TST phase 1 costs the same per latent position.
+        """
+        long, half = window
+        keys = sum(attended_keys(self.cfg.seq_len, half if short else long) for attn, short in self.layers if attn)
+        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 
-# ----------------------------------------------------------------------------------------------
-# Config checks across fields (each field's own bounds are in its metadata; harness.validate_config)
-
-def check_config(cfg, need):
-    """Raise, through ``need(ok, msg)`` (a ConfigError naming the flag), for values that cannot work together."""
-    try:  # Aurora's own check, its arguments named as flags
-        check_hparams(lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum, ns=cfg.ns,
-                      pp_iterations=cfg.pp_iterations, pp_beta=cfg.pp_beta)
-    except ValueError as e:
-        flags = dict(lr="matrix_lr", weight_decay="matrix_wd", momentum="momentum", pp_iterations="pp_iterations",
-                     pp_beta="pp_beta", ns="ns")
-        name, rest = str(e).split(" ", 1)
-        raise ConfigError(f"{harness.flag_of(flags.get(name, name))} {rest}") from None
-    need(cfg.model_dim % cfg.n_head == 0 and (cfg.model_dim // cfg.n_head) % 2 == 0,
-         f"--model-dim {cfg.model_dim} must be n_head ({cfg.n_head}) times an even head_dim")
-    need(cfg.vocab_size >= 50257, f"--vocab-size {cfg.vocab_size} is below GPT-2's 50257 ids")
-    need(cfg.tst_bag_size >= 1, f"--tst-bag-size must be >= 1 (got {cfg.tst_bag_size}); use 1 to turn TST off")
-    need(0.0 <= cfg.tst_frac < 1.0, f"--tst-frac must be in [0, 1) (got {cfg.tst_frac}); 0 turns TST off")
-    need(cfg.batch_tokens % cfg.seq_len == 0,
-         f"--batch-tokens {cfg.batch_tokens} must be a multiple of --seq-len {cfg.seq_len}")
-    need(0.0 <= cfg.cooldown_frac <= 1.0, f"--cooldown-frac must be in [0, 1] (got {cfg.cooldown_frac})")
-    need(cfg.logit_softcap >= 0, f"--logit-softcap must be >= 0 (got {cfg.logit_softcap})")
-    need(cfg.adam_eps > 0, f"--adam-eps must be > 0 (got {cfg.adam_eps})")
-    need(cfg.rope_base > 1, f"--rope-base must be > 1 (got {cfg.rope_base})")
-    need(cfg.window >= 0, f"--window must be >= 0 latent positions (got {cfg.window}); 0 turns the window off")
-    check_architecture(cfg, need)
-    need(not cfg.tied_embed or (cfg.stages == "record89" and cfg.optimizer in ("normuon", "aurora_normuon")),
-         "--tied-embed needs --stages record89 and --optimizer normuon or aurora_normuon (its untie step and Adam)")
-    if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
-        need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
-             f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
-        need(cfg.batch_tokens // (3 * cfg.seq_len) % cfg.micro_batch_seqs == 0,
-             f"--micro-batch-seqs {cfg.micro_batch_seqs} must divide stage 1's {cfg.batch_tokens // (3 * cfg.seq_len)} "
-             f"sequences (--stages record89: a third of --batch-tokens / --seq-len)")
-        need(cfg.extension_steps < cfg.num_iterations - 2, f"--extension-steps {cfg.extension_steps} leaves fewer "
-                                                           f"than 3 of --num-iterations {cfg.num_iterations} scheduled")
-    need(cfg.warmup_steps <= cfg.num_iterations,
-         f"--warmup-steps {cfg.warmup_steps} exceeds --num-iterations {cfg.num_iterations}")
-    if cfg.tst_frac > 0:  # the phase-1 val objective needs at least one bag and its next bag
-        need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
-             f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
-             f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
-
-
-def check_architecture(cfg, need):
-    """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
-    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
-    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
-         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
-    layers = {}
-    for name in ("short_window_layers", "no_attn_layers"):
-        text = getattr(cfg, name)
-        try:
-            layers[name] = layer_set(text)
-        except ValueError as e:
-            raise ConfigError(f"{harness.flag_of(name)} {text!r}: {e}") from None
-        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
-        need(not bad, f"{harness.flag_of(name)}: there is no layer {bad[0] if bad else ''} "
-                      f"(layers are 0..{cfg.n_layer - 1})")
-    need(not layers["short_window_layers"] or windowed(cfg), "--short-window-layers needs a --window")
-    k, n = cfg.value_embeds, cfg.n_layer
-    need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
-    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
-    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
-    need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
-                    f"without attention; drop it from --no-attn-layers or lower --value-embeds")
-    need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
-    need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+def model_flops_per_position(cfg, step=0):
+    """Training FLOPs per latent position at optimizer ``step`` (``FlopProfile.per_position``; for tools)."""
+    return Schedule(cfg)[step].flops_per_position
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1020,6 +1169,8 @@ class TokenStream:
         self.files = list(files)
         self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
         self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
+            harness.check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
         self.offsets = np.cumsum([0] + self.sizes)
         self.total = int(self.offsets[-1])
         self.wrap, self.vocab_size = wrap, vocab_size
@@ -1457,15 +1608,6 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
     return torch.cat([cols, prefix_targets(prefix_table, targets)[..., None]], dim=-1)
 
 
-def tst_switch_step(cfg):
-    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
-
-    With ``--tst-bag-size 1`` phase 1 is plain next-token training through the TST code path,
-    so a run with s = 1 repeats a run without TST bit for bit.
-    """
-    return int(round(cfg.tst_frac * cfg.num_iterations))
-
-
 def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
     """This rank's ``[(inputs, targets)]`` for a step of ``stage`` (its layout and batch), on the device.
 
@@ -1494,19 +1636,27 @@ def make_loader(cfg, schedule, stream, rt):
 # Optimizers
 
 def build_optimizers(model, cfg, compile=False):
-    """Aurora/Muon (or AdamW) on the 2-D block matrices; Adam on the embeddings, the head and the scalars.
+    """Aurora/Muon (or AdamW) on the "matrix" parameters; Adam on "embed", "head" and "scalar" (``route``).
 
     ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
 
     Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
+
+    Raises:
+        ConfigError: a parameter without an optimizer group (named, with the fix).
     """
     if cfg.optimizer in ("normuon", "aurora_normuon"):
         return build_record89_optimizers(model, cfg, compile)
     cuda = next(model.parameters()).is_cuda
-    matrices = [(f"blocks.{n}", p) for n, p in model.blocks.named_parameters() if p.ndim == 2]
-    embeds = [model.embed.weight] + [table.weight for table in model.value_embeds]
-    scalars = [p for p in model.parameters() if p.ndim < 2]  # mixing and skip weights
-    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[model.lm_head.weight], lr=cfg.head_lr)]
+    groups = {g: [] for g in OPT_GROUPS}
+    for name, p in model.named_parameters():
+        if getattr(p, "opt_group", None) not in groups:
+            raise ConfigError(f"parameter {name} {tuple(p.shape)} has no optimizer group; tag it where it is "
+                              f"created with route(param, group), group one of {', '.join(OPT_GROUPS)}")
+        groups[p.opt_group].append((name, p))
+    matrices = groups["matrix"]
+    embeds, scalars = [p for _, p in groups["embed"]], [p for _, p in groups["scalar"]]
+    adam_groups = [dict(params=embeds, lr=cfg.embed_lr), dict(params=[p for _, p in groups["head"]], lr=cfg.head_lr)]
     if scalars:
         adam_groups.append(dict(params=scalars, lr=cfg.scalar_lr))
     betas = (cfg.adam_beta1, cfg.adam_beta2)
@@ -1599,6 +1749,79 @@ def all_reduce_sum(t, rt):
     return t
 
 
+GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's default bucket_cap_mb)
+
+
+class GradBuckets:
+    """Gradient all-reduce in buckets, each started as soon as its gradients are final.
+
+    The parameters, in reverse order (the order the backward finishes them), are cut into
+    buckets of about ``cap_bytes`` (by dtype and device), each with one flat buffer allocated
+    here, once. ``hooks()`` arms, for one backward, a post-accumulate-grad hook per parameter:
+    when the last gradient of a bucket has been accumulated, the bucket is copied into its
+    buffer and summed over processes asynchronously while the backward goes on (PyTorch DDP's
+    bucketing, Li et al. 2020, arXiv 2006.15704). ``finish()`` starts what is left, waits, and
+    copies the sums back into ``.grad``. A compiled model's backward is one autograd node per
+    graph, so there the buckets start together when that node is done: fewer, larger
+    collectives, but little overlap.
+    """
+
+    def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets, self.bucket_of = [], {}
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            if (last is None or last["bytes"] + p.numel() * p.element_size() > cap_bytes
+                    or (last["dtype"], last["device"]) != (p.dtype, p.device)):
+                last = dict(params=[], bytes=0, dtype=p.dtype, device=p.device)
+                self.buckets.append(last)
+            last["params"].append(p)
+            last["bytes"] += p.numel() * p.element_size()
+            self.bucket_of[p] = len(self.buckets) - 1
+        for b in self.buckets:
+            b["flat"] = torch.empty(b["bytes"] // b["params"][0].element_size(), dtype=b["dtype"], device=b["device"])
+        self.left, self.works = [], {}
+
+    def _start(self, i):
+        b = self.buckets[i]
+        grads = [p.grad for p in b["params"] if p.grad is not None]
+        flat = b["flat"][:sum(g.numel() for g in grads)]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            self._start(i)
+
+    def hooks(self):
+        """Arm the hooks for the next backward; returns their handles (remove them after it)."""
+        self.left, self.works = [len(b["params"]) for b in self.buckets], {}
+        return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+
+    def finish(self):
+        """Start the buckets the backward did not fill (parameters without a gradient), wait for all, copy back."""
+        for i in range(len(self.buckets)):
+            if i not in self.works and any(p.grad is not None for p in self.buckets[i]["params"]):
+                self._start(i)
+        for work, grads, flat in self.works.values():
+            work.wait()
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+_GRAD_BUCKETS = weakref.WeakKeyDictionary()  # model -> its GradBuckets: buffers allocated once per model
+
+
+def grad_buckets(model):
+    """The model's ``GradBuckets`` (built on first use, rebuilt if its parameters changed)."""
+    held = _GRAD_BUCKETS.get(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
+        held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
+    return held
+
+
 class Objectives:
     """Next-token training steps with the stage table's multi-token and prefix columns (``--objectives``).
 
@@ -1622,7 +1845,8 @@ class Objectives:
         return [(inputs, objective_targets(targets[..., 0], self.table)) for inputs, targets in micro], self.weights
 
 
-def accumulate_gradients(model, micro_batches, rt, weights=None):
+def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
+
     """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
 
     Args:
@@ -1630,28 +1854,36 @@ def accumulate_gradients(model, micro_batches, rt, weights=None):
         micro_batches: list of ``(inputs [b, L, k], targets [b, L, j])`` of this process.
         rt: Runtime (device, process group).
         weights: float32 ``[J]`` column weights (``Objectives``), or None (the MCE).
+        stop: the signal flag (``harness.should_stop``), checked between micro-batches.
 
     Returns:
         float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
         pair of the global batch (all micro-batches, all ranks) -- not a mean of per-micro-
         batch means; with ``weights``, the weighted sum over the columns divided by the
         number of valid column-0 (next-token) labels. The gradient in ``.grad`` is that
-        loss's gradient, summed over ranks.
+        loss's gradient, summed over ranks: across processes, in buckets started during the
+        last micro-batch's backward (``GradBuckets``); the earlier micro-batches only
+        accumulate locally.
     """
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
     total = torch.zeros((), device=rt.device)
-    for inputs, targets in micro_batches:
+    buckets = grad_buckets(model) if rt.distributed else None
+    for m, (inputs, targets) in enumerate(micro_batches):
         with rt.autocast():
             loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
-        (loss_sum / n_valid).backward()
+        handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
+        try:
+            (loss_sum / n_valid).backward()
+        finally:
+            for h in handles:
+                h.remove()
         total += loss_sum.detach()
-    if rt.distributed:
-        works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
-        for w in works:
-            w.wait()
+        harness.should_stop(stop)  # a safe point: raises on a signal unless the step must finish to be saved
+    if buckets is not None:
+        buckets.finish()
     return all_reduce_sum(total, rt) / n_valid
 
 
@@ -1698,19 +1930,38 @@ def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
 
 
+@contextmanager
+def eval_mode(model):
+    """``model`` in eval mode (no gradients) inside the block, back in its previous mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
-def evaluate(model, val, mode, bag_size, cfg, rt):
-    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric)."""
+def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
+    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric).
+
+    The model runs in eval mode: training-only loss terms (``GPT.train_only_loss``) are left out.
+    A signal (``stop``) ends the loop between batches (a partial mean: the caller drops it).
+    """
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
-    for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
-        inputs, targets = rt.to_device(inputs), rt.to_device(targets)
-        with rt.autocast():
-            total += model(inputs, targets).double()
-        count += (targets != IGNORE_INDEX).sum()
+    with eval_mode(model):
+        for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+            if harness.should_stop(stop):  # every rank still meets the all-reduces below
+                break
+            inputs, targets = rt.to_device(inputs), rt.to_device(targets)
+            with rt.autocast():
+                total += model(inputs, targets).double()
+            count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
-    if count.item() == 0:
+    if count.item() == 0 and not harness.should_stop(stop):
         raise DataError(f"--val-tokens {val.n_tokens}: no label to score for the {mode} s={bag_size} objective")
     return (total / count).item()
 
@@ -1725,48 +1976,6 @@ class Progress:
     raw_tokens: int = 0         # text read from the train stream (TST phase 1 reads s x more per step)
     positions: int = 0          # latent positions trained
     flops: float = 0.0          # model FLOPs (model_flops_per_position x positions)
-
-
-class Clock:
-    """train_time: the device is synchronized before each reading; pauses (val, logs, checkpoints) excluded."""
-
-    def __init__(self, rt, progress):
-        self.rt, self.progress, self.t0 = rt, progress, None
-
-    def start(self):
-        self.rt.sync()
-        self.t0 = time.perf_counter()
-
-    @contextmanager
-    def paused(self):
-        self.rt.sync()
-        self.progress.train_time_ms += 1000 * (time.perf_counter() - self.t0)
-        yield
-        self.start()
-
-
-class NanGuard:
-    """The first step whose loss was not finite, kept on the device: no host sync per step.
-
-    ``check`` (one sync) runs at every logged line and before every checkpoint write.
-    """
-
-    def __init__(self, device, lr_flags):
-        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
-        self.lr_flags = lr_flags
-
-    def update(self, loss, step):
-        self.first_bad.masked_fill_((self.first_bad == 0) & ~torch.isfinite(loss), step)
-
-    def check(self, model=None):
-        """Raise FloatingPointError naming the first bad step (or, given ``model``, a non-finite weight)."""
-        bad = int(self.first_bad)
-        if bad:
-            raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
-                                     f"({self.lr_flags}) or check the data")
-        if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
-                                     f"no checkpoint was written")
 
 
 @dataclass
@@ -1801,20 +2010,29 @@ def count_step(progress, row, raw_tokens):
 
 
 def validate(run, step):
-    """Log the val loss at ``step`` (and the TST objective while in phase 1)."""
+    """Log the val loss at ``step`` (and the TST objective while in phase 1).
+
+    Returns False when a signal cut it short (nothing logged; every rank agrees), else True.
+    """
     cfg, rt = run.cfg, run.rt
     stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
     run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
-    loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
+    loss = evaluate(run.net, run.val, "full", 1, cfg, rt, run.stop)
+    if harness.stop_requested(run):
+        return False
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
     extra = {"phase": stage.phase}
     if stage.phase == 1:
-        extra["val_loss_tst"] = f"{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}"
+        loss_tst = evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt, run.stop)
+        if harness.stop_requested(run):
+            return False
+        extra["val_loss_tst"] = f"{loss_tst:.4f}"
     p = run.progress
     extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
     run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
     run.log.update(final_val_loss=loss, val_step=step)
+    return True
 
 
 def log_train_line(run, step, loss, scale):
@@ -1836,20 +2054,6 @@ def log_stage(run, step):
                  f"tokens:{run.progress.raw_tokens}")
 
 
-def log_wrap(run, step):
-    stream = run.loader.stream
-    run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
-                 f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
-
-
-def step_line(step, cfg, what, value, train_time_ms, extra):
-    """``step:{n}/{N} {what}:{x:.4f} train_time:{ms}ms step_avg:{ms:.2f}ms k:v ...`` (modded-nanogpt shape)."""
-    avg = train_time_ms / max(step, 1)
-    fields_ = " ".join(f"{k}:{v}" for k, v in extra.items())
-    return (f"step:{step}/{cfg.num_iterations} {what}:{value:.4f} train_time:{train_time_ms:.0f}ms "
-            f"step_avg:{avg:.2f}ms {fields_}").rstrip()
-
-
 def log_model_line(run):
     cfg, rt = run.cfg, run.rt
     n_params = sum(p.numel() for p in run.model.parameters())
@@ -1858,10 +2062,6 @@ def log_model_line(run):
     run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
                  f"position at step 0; "
                  f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
-
-
-def compiled_graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def warm_up(run):
@@ -1888,9 +2088,10 @@ def warm_up(run):
             with rt.autocast():
                 (run.net(*micro[0]) if weights is None else run.net(*micro[0], weights)).backward()
             run.model.zero_grad(set_to_none=True)
-            with torch.no_grad(), rt.autocast():
+            with eval_mode(run.net), rt.autocast():
                 run.net(rt.to_device(vi), rt.to_device(vt))
         run.model.tied = tied
+        harness.should_stop(run.stop, can_save=False)  # a safe point between graphs: no step to save yet
     for opt in run.opts:
         if isinstance(opt, Aurora):
             opt.warmup()
@@ -1906,8 +2107,8 @@ def training_loop(run, start_step, end_step):
     Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
     """
     cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
-    if start_step == 0:
-        validate(run, 0)
+    if start_step == 0 and not validate(run, 0):
+        raise harness.StopRequested(f"interrupted by {run.stop['signal']} during the step-0 validation")
     clock.start()
     for step in range(start_step, end_step):
         row = run.schedule[step]  # every per-step quantity comes from the stage table
@@ -1921,7 +2122,7 @@ def training_loop(run, start_step, end_step):
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
-        loss = accumulate_gradients(run.net, micro, rt, weights)
+        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop)
         for opt in run.opts:
             opt.step()
         if step == run.split_step:
@@ -1939,12 +2140,13 @@ def training_loop(run, start_step, end_step):
         save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
         if val_now or save_now or (stopping and not last):
             with clock.paused():
-                if val_now:
-                    validate(run, done)
-                if save_now or (stopping and not last):
+                if val_now and not validate(run, done):
+                    stopping, last = True, False  # a signal during validation: stop here, val not logged
+                if stopping and not last:
+                    harness.save_on_stop(run, done)  # the status line first, then the checkpoint
+                    return done
+                if save_now:
                     harness.save(run, done)
-            if stopping and not last:
-                return done
     return None
 
 
@@ -1956,6 +2158,9 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     """
     train_stream, val_stream = open_data(cfg, data)
     harness.log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
+    if cfg.fp8 and (why := fp8_unavailable_reason(rt.device)):  # e.g. a CPU or a GPU before sm_89
+        log.line(f"fp8: off ({why}); the matmuls run in {'bf16' if rt.bf16 else 'float32'}")
+        cfg = dataclasses.replace(cfg, fp8=False)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
@@ -1978,7 +2183,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     stopped_at = training_loop(run, start_step, end_step)
     if stopped_at is not None:
         log.update(**dataclasses.asdict(run.progress), steps=stopped_at)
-        return "interrupted", f"{run.stop['signal']}; resume with --resume auto --run-id {log.summary['run_id']}"
+        return "interrupted", harness.interrupt_reason(run, stopped_at)
     if rt.compile:
         log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
     harness.log_summary(run, end_step, compile_ms)

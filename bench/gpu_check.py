@@ -1,93 +1,19 @@
-"""One-shot CUDA check of train_gpt.py: environment, device speed, CPU/GPU and bf16 agreement, step time.
+"""One-shot CUDA check of train_gpt.py, ordered by value, inside a stated time budget.
 
-Run it once on any new GPU box before a record attempt: in one command and under 8 minutes
-it says whether the box computes what the CPU computes, how fast its matmuls and copies
-are, and how long the record preset would take there.
+    python bench/gpu_check.py                 # on the GPU box: --budget-s 510 (a 10-minute slot, margin)
+    python bench/gpu_check.py --dry-run       # anywhere, on CPU, in under 2 minutes (CI runs it)
 
-    python bench/gpu_check.py                    # on the GPU box: about 4-7 minutes, hard limit 8
-    python bench/gpu_check.py --dry-run          # anywhere, on CPU: 60-100 s on 2 cores (CI runs it)
-    python bench/gpu_check.py --train-files 'data/fineweb10B/fineweb_train_*.bin' \\
-                              --val-files 'data/fineweb10B/fineweb_val_*.bin'   # real shards
-
-It downloads nothing and needs no internet (synthetic shards of GPT-2 token ids in documents
-of random length are written under --out; the timing run reads real shards when given). Sections, in order:
-
-1. environment: GPU name and memory, driver, CUDA, cuDNN, torch, Triton, SDPA backends,
-   float32 matmul precision, what torch.compile will do.
-2. micro-benchmarks: dense bf16 matmul rate of ``--matmul-n``^3 products (TFLOP/s, 2 n^3
-   FLOPs per product; median and best of a few trials), device-to-device copy bandwidth
-   (GB/s counting bytes read + bytes written), pinned host-to-device bandwidth (GB/s), and
-   the forward time (ms) of causal SDPA at [64, 6, 1024, 128] under each backend (a reference
-   of the attention kernels; the record's FlexAttention is timed inside the steps).
-3. agreement: a tiny model with every architecture flag of the record on (document masks,
-   a window growing 16 -> 48 over the 5 steps with a half-window layer, value embeddings,
-   U-net, x0 mix, merged QKV, attention scale, a layer without attention, softcap) trained
-   5 steps (2 in TST phase 1, 3 in phase 2, grad accumulation 2) on synthetic Zipf-distributed
-   tokens in short documents (mean 40 tokens, so masks and windows bind; the loss drops by
-   ~2.5 nats in 5 steps, so a wrong computation shows). Three runs, at once on CUDA:
-   a. CPU float32 eager vs device float32 eager, every train and val loss within ``--tol``
-      (absolute, default 1e-3; the log prints 4 decimals). On CUDA this compares the
-      FlexAttention path (block mask) with the CPU's masked SDPA. (Aurora's Newton-Schulz
-      runs in float32 on both, ``--ns-dtype float32``; the kernels still differ, so they
-      agree closely but not bit for bit.) The bf16 run b uses the device's default (bf16 on
-      CUDA).
-   b. device bf16 (compiled on CUDA: the fused FlexAttention kernel; eager on CPU, where
-      compiling takes minutes) vs device float32 eager (run a's), within ``--bf16-tol``
-      (default 2e-2). Why 2e-2: bf16 keeps 8 significand bits (relative rounding 2^-9 ~ 2e-3
-      per operation); the logits and loss are float32 and the first step's loss is ln(V) in
-      both (zero-init head), so the difference is the drift of a few optimizer steps taken on
-      bf16 gradients: measured 1.1e-3 in 3 steps (CPU, eager). 2e-2 leaves room for compiled
-      kernels and the 2 more steps, and is still failed by an error the size of changing the
-      attention scale from 0.12 to 0.2 (2.6e-2 at step 5 in float32). Small errors are run
-      a's job. On CPU the bf16 run stops after 3 steps (``--max-steps``, same schedule; bf16
-      matmuls there are ~5x slower than float32) and the losses it logged are compared.
-4. timing: the ``record_h200`` preset (bf16, compiled) with N = ``--steps`` (default 40): the
-   preset's TST split (phase 1 = round(r N) = 12 steps, then 28 in phase 2) and its window
-   schedule grown over those N steps (128 -> 1792), i.e. the full 1,770-step run compressed,
-   so each phase is timed over the windows it has in the full run, not only the tiny early
-   ones. Synthetic documents have random lengths of mean 1024 tokens (give real shards for
-   real ones; document masks make attention cheaper than its FLOP count). Reported: compile
-   warm-up of all phase graphs (ms, excluded from train time as in a record), ms per step of
-   each phase (from the trainer's own synchronized train_time; the first step of a phase is
-   dropped when it is > 1.25 x the phase median, i.e. a warm-up), the windows of the first
-   and last timed step, raw text tokens/s and latent positions/s (phase 1 reads s = 4 tokens
-   per position), model FLOPs per step (``train_gpt.model_flops_per_position(cfg, step) x
-   batch_tokens`` at each timed step, averaged), achieved TFLOP/s, MFU against the *measured*
-   matmul rate (and against the datasheet peak when the GPU is known), peak CUDA memory (MiB,
-   ``max_memory_allocated``), graphs compiled inside the timed window (should be 0), and the
-   projected train time of the full preset. Projection: each phase's model FLOPs summed over
-   the full run's steps, divided by that phase's measured FLOP rate. It assumes a step's time
-   is proportional to its model FLOPs within a phase (the FLOP rate does not change as the
-   windows grow). Since the timed steps sample the same windows, this only corrects the
-   sampling; the unweighted estimate (steps x measured ms/step per phase) is shown next to
-   it, and their gap bounds the effect of that assumption.
-5. summary: one table on stdout; the same numbers as JSON in ``<out>/gpu_check.json`` (and
-   the table in ``<out>/gpu_check_summary.txt``); the trainer's logs in ``<out>/logs/``.
-
-Exit status: 0 when every section ran and both agreement checks passed; 1 when one of
-them failed; 2 when anything else failed (a crash, a timeout, a missing
-phase). The table and JSON are written in every case. The whole script stops itself at
-``--budget-s`` (default 470 s) after its start: a run still going is stopped (SIGTERM, then
-SIGKILL) and what its log holds so far is reported; give a job runner's own limit at least
-the budget plus a minute (e.g. ``timeout_s=560``). Where the time goes on an H200 (estimates,
-the first run will tell): environment + micro-benchmarks ~15 s; agreement ~30 s eager, but the
-compiled tiny run adds its cold compile (FlexAttention forward and backward, Aurora: ~1-2 min,
-capped by ``--correct-timeout-s``); timing run ~20 s start-up + compile warm-up (cold inductor
-cache: the biggest unknown, 1-4 min) + 40 steps x ~0.5-1 s (8 micro-steps of one 49,152-token
-sequence each) + two val passes. If the budget is too short, lower ``--steps`` (>= 10 keeps 3
-steps in phase 1) or raise ``--budget-s``.
-
-``--dry-run`` does all of the above on CPU with the tiny model (timing: 10 steps of it), no
-compile and small CPU micro-benchmarks (fp32 matmul, RAM copy), comparing CPU with CPU (check
-a, bit for bit) and CPU bf16 eager with CPU fp32 (check b); it calls nothing CUDA-only, so CI
-finds a broken script before GPU minutes are spent.
-
-The trainer runs as subprocesses (``python train_gpt.py ...``), not in-process through
-``train_gpt.main``: a subprocess can be stopped at the time budget and still leave its log,
-a crash in it (CUDA error, OOM, Triton) cannot take this script and its report down, each
-run's peak-memory counter and in-memory compile state start clean (no matmul-benchmark
-tensors counted; inductor's on-disk cache is shared, as between real runs), and the command
-is exactly what a user runs. It costs a few seconds of import per run.
+Sections, in this order (each starts only while the budget leaves it room):
+1. environment and micro-benchmarks (matmul TFLOP/s, copy GB/s, SDPA backends);
+2. the timing run: the preset compiled, N = --steps steps covering both TST phases and the
+   whole stage table; ms/step, tokens/s, MFU, peak memory, projected full-run time;
+3. kernel agreement (in-process, float32, random inputs): FlexAttention vs masked SDPA
+   (forward, and gradients on CUDA), compiled vs eager model (CUDA), fused loss vs float64;
+4. a one-step torch.profiler breakdown and max_memory_reserved;
+5. trainer agreement: CPU fp32 vs device fp32 and bf16 vs fp32 runs of a tiny model;
+6. summary: a table, <out>/gpu_check.json and gpu_check_summary.txt, written even when cut short.
+Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
+Details (tolerances and why, the projection, the time each section takes): docs/GPU_CHECK.md.
 """
 import argparse
 import datetime
@@ -113,6 +39,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO, "train_gpt.py")
 sys.path.insert(0, REPO)
+from data.shard_format import EOT_TOKEN, write_shard  # noqa: E402 -- the one shard writer
+from records.compare import parse_step_line  # noqa: E402 -- the one step-line parser
 try:  # a broken trainer must not stop the environment and device checks from reporting
     import harness as H
     import train_gpt as T
@@ -122,10 +50,6 @@ except Exception as _e:  # noqa: BLE001
 
 SEPARATOR = H.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
 SCHEMA = "gpu_check-1"
-
-# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from NVIDIA datasheets (SXM parts);
-# only for a second MFU column, the first one uses the measured matmul rate.
-NOMINAL_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("B200", 2250.0))
 
 # The tiny model of the agreement checks (and of --dry-run's timing run): every architecture flag
 # of the record on. 4 sequences of 64 positions a step, 2 micro-batches of 2 (grad accumulation);
@@ -261,8 +185,6 @@ class TrainerRun:
         return out
 
 
-STEP_RE = re.compile(r"^step:(\d+)/(\d+) (train_loss|val_loss):(\S+) train_time:(\d+)ms "
-                     r"step_avg:([0-9.]+)ms(.*)$")
 COMPILE_RE = re.compile(r"^compile: warm-up of (\d+) phase graph\(s\) took (\d+)ms")
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
 
@@ -279,17 +201,16 @@ def parse_log(text):
     body = text.split(SEPARATOR + "\n", 1)[1] if SEPARATOR and SEPARATOR + "\n" in text else text
     train, val, compile_ms, n_phases, switch, status = [], [], None, None, None, None
     for line in body.splitlines():
-        m = STEP_RE.match(line)
-        if m:
-            step = int(m.group(1))
-            extra = dict(kv.split(":", 1) for kv in m.group(7).split() if ":" in kv)
-            if m.group(3) == "train_loss":
-                train.append(dict(step=step, loss=float(m.group(4)),
-                                  train_time_ms=float(m.group(6)) * step, phase=int(extra.get("phase", 0)),
-                                  tokens=int(extra.get("tokens", 0)), positions=int(extra.get("positions", 0))))
-            else:
-                tst = extra.get("val_loss_tst")
-                val.append(dict(step=step, loss=float(m.group(4)), loss_tst=float(tst) if tst else None))
+        parsed = parse_step_line(line)
+        if parsed:
+            step, _, f = parsed
+            if "train_loss" in f:  # step_avg x step: 0.01 ms per step rather than train_time's 1 ms
+                train.append(dict(step=step, loss=float(f["train_loss"]), train_time_ms=float(f["step_avg"]) * step,
+                                  phase=int(f.get("phase", 0)), tokens=int(f.get("tokens", 0)),
+                                  positions=int(f.get("positions", 0))))
+            elif "val_loss" in f:
+                tst = f.get("val_loss_tst")
+                val.append(dict(step=step, loss=float(f["val_loss"]), loss_tst=float(tst) if tst is not None else None))
             continue
         m = COMPILE_RE.match(line)
         if m:
@@ -318,17 +239,6 @@ def _try(fn, default=None):
         return fn()
     except Exception:  # noqa: BLE001 -- version-dependent APIs: report None rather than fail
         return default
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device, use_compile):
@@ -366,7 +276,7 @@ def environment(device, use_compile):
             tempfile.gettempdir(), "torchinductor_" + _try(getpass.getuser, "unknown"))
         env["inductor_cache_dir"] = cache
         env["inductor_cache_warm"] = os.path.isdir(cache) and bool(_try(lambda: os.listdir(cache), []))
-    env["cpu"] = _cpu_model()
+    env["cpu"] = H.cpu_model() if H else platform.processor()
     if device.type != "cuda":
         return env
 
@@ -393,7 +303,8 @@ def environment(device, use_compile):
         ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")) if hasattr(cb, fn)}
     env["flash_attention_built"] = _try(cb.is_flash_attention_available) if hasattr(
         cb, "is_flash_attention_available") else None
-    env["nominal_bf16_tflops"] = next((v for k, v in NOMINAL_BF16_TFLOPS if k in props.name), None)
+    # the trainer's --describe table (harness.PEAK_BF16_TFLOPS): one datasheet figure per GPU
+    env["nominal_bf16_tflops"] = next((v for k, v in H.PEAK_BF16_TFLOPS.items() if k in props.name), None) if H else None
     return env
 
 
@@ -525,23 +436,11 @@ def microbench(device, args):
 # ----------------------------------------------------------------------------------------------
 # Data: synthetic shards (GPT-2 ids, documents of random length) unless real ones are given
 
-def write_shard(path, tokens):
-    header = np.zeros(256, dtype="<i4")
-    header[0], header[1], header[2] = 20240520, 1, len(tokens)  # magic, version, n_tokens (SPEC.md)
-    if T is not None:
-        header[0], header[1] = H.SHARD_MAGIC, H.SHARD_VERSION
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype="<u2").tobytes())
-    os.replace(tmp, path)
-
-
 def synthetic_tokens(rng, n, mean_doc, zipf=None):
     """uint16 ``[n]`` GPT-2 ids: uniform (``zipf`` None) or Zipf(``zipf``)-distributed (learnable
     in a few steps); each token starts a new document (an ``<|endoftext|>``) with probability
     1 / ``mean_doc``, so document lengths are geometric with mean ``mean_doc``."""
-    eot = GPT2_VOCAB - 1
+    eot = EOT_TOKEN
     if zipf:
         toks = ((rng.zipf(zipf, size=n) - 1) % eot).astype(np.uint16)
     else:
@@ -672,7 +571,8 @@ def correctness(device, data, args, out_dir, deadline):
     passed = all(c["passed"] for c in checks.values())
     print(f"\nagreement: {'PASS' if passed else 'FAIL'}")
     failures = [failure_reason(c) for c in checks.values() if not c["passed"]]
-    return dict(passed=passed, device=kind, steps=args.correct_steps, bf16_steps=bf16_steps,
+    return dict(passed=passed, cut_short=any(r["timed_out"] for r in done), device=kind,
+                steps=args.correct_steps, bf16_steps=bf16_steps,
                 bf16_compiled=compile_, model=TINY_MODEL + CHECK_TRAIN, checks=checks, failures=failures)
 
 
@@ -849,9 +749,30 @@ def slash(*values):
     return " / ".join(fmt(v) for v in values)
 
 
+def check_rows(res):
+    """Summary rows of the kernel checks, the profile and the trainer agreement runs, in the order they run."""
+    rows, cc = [], res.get("correctness") or {}
+    for c in (res.get("kernels") or {}).values():
+        rows.append(("kernel", f"{c['name']} (max rel diff; tolerance {c['tol']})",
+                     f"{'PASS' if c['passed'] else 'FAIL'} {fmt(c['max_rel_diff'])}", ""))
+    if not res.get("kernels"):
+        rows.append(("kernel", "kernel agreement checks", "did not run", ""))
+    pf = res.get("profile") or {}
+    for part, ms in (pf.get("ms") or {}).items():
+        rows.append(("profile", f"one step: {part} ({pf['timer']} time)", f"{fmt(ms)} ({pct(pf['share'][part])}%)", "ms"))
+    rows.append(("profile", "max_memory_reserved", pf.get("max_memory_reserved_mib"), "MiB"))
+    for c in (cc.get("checks") or {}).values():
+        rows += [("correct", f"{c['reference']} vs {c['candidate']}, {c['steps_compared']} steps",
+                  "PASS" if c["passed"] else "FAIL", ""),
+                 ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
+    if not cc.get("checks"):
+        rows.append(("correct", "trainer agreement runs", "did not run", ""))
+    return rows
+
+
 def summary_rows(res):
     """(section, item, value, unit) rows of the final table."""
-    env, mb, cc, tm = res.get("env") or {}, res.get("microbench") or {}, res.get("correctness") or {}, res.get("timing") or {}
+    env, mb, tm = res.get("env") or {}, res.get("microbench") or {}, res.get("timing") or {}
     rows = [("env", "device", env.get("gpu") or env.get("cpu") or env.get("device"), ""),
             ("env", "gpu memory", env.get("gpu_memory_gib"), "GiB"),
             ("env", "driver (its CUDA) / torch CUDA / cuDNN",
@@ -864,12 +785,6 @@ def summary_rows(res):
               slash(m.get("tflops"), m.get("tflops_best")), "TFLOP/s"),
              ("micro", "device copy (read + write)", (mb.get("copy") or {}).get("gbps"), "GB/s"),
              ("micro", "pinned host -> device", (mb.get("h2d") or {}).get("gbps"), "GB/s")]
-    for c in (cc.get("checks") or {}).values():
-        rows += [("correct", f"{c['reference']} vs {c['candidate']}, {c['steps_compared']} steps",
-                  "PASS" if c["passed"] else "FAIL", ""),
-                 ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
-    if not cc.get("checks"):
-        rows.append(("correct", "agreement checks", "did not run", ""))
     rows += [("timing", "preset / steps logged", slash(tm.get("preset"), tm.get("steps_logged")), ""),
              ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
              ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
@@ -894,9 +809,11 @@ def summary_rows(res):
                                                                   if res["args"].get("dry_run") else ""),
               f"{fmt(pj.get('projected_train_time_ms'))} "
               f"({fmt(pj.get('projected_train_time_min'))} min)", "ms"),
-             ("project", "  unweighted (steps x measured ms/step)", pj.get("unweighted_train_time_ms"), "ms"),
-             ("result", "status / exit code", slash(res.get("status"), res.get("exit_code")), ""),
-             ("result", "wall time of this check", res.get("wall_s"), "s")]
+             ("project", "  unweighted (steps x measured ms/step)", pj.get("unweighted_train_time_ms"), "ms")]
+    rows += check_rows(res)
+    rows += [("result", "status / exit code", slash(res.get("status"), res.get("exit_code")), ""),
+             ("result", "wall time of this check / budget", slash(res.get("wall_s"), res["args"].get("budget_s")), "s"),
+             ("result", "skipped for the budget", ", ".join(res.get("skipped") or []) or "none", "")]
     return [(s, i, fmt(v), u) for s, i, v, u in rows]
 
 
@@ -917,7 +834,7 @@ def write_json(path, obj):
 def report(res, out_dir):
     """Print the summary table, warnings and errors; write them and ``res`` (JSON) under ``out_dir``."""
     table = render_table(summary_rows(res))
-    banner("5. summary")
+    banner("summary")
     print(table)
     for w in res["warnings"]:
         print(f"warning: {w}")
@@ -930,6 +847,92 @@ def report(res, out_dir):
                 + "".join(f"error: {e}\n" for e in res["errors"]))
     print(f"\nwrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check_summary.txt "
           f"(trainer logs in {os.path.join(out_dir, 'logs')})")
+
+
+# Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
+# skipped and named in the report. The kernel checks and the profile run as one subprocess stopped
+# at the deadline, so no section outlives the budget. On CUDA they compile FlexAttention and the
+# tiny model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
+MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
+TIMING_RESERVE_S = (45.0, 150.0)
+KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
+
+
+def profile_config(preset, device):
+    """Config of the profiled CUDA step: ``preset`` at seq_len 4096 (eager FlexAttention fits), one sequence."""
+    return T.parse_config(["--preset", preset, "--seq-len", "4096", "--batch-tokens", "32768",
+                           "--micro-batch-seqs", "1", "--device", device.type])[0]
+
+
+def kernels_and_profile(device, args, out_dir, deadline):
+    """Kernel agreement checks, then the one-step profile (``bench/gpu_kernels.py``), stopped at ``deadline``.
+
+    Args:
+        device: torch.device they run on. args: this script's arguments (--dry-run, --preset).
+        out_dir: where ``kernels.json`` is written. deadline: ``time.monotonic()`` seconds.
+
+    Returns:
+        ``(kernels, profile)``: what the subprocess wrote (either may be None if cut short).
+
+    Raises:
+        RuntimeError: it failed without writing any result.
+    """
+    path = os.path.join(out_dir, "kernels.json")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, "-u", KERNELS, "--device", str(device), "--json", path, "--preset", args.preset]
+    proc = subprocess.Popen(cmd + (["--dry-run"] if args.dry_run else []), cwd=REPO, env=child_env(),
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print("[kernels] time budget reached: stopping it, keeping the checks it finished", flush=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    if not out and proc.returncode != 0:
+        raise RuntimeError(f"bench/gpu_kernels.py exit status {proc.returncode} before any result")
+    return out.get("kernels"), out.get("profile")
+
+
+def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
+    """The timing run, kernel checks + profile, trainer agreement runs: in that order, each only if it fits.
+
+    Args:
+        section: ``section(title, fn, *args)`` runs ``fn`` and records its time and errors (``main``).
+        res: the report dict, filled in (``timing``, ``kernels``, ``profile``, ``correctness``,
+            ``skipped``: the sections the budget left out, with the seconds that were left).
+        device, args, data, check_data, out_dir: the device, arguments, data flags of the timing
+            run and of the checks, output folder.
+        deadline: ``time.monotonic()`` seconds at which the budget ends.
+    """
+    cuda = device.type == "cuda"
+
+    def room(name):
+        left = deadline - time.monotonic()
+        if STOP["reason"] or left < MIN_SECTION_S[name][cuda]:
+            res["skipped"].append(f"{name} ({left:.0f} s of the budget left)")
+            print(f"skipping {name}: {left:.0f} s of the budget left", flush=True)
+            return False
+        return True
+    res["timing"] = section(f"timing run of {args.preset}", timing, device, data, args, out_dir,
+                            deadline - TIMING_RESERVE_S[cuda], res["microbench"], res["env"])
+    if res["timing"]:
+        res["errors"] += [f"timing: {p}" for p in res["timing"]["problems"]]
+        res["warnings"] += res["timing"]["warnings"]
+    if room("kernels"):
+        # they leave the trainer agreement runs their minimum when both fit, else take it all
+        need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
+        end = deadline - MIN_SECTION_S["agreement"][cuda] if deadline - time.monotonic() >= need else deadline
+        both = section("kernel agreement (flex vs sdpa, compiled vs eager, loss vs float64), one-step profile",
+                       kernels_and_profile, device, args, out_dir, end)
+        res["kernels"], res["profile"] = both or (None, None)
+    if room("agreement"):
+        res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32)",
+                                     correctness, device, check_data, args, out_dir, deadline - 25)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -946,7 +949,8 @@ def parse_args(argv):
                    help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
                         "schedule (default 40; 10 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="hard wall-clock limit of the whole check, s (default 470; 240 with --dry-run)")
+                   help="hard wall-clock limit of the whole check, s (default 510: a 10-minute slot less start-up "
+                        "and margin; 240 with --dry-run)")
     p.add_argument("--train-files", default=None, help="real train shards (glob); default: synthetic")
     p.add_argument("--val-files", default=None, help="real val shards (glob); default: synthetic")
     p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 1024 dry)")
@@ -964,7 +968,7 @@ def parse_args(argv):
     d = args.dry_run
     args.preset = args.preset or ("cpu_smoke_r21" if d else "record21_h200")
     args.steps = args.steps or (10 if d else 40)
-    args.budget_s = args.budget_s or (240.0 if d else 470.0)
+    args.budget_s = args.budget_s or (240.0 if d else 510.0)
     args.val_tokens = args.val_tokens or (1024 if d else 65536)
     if d and args.compile is None:
         args.compile = False
@@ -991,7 +995,7 @@ def main(argv=None):
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                args=vars(args), errors=[], warnings=[], section_wall_s={}, env=None, microbench=None,
-               correctness=None, timing=None)
+               correctness=None, timing=None, kernels=None, profile=None, skipped=[])
     if TRAINER_IMPORT_ERROR:
         res["errors"].append(TRAINER_IMPORT_ERROR)
 
@@ -1021,21 +1025,14 @@ def main(argv=None):
         use_compile = args.compile if args.compile is not None else (device is not None and device.type == "cuda")
         if device is not None:
             print(f"gpu_check: {res['mode']}, budget {args.budget_s:.0f} s, out {out_dir}")
-            res["env"] = section("1. environment", environment, device, use_compile)
+            res["env"] = section("environment", environment, device, use_compile)
             if res["env"]:
                 print(json.dumps(res["env"], indent=1, default=str))
-            res["microbench"] = section("2. micro-benchmarks", microbench, device, args)
+            res["microbench"] = section("micro-benchmarks", microbench, device, args)
             data = section("data", data_args, args, out_dir)
             if data:
                 data, check_data, synthetic_dirs = data
-                res["correctness"] = section("3. agreement (cpu vs device fp32; bf16 vs fp32)",
-                                             correctness, device, check_data, args, out_dir, deadline)
-                if not STOP["reason"]:
-                    res["timing"] = section(f"4. timing run of {args.preset}", timing, device, data,
-                                            args, out_dir, deadline, res["microbench"], res["env"])
-                if res["timing"]:
-                    res["errors"] += [f"timing: {p}" for p in res["timing"]["problems"]]
-                    res["warnings"] += res["timing"]["warnings"]
+                run_sections(section, res, device, args, data, check_data, out_dir, deadline)
     except KeyboardInterrupt as e:
         STOP["reason"] = STOP["reason"] or f"interrupted ({e or 'KeyboardInterrupt'})"
         for run in list(TrainerRun.running):
@@ -1046,11 +1043,15 @@ def main(argv=None):
 
     if STOP["reason"]:
         res["errors"].append(STOP["reason"])
-    passed = bool(res["correctness"] and res["correctness"]["passed"])
-    if not passed:
+    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if not c["passed"]]
+    res["errors"] += [f"kernel agreement: {n} failed" for n in kernels_failed]
+    if not (res["correctness"] and res["correctness"]["passed"]):
         res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]
                           else ["agreement: did not run"])
-    res["exit_code"] = 1 if (res["correctness"] and not passed) else (2 if res["errors"] else 0)
+    # a run stopped by the budget did not disagree: that is exit status 2, not 1
+    failed = kernels_failed or (res["correctness"] and not res["correctness"]["passed"]
+                                and not res["correctness"].get("cut_short"))
+    res["exit_code"] = 1 if failed else (2 if res["errors"] else 0)
     res["status"] = "ok" if res["exit_code"] == 0 else "failed"
     res["wall_s"] = round(time.monotonic() - t_start, 1)
     report(res, out_dir)

@@ -1,100 +1,21 @@
 """Does it work? Paired equal-FLOP evidence for TST and Aurora at small scale, over data orders and seeds.
 
-What it measures
-----------------
-A small GPT (``--preset cpu_smoke_r21`` with the shape of MODEL below) is trained on a real-text
-corpus (``--train-files``; default the repository's ``data/sample``: 570k train tokens, 63k val
-tokens of English Wikipedia) once per *arm*, *data order* and *init seed*. Every arm runs the
-same number of steps with the same latent positions per step, so the same FLOPs per step; only
-what a step reads (TST reads ``s`` times more text per step in phase 1 -- that is the method)
-and the optimizer differ:
+A small GPT (``cpu_smoke_r21``: record #21's recipe at a tiny shape) is trained on a real-text
+corpus (default ``data/sample``) once
+per *arm* (an optimizer and TST setting: adamw, muon, aurora, aurora_tst, their variants, the
+equal-text control aurora_eqtext, architecture ablations), *data order* (``--orders`` shuffled
+mixes written by ``bench/small_scale_data.py``) and *init seed* (``--seeds``), every arm at the
+same FLOPs per step. Block-matrix lrs are tuned per optimizer family by a small sweep first.
+Comparisons are paired per (order, seed) (``bench/small_scale_stats.py``): mean difference of
+final val losses, 95% t-interval, paired t-test p; a recency check compares document-ordered
+with mixed data. Output: ``results.md``/``results.json``, logs per arm, plots.
 
-  adamw          AdamW on the block matrices, no TST            (the baseline)
-  muon           Muon on the block matrices, no TST
-  aurora         Aurora on the block matrices, no TST
-  aurora_tst     Aurora + TST full, s=4, r=0.3
-  aurora_tst_s2 / _s8      s in {2, 8}, r=0.3      (not in the full mode's default arms: --arms)
-  aurora_tst_r0.2 / _r0.4  r in {0.2, 0.4}, s=4    (likewise, and the modes below)
-  aurora_tst_input / _output  the two ablation modes (--tst-mode input/output), s=4, r=0.3
-  aurora_eqtext  the equal-text control of aurora_tst: plain Aurora (no bags) with s=4 times the
-                 batch for the first r=0.3 of the steps, then the normal batch
-  aurora_plain   aurora on the architecture before record #21's (every flag of train_gpt.ARCHITECTURE
-                 and the windows off: plain causal attention, no value embeddings, skips or mixes)
-  aurora_no_<element>  ablations (--arms): aurora with one element of the architecture off
-                 (value_embeds, unet, x0_mix, doc_mask, window, attn_scale, lr_floor; softcap30:
-                 the logit softcap at the old 30 instead of 15); merged QKV is the same function
+    python bench/small_scale.py --quick   # pipeline check, ~4 min -> bench/out/small_scale_quick/
+    python bench/small_scale.py           # every arm, 3 orders x 2 seeds (~95 min on 2 idle cores)
 
-Data orders (the noise includes the data). The benchmark writes ``--orders`` data orders of the
-corpus into ``<out>/data/`` (``bench/small_scale_data.py``; git-ignored, rebuilt from the corpus
-on demand) and trains every arm on every order x every seed (``--seeds``): the runs of two arms
-with the same (order, seed) read the same tokens in the same order from the same initial
-weights. The orders are an i.i.d.-like *mix*: the corpus cut into ``seq_len``-token chunks, the
-chunks shuffled (order k by seed k), so the last steps of a run read pieces of many documents and
-the final val loss depends less on which documents came last. The trainer reads each order as
-its usual in-order stream. Val loss is measured on the *whole* val shard (``--val-tokens``
-default: its token count minus 1, the most the trainer accepts: the last token is only a label).
-
-Comparisons are paired (``bench/small_scale_stats.py``): per (order, seed) the difference of the
-two arms' final val losses; reported with its mean, 95% t-interval and paired t-test p-value.
-"better"/"worse" only where the interval excludes zero, else "no measurable difference".
-A pair missing on either side (a failed run) is left out and named in the report and on stdout.
-
-The equal-text control. aurora_tst reads ``s*B`` raw tokens per step in its phase 1 (the first
-``round(r*N)`` steps) and ``B`` after; aurora_eqtext reads exactly the same tokens at every step
-as plain next-token training with a batch of ``s*B`` positions in those steps (then ``B``), at
-``s`` times the FLOPs per step there. Compared *at equal text* (final vs final: same steps, same
-tokens read) it separates "reads more text" from "bags help"; *at equal FLOPs* its val loss at
-aurora_tst's total FLOPs (step ``N/s``, inside its big-batch part, where a val point is placed)
-is compared with aurora_tst's final one (the control is then mid-run: its lr has not decayed).
-The trainer has one batch size per run, so the control is two trainer invocations of one run
-(one log): the big-batch part stops at ``--max-steps round(r*N)`` with a checkpoint, the rest
-resumes from it (``--resume --resume-force`` with the normal ``--batch-tokens``; the loader
-position, weights, optimizer state and lr schedule carry over). The checkpoint is deleted when
-the run ends.
-
-The recency check (``--recency-arm``, default adamw): the arm also trains at seed 0 on
-``docs`` orders of the corpus -- whole documents shuffled, each read in one piece, i.e. the
-in-order stream with only the document order changed -- with val points every ``N/4`` steps (as
-its seed-0 ``mix`` runs; other runs val at the start and the end only, the control also at equal
-FLOPs: every val is a pass over the whole val shard, about half the cost of a run). ``recency.png`` shows its val curves over the orders before (docs) and
-after (mix), and results.md the spread (std, range) of its final val loss over orders, before
-and after.
-
-The lr of the block matrices is tuned per optimizer family first, by a small sweep (mix order
-0, seed 0, no TST; best final val loss wins; an optimum at the edge of the grid extends it by one
-factor-2 step, ``--sweep-extend`` times): ``--adamw-lr`` for adamw, ``--matrix-lr`` for muon
-and for aurora (every other aurora arm uses aurora's). The Adam lrs of the embedding, head and
-scalars stay at the ``cpu_smoke_r21`` preset values. The sweep run at the chosen lr *is* (order 0,
-seed 0) of that arm (same flags): it is copied into the arm's folder instead of trained twice
-(not for the recency arm, whose seed-0 runs val more often).
-
-Output: ``results.md`` (+ ``results.json``), one folder of logs per arm
-(``<out>/<arm>/<arm>_o<order>_seed<k>.txt`` + ``.json``, the trainer's own), ``lr_sweep/``,
-``recency_docs/``, ``recency.png``, ``differences.png`` (every comparison's pairs, mean and 95%
-interval) and plots of val loss vs FLOPs and vs train time drawn by ``records/compare.py
---pool-train-data`` (one group per arm over its data orders; or by this script if that fails).
-
-How to run (from the repo root)
--------------------------------
-    python bench/small_scale.py --quick   # pipeline check: 4 arms, 2 orders x 1 seed, tiny runs
-                                          # -> bench/out/small_scale_quick/
-    python bench/small_scale.py           # every arm, 3 orders x 2 seeds, full sweep
-                                          # -> records/cpu/<today>_small_scale/
-    python bench/small_scale.py --arms adamw --seeds 1 --adamw-lrs 0.002 --sweep-extend 0
-                                          # the recency check alone: adamw on 3 mix + 3 docs orders
-
-Budget. Before anything runs the script prints its plan: every group of runs with its count and
-estimated time, from a cost model of measured run times (COST below: trainer start-up, seconds per
-training FLOP and per val FLOP, on the 2-core CPU with ``--jobs 2`` runs of one thread each). Full
-mode on data/sample (6 arms): 46 runs in 52 trainer processes (9 sweep runs, muon's and aurora's
-best also serving as their (order 0, seed 0) runs; 34 more arm runs, the 6 equal-text controls two
-processes each; 3 recency runs), estimated 95 min on two idle cores with the current trainer; the
-six TST variants add 36 runs, ~68 min, with ``--arms``. Quick mode: 11 runs in 13 trainer processes, ~4 min.
-results.md records the real times, the ratio to the estimate and the 1-minute load average around
-each run (other jobs on the cores slow runs down).
-Resumable: a run whose JSON says ``complete`` (with the same run-defining config) is skipped, so
-rerunning the same command after a crash continues where it stopped; for a run started on an
-earlier day pass its folder with ``--out``.
+It prints its plan and time estimate before running, and resumes after a crash (a complete run
+is skipped). The detail (arms, orders, the equal-text control, the recency check, the sweep,
+the budget): docs/SMALL_SCALE.md.
 """
 import argparse
 import concurrent.futures
@@ -424,10 +345,15 @@ def order_key(pattern):
     return "/".join(str(pattern).replace(os.sep, "/").rstrip("/").split("/")[-2:])
 
 
+TRAINER_FILES = ("train_gpt.py", "aurora_opt.py", "harness.py")  # what a run's log snapshots
+
+
 def code_hashes(code_dir):
     """``{file name: sha256}`` of the trainer snapshot's files (what every run's log header records)."""
     out = {}
-    for name in ("train_gpt.py", "aurora_opt.py"):
+    for name in TRAINER_FILES:
+        if name == "harness.py" and not os.path.exists(os.path.join(code_dir, name)):
+            continue  # a snapshot of the trainer from before the harness moved out of train_gpt.py
         with open(os.path.join(code_dir, name), "rb") as f:
             out[name] = hashlib.sha256(f.read()).hexdigest()
     return out
@@ -595,7 +521,7 @@ def snapshot_trainer(out):
     code = os.path.join(out, "code")
     if not os.path.exists(os.path.join(code, "train_gpt.py")):
         os.makedirs(code, exist_ok=True)
-        for name in ("aurora_opt.py", "train_gpt.py"):
+        for name in TRAINER_FILES:
             shutil.copyfile(os.path.join(REPO, name), os.path.join(code, name))
         print(f"trainer snapshot: {code}", flush=True)
     else:

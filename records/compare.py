@@ -12,6 +12,7 @@ does not know.
     python records/compare.py --markdown DIR...                     # the tables as Markdown
     python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
     python records/compare.py --pool-train-data ARM_DIR...          # one group over data orders
+    python records/compare.py --first-passing A_DIR B_DIR --baseline A_DIR  # earliest passing val step, steps saved
 
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
@@ -23,11 +24,12 @@ Grouping (``--group-by``):
 Runs of one group must have measured the same thing: where their logged configs differ in a
 field that defines the run (any field but the seed and ``train_gpt.OPERATIONAL``), or their
 ``data train:`` / ``data val:`` lines name other data (other fingerprints; other paths to the
-same shards do not count), the group is split into ``<group> [field=value ... val data <id>]``,
+same shards do not count), or their source snapshots differ (the sha256 of a ``### file`` header:
+other code), the group is split into ``<group> [field=value ... code <file> <sha> val data <id>]``,
 with a warning naming what differs. ``--pool-train-data`` keeps runs that differ only in their
 training data in one group: for a benchmark whose noise deliberately includes the data order
 (bench/small_scale.py's orders), where the spread over orders is what the group measures.
-modded-nanogpt logs have no config line and are grouped as given.
+modded-nanogpt logs have no config line (and no ``### file`` headers) and are grouped as given.
 
 A run counts only if it is complete: for our logs a final ``status:complete`` line (and a val
 line at step N); for modded-nanogpt logs, which have no status line, the last ``val_loss`` line
@@ -45,14 +47,27 @@ interval and two-sided p-value from Welch's t-test (``scipy.stats.ttest_ind(B, A
 equal_var=False)``; at least two runs in each group), and B/A ratios of mean train time,
 FLOPs, tokens and time to target.
 
+First-passing step (``--first-passing``): per group, the earliest val step at which the mean
+val loss of its complete runs at that step is below ``--target`` at the required significance,
+sought only at the val steps every one of those runs logged (a warning names the runs that lack
+steps others logged). ``--rule ttest`` (default; modded-nanogpt's main track): the one-sided
+t-test above at p < 0.01, two runs at least. ``--rule ztest`` (its optimization track, the
+"first-passing step" of its PR #321): ``(target - mean) * sqrt(n) >= --z-margin`` (0.004), i.e.
+``z = (target - mean) * sqrt(n) / --z-sigma >= margin / sigma`` with the per-run std taken as
+known (0.0013); z and its one-sided p are reported. Per group: that step (or "never"), the
+mean val loss, p (and z) there, and the mean train time, tokens and FLOPs of the runs' val lines
+at that step; with ``--baseline`` the baseline's first-passing step minus the group's
+(``steps_saved``, positive: fewer steps) and the same for the mean train time
+(``time_saved_ms``); both null, with a note, when either group never passes.
+
 A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read permission, ...) is
 listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
 stderr; the other logs are compared as usual. A PATH argument that does not exist is an error.
 
 Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
 incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
-no group or several, ``--plot`` into a missing folder or an unknown image type), or when no log
-at all could be read.
+no group or several, ``--plot`` into a missing folder or an unknown image type, ``--rule`` or the
+z-test's flags without ``--first-passing``), or when no log at all could be read.
 """
 import argparse
 import dataclasses
@@ -174,6 +189,7 @@ class Run:
     data: list = dataclasses.field(default_factory=list)  # per start: {"train": [fingerprint, ...], "val": [...]}
     group: str = ""
     unreadable: list = dataclasses.field(default_factory=list)  # (line number, text) of step lines not parsed
+    snapshot: dict = dataclasses.field(default_factory=dict)  # {file name: sha256} of our log's source snapshot
 
     @property
     def complete(self):
@@ -213,6 +229,7 @@ def parse_lines(lines, path="", group=""):
     """Parse a log given as its lines (see ``read_log_lines``) into a ``Run``."""
     run = Run(path=path, name=os.path.splitext(os.path.basename(path))[0], group=group)
     files, start, truncated = split_snapshot(lines)
+    run.snapshot = {f.name: f.sha256 for f in files}
     body = [ln.rstrip("\r\n") for ln in lines[start:]]
     first_line = start + 1  # the line number of body[0] in the file
     if body and not lines[-1].endswith(("\n", "\r")):
@@ -416,6 +433,7 @@ def run_defining(config, operational):
 
 
 DATA_KINDS = ("train data", "val data")
+CODE = "code "  # a split's entry for a source file: "code <file name>"
 
 
 def data_identity(run):
@@ -449,18 +467,28 @@ def data_labels(keys):
     return names
 
 
+def code_identity(run, names):
+    """``{"code <name>": key}`` of a run's source snapshot for each file name in ``names``: the key is
+    ``((sha256,),)`` from the file's ``### file`` header (the shape ``data_labels`` names), None
+    when the snapshot lacks the file."""
+    return {CODE + n: ((run.snapshot[n],),) if n in run.snapshot else None for n in names}
+
+
 def split_mixed_groups(runs, warn=None, pool_train_data=False):
-    """Split every group whose runs differ in a run-defining config field or in their data; renames ``run.group``.
+    """Split every group whose runs differ in a run-defining config field, their code or their data; renames ``run.group``.
 
     The runs of a group ``g`` that differ in fields ``f1, f2`` go to groups named
-    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs that read
-    other data (``data_identity``; paths alone do not count) add ``train data <id>`` or
-    ``val data <id>`` (``data_labels``). Complete runs without a config line (modded-nanogpt
-    logs) mixed with ours go to ``g [no config line]``. Each split is reported through
-    ``warn(message)``, naming the fields. Runs without a config line alone are grouped as given.
+    ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs whose
+    source snapshots differ in a file (its ``### file`` header's sha256) add ``code <file> <sha>``
+    (``<missing>`` for a file a snapshot lacks); runs that read other data (``data_identity``;
+    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``).
+    Complete runs without a config line (modded-nanogpt logs) mixed with ours go to
+    ``g [no config line]``. Each split is reported through ``warn(message)``, naming the fields
+    and files. Runs without a config line alone are grouped as given.
     With ``pool_train_data`` other training data alone splits nothing (the benchmark's data orders:
     the spread over them is part of what the group measures); other val data still does.
-    Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``).
+    Returns the list of ``(group, fields)`` that were split (data as ``train data``/``val data``,
+    source files as ``code <file>``).
     """
     kinds = [k for k in DATA_KINDS if not (pool_train_data and k == "train data")]
     operational = None
@@ -475,8 +503,10 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
         defs = {id(r): run_defining(r.config, operational) for r in configured}
         keys = sorted({k for d in defs.values() for k in d})
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
-        data = {id(r): data_identity(r) for r in configured}
-        labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in DATA_KINDS}
+        code = sorted({n for r in configured for n in r.snapshot})  # none: logs without a snapshot, as given
+        data = {id(r): {**code_identity(r, code), **data_identity(r)} for r in configured}
+        labels = {kind: data_labels({d[kind] for d in data.values()}) for kind in data[id(configured[0])]}
+        differ += [CODE + n for n in code if len(labels[CODE + n]) > 1]
         differ += [kind for kind in kinds if len(labels[kind]) > 1]
         if warn and pool_train_data and len(labels["train data"]) > 1:
             warn(f"group {g}: pools runs on {len(labels['train data'])} different training data (--pool-train-data)")
@@ -487,7 +517,7 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             if not r.config:
                 r.group = f"{g} [no config line]"
             elif differ:
-                r.group = g + " [" + " ".join(f"{k} {labels[k][data[id(r)][k]]}" if k in DATA_KINDS else
+                r.group = g + " [" + " ".join(f"{k} {labels[k][data[id(r)][k]]}" if k in labels else
                                               f"{k}={defs[id(r)].get(k, '<missing>')}" for k in differ) + "]"
         split.append((g, differ))
         if warn:
@@ -495,6 +525,8 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             parts = ", ".join(dict.fromkeys(r.group for r in members))
             hint = ("; --pool-train-data keeps them in one group where the data order is part of the noise "
                     "measured" if differ == ["train data"] else "")
+            if any(k.startswith(CODE) for k in differ):
+                hint += "; records/verify.py LOG names the first line where a log's code differs from the working tree"
             warn(f"group {g}: its runs {why} (they measured different things); split into {parts}{hint}")
     return split
 
@@ -562,23 +594,124 @@ def _to_target_stats(done, target):
     return out
 
 
-def group_stats(runs, target=3.28):
-    """One dict per group (in order of first appearance): the columns of the table / JSON.
+def p_below(losses, target):
+    """One-sided one-sample t-test that the mean of ``losses`` is below ``target``: its p-value.
 
-    Final val loss statistics over the complete runs (mean, sample std, the one-sided
-    ``scipy.stats.ttest_1samp(..., alternative="less")`` p-value against ``target``), their
-    mean train time, tokens and FLOPs, and where each run first reaches ``target``
-    (``reach_target``; lists in ``run_names`` order, None where not reached).
+    ``scipy.stats.ttest_1samp(losses, target, alternative="less").pvalue`` as a float; nan for
+    fewer than two losses (no spread to test against) or a non-finite loss among them.
     """
     from scipy import stats  # imported here so that parsing alone needs no scipy
 
+    if len(losses) < 2:
+        return math.nan
+    with warnings.catch_warnings():  # scipy warns when the losses agree to many digits; the result holds
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(stats.ttest_1samp(losses, target, alternative="less").pvalue)
+
+
+# ----------------------------------------------------------------------------------------------
+# First-passing step: the earliest val step at which a group's mean clears the target
+
+PASS_ALPHA = 0.01  # ttest: one-sided p below this (modded-nanogpt README, rules of the main track)
+Z_SIGMA = 0.0013  # ztest: the per-run std of the val loss taken as known (modded-nanogpt optimization track)
+Z_MARGIN = 0.004  # ztest: pass when (target - mean) * sqrt(n) >= this (= 3.08 sigma: one-sided p 0.001)
+RULES = ("ttest", "ztest")
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRule:
+    """How a group's val losses at one step are judged against the target (``--rule`` and its flags).
+
+    ``ttest``: the one-sided t-test of ``p_below`` at p < ``alpha`` (two runs at least).
+    ``ztest``: ``(target - mean) * sqrt(n) >= margin``; with the known per-run std ``sigma``
+    that is ``z = (target - mean) * sqrt(n) / sigma >= margin / sigma``, and ``z`` and its
+    one-sided p ``1 - Phi(z)`` are reported (sigma changes them, not the decision).
+    """
+    name: str = "ttest"
+    alpha: float = PASS_ALPHA
+    sigma: float = Z_SIGMA
+    margin: float = Z_MARGIN
+
+    def judge(self, losses, target):
+        """``(passed, p, z)`` for the val losses of a group's runs at one step (z is None for ttest)."""
+        from scipy import stats
+
+        n, mean = len(losses), sum(losses) / len(losses)
+        if self.name == "ttest":
+            p = p_below(losses, target)
+            return p < self.alpha, p, None  # nan (one run, a nan loss) never passes
+        gap = (target - mean) * math.sqrt(n)
+        z = gap / self.sigma
+        # 1e-12: the losses are 4-decimal prints; a gap equal to the margin passes
+        return bool(gap >= self.margin - 1e-12), float(stats.norm.sf(z)), z
+
+    def __str__(self):
+        if self.name == "ttest":
+            return f"one-sided t-test, p < {self.alpha:g}"
+        return (f"z-test, sigma {self.sigma:g}: (target - mean) * sqrt(n) >= {self.margin:g}, "
+                f"i.e. z >= {self.margin / self.sigma:.2f}")
+
+
+def shared_val_steps(done):
+    """The val steps every run of ``done`` logged, and the runs that lack some another one logged.
+
+    Returns ``(steps, short)``: the sorted common steps, and ``{run name: [steps it lacks]}`` for
+    each run without all the steps of the union (empty when every run logged the same steps).
+    """
+    logged = {r.name: {p["step"] for p in r.val} for r in done}
+    if not logged:
+        return [], {}
+    union, common = set().union(*logged.values()), set.intersection(*logged.values())
+    short = {name: sorted(union - steps) for name, steps in logged.items() if union - steps}
+    return sorted(common), short
+
+
+def first_passing(done, target, rule):
+    """The earliest val step at which the mean val loss of the runs ``done`` passes ``rule`` (a ``PassRule``).
+
+    Only the steps every run logged count (``shared_val_steps``). Returns the JSON fields
+    ``first_passing_step`` (int, or None: no step passes), ``first_passing_val_loss`` (the
+    runs' mean there), ``first_passing_p`` and ``first_passing_z`` (of ``rule.judge``), the
+    mean ``first_passing_train_time_ms``, ``first_passing_tokens`` and ``first_passing_flops``
+    over the runs at that val line (None unless every run logs it), ``first_passing_runs``,
+    ``first_passing_rule`` (``ttest``/``ztest``), ``first_passing_rule_text`` (the rule in words) and
+    ``val_steps_missing`` (``{run: [steps]}``, the runs that lack steps another run logged).
+    """
+    steps, short = shared_val_steps(done)
+    out = dict(first_passing_step=None, first_passing_val_loss=None, first_passing_p=None, first_passing_z=None,
+               first_passing_train_time_ms=None, first_passing_tokens=None, first_passing_flops=None,
+               first_passing_runs=len(done), first_passing_rule=rule.name, first_passing_rule_text=str(rule),
+               val_steps_missing=short)
+    at = [{p["step"]: p for p in r.val} for r in done]
+    for step in steps:
+        points = [a[step] for a in at]
+        losses = [p["val_loss"] for p in points]
+        passed, p, z = rule.judge(losses, target)
+        if passed:
+            out.update(first_passing_step=step, first_passing_val_loss=sum(losses) / len(losses),
+                       first_passing_p=p, first_passing_z=z,
+                       first_passing_train_time_ms=_mean_if_all([q["train_time_ms"] for q in points]),
+                       first_passing_tokens=_mean_if_all([q["tokens"] for q in points]),
+                       first_passing_flops=_mean_if_all([q["flops"] for q in points]))
+            break
+    return out
+
+
+def group_stats(runs, target=3.28, rule=None):
+    """One dict per group (in order of first appearance): the columns of the table / JSON.
+
+    Final val loss statistics over the complete runs (mean, sample std, the one-sided
+    ``p_below`` p-value against ``target``), their mean train time, tokens and FLOPs, and where
+    each run first reaches ``target`` (``reach_target``; lists in ``run_names`` order, None where
+    not reached). With ``rule`` (a ``PassRule``), also the group's ``first_passing`` fields.
+    """
     out = []
     for g in dict.fromkeys(r.group for r in runs):
         members = [r for r in runs if r.group == g]
         done = [r for r in members if r.complete]
         losses = [r.final["val_loss"] for r in done]
         n = len(losses)
-        p = float(stats.ttest_1samp(losses, target, alternative="less").pvalue) if n > 1 else math.nan
+        p = p_below(losses, target)
         steps = sorted({r.total_steps for r in done})
         row = dict(
             group=g, runs=n,
@@ -591,6 +724,8 @@ def group_stats(runs, target=3.28):
             flops=_mean_if_all([r.flops for r in done]),
             val_losses=losses, run_names=[r.name for r in done])
         row.update(_to_target_stats(done, target))
+        if rule is not None:
+            row.update(first_passing(done, target, rule))
         out.append(row)
     return out
 
@@ -653,7 +788,26 @@ def add_baseline(rows, baseline):
             r[name] = b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
         if not all(x["runs"] and x["reached_target"] == x["runs"] for x in (base, r)):
             r["time_to_target_ratio"] = None  # a mean over the runs that got there is biased low: no ratio of two
+        if "first_passing_step" in base:
+            r.update(passing_saved(base, r))
     return base["group"]
+
+
+def passing_saved(base, row):
+    """What ``row``'s group saves against the baseline's first-passing step (``first_passing`` rows).
+
+    Returns the JSON fields ``steps_saved`` (baseline's first-passing step minus the group's:
+    positive = fewer steps) and ``time_saved_ms`` (the same for the mean train time there; None
+    unless both are known), both None with a ``passing_note`` when either group never passes.
+    """
+    never = [x["group"] for x in (row, base) if x["first_passing_step"] is None]
+    if never:
+        return dict(steps_saved=None, time_saved_ms=None,
+                    passing_note=f"no saving: {' and '.join(never)} never pass{'es' * (len(never) == 1)} "
+                                 "at the val steps logged")
+    a, b = base["first_passing_train_time_ms"], row["first_passing_train_time_ms"]
+    return dict(steps_saved=base["first_passing_step"] - row["first_passing_step"],
+                time_saved_ms=a - b if a is not None and b is not None else None)
 
 
 def _jsonable(x):
@@ -740,6 +894,44 @@ def baseline_table(rows, markdown=False):
     return render(head, body, markdown)
 
 
+def passing_table(rows, markdown=False):
+    """Per group: its first-passing step (or never), the mean val loss, p (and z) there, the mean
+    train time, tokens and FLOPs at that val line, and against a baseline the steps and time saved."""
+    based = any("steps_saved" in r for r in rows)
+    z = rows[0]["first_passing_rule"] == "ztest"
+    head = ["group", "runs", "first_passing_step", "mean_val_loss", "p"] + ["z"] * z
+    head += ["train_time", "tokens", "flops"] + ["steps_saved", "time_saved"] * based
+    body = []
+    for r in rows:
+        t = r["first_passing_train_time_ms"]
+        row = [r["group"], str(r["first_passing_runs"]),
+               "never" if r["first_passing_step"] is None else str(r["first_passing_step"]),
+               _num(r["first_passing_val_loss"], ".4f"), _num(r["first_passing_p"], ".3g")]
+        row += [_num(r["first_passing_z"], ".2f")] * z
+        row += ["-" if t is None else f"{t / 1000:.2f}s", _num(r["first_passing_tokens"], ".4g"),
+                _num(r["first_passing_flops"], ".4g")]
+        if based:
+            saved = r.get("time_saved_ms")
+            row += ["-" if r.get("steps_saved") is None else f"{r['steps_saved']:+d}",
+                    "-" if saved is None else f"{saved / 1000:+.2f}s"]
+        body.append(row)
+    return render(head, body, markdown)
+
+
+def passing_block(rows, markdown=False):
+    """The first-passing table with its heading, and the notes on savings that cannot be computed."""
+    bullet, gap = ("* ", "\n\n") if markdown else ("  ", "\n")
+    target = rows[0]["target"]
+    notes = [f"{bullet}{r['group']}: {r['passing_note']}" for r in rows if r.get("passing_note")]
+    base = next((r["baseline"] for r in rows if "baseline" in r), None)
+    saved = (f"; saved against the baseline {base}: its first-passing step (and mean train time there) minus "
+             "the group's" if base else "")
+    return (f"first-passing step: the earliest val step at which the mean val loss of the group's complete runs "
+            f"is below {target} by the rule {rows[0]['first_passing_rule_text']} (at the val steps all of them "
+            f"logged; train time, tokens and FLOPs: means at that val line){saved}:" + gap
+            + passing_table(rows, markdown) + (gap + "\n".join(notes) if notes else ""))
+
+
 def format_table(rows, markdown=False):
     """Everything the command line prints: the tables, then the incomplete runs (listed, not counted).
 
@@ -753,6 +945,8 @@ def format_table(rows, markdown=False):
                       "points; mean ± std over the runs that reached it):" + gap + target_table(rows, markdown))
     else:
         blocks.append(f"time to {target}: no run reached it")
+    if rows and "first_passing_step" in rows[0]:
+        blocks.append(passing_block(rows, markdown))
     based = [r for r in rows if "baseline" in r]
     if based:
         notes = [f"{bullet}{r['group']}: {r['welch_note']}" for r in based if r.get("welch_note")]
@@ -1013,6 +1207,24 @@ def plot(runs, out, x="time", target=3.28):
 
 # ----------------------------------------------------------------------------------------------
 
+def short_runs_warning(row):
+    """The warning for a group whose runs logged val losses at different steps (``first_passing``), or None."""
+    missing = row.get("val_steps_missing")
+    if not missing:
+        return None
+    lacks = "; ".join(f"{name} lacks step{'s' * (len(s) > 1)} {', '.join(map(str, s))}" for name, s in missing.items())
+    return (f"group {row['group']}: its runs logged val losses at different steps; the first-passing step is "
+            f"sought only at the steps all {row['first_passing_runs']} runs logged ({lacks})")
+
+
+def positive_float(text):
+    """argparse type: a finite number above 0 (``--z-sigma``, ``--z-margin``)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
 def finite_float(text):
     """argparse type: a finite float (``inf``/``nan`` would make every p-value meaningless)."""
     try:
@@ -1037,8 +1249,8 @@ def plot_problem(out):
     return None
 
 
-def main(argv=None):
-    """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
+def build_parser():
+    """The command line's ``argparse`` parser (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Table columns are described in records/README.md.")
     ap.add_argument("paths", nargs="+", help="log files, or folders of .txt logs")
@@ -1052,6 +1264,16 @@ def main(argv=None):
     ap.add_argument("--baseline", metavar="GROUP",
                     help="compare every other group against this one (difference of mean final val loss with "
                          "95%% CI and Welch's t-test; ratios of time, FLOPs, tokens)")
+    ap.add_argument("--first-passing", action="store_true",
+                    help="per group, the earliest val step at which the mean val loss of its runs is below "
+                         "--target at the significance of --rule (and, with --baseline, the steps saved)")
+    ap.add_argument("--rule", choices=RULES, default="ttest",
+                    help=f"--first-passing: ttest = one-sided t-test at p < {PASS_ALPHA:g} (the main track's rule); "
+                         "ztest = (target - mean) * sqrt(n) >= --z-margin (the optimization track's z-test)")
+    ap.add_argument("--z-sigma", type=positive_float, default=Z_SIGMA,
+                    help="--rule ztest: the per-run std of the val loss taken as known (reported z and p)")
+    ap.add_argument("--z-margin", type=positive_float, default=Z_MARGIN,
+                    help="--rule ztest: pass when (target - mean) * sqrt(n) >= this")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the groups as JSON instead of the table")
     out.add_argument("--markdown", action="store_true",
@@ -1059,11 +1281,23 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="OUT.png",
                     help="draw the val (and train) loss curves of every group to this file")
     ap.add_argument("--x", choices=sorted(X_AXES), default="time", help="x axis of --plot")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
+    args = build_parser().parse_args(argv)
 
     def error(message):
         print(f"compare.py: error: {message}", file=sys.stderr)
         return 2
+
+    given = [flag for flag, on in (("--rule", args.rule != "ttest"), ("--z-sigma", args.z_sigma != Z_SIGMA),
+                                   ("--z-margin", args.z_margin != Z_MARGIN)) if on]
+    if given and not args.first_passing:
+        return error(f"{given[0]} sets how --first-passing judges a step; add --first-passing")
+    if args.rule == "ttest" and (args.z_sigma != Z_SIGMA or args.z_margin != Z_MARGIN):
+        return error("--z-sigma and --z-margin belong to --rule ztest; add --rule ztest or leave them out")
 
     problem = plot_problem(args.plot) if args.plot else None  # before the work, not after the table
     if problem:
@@ -1081,7 +1315,11 @@ def main(argv=None):
         return error("no .txt logs found in " + ", ".join(args.paths))
     if all(r.reason.startswith("unreadable:") for r in runs):
         return error("no log could be read (see the warnings above)")
-    rows = group_stats(runs, args.target)
+    rule = PassRule(args.rule, sigma=args.z_sigma, margin=args.z_margin) if args.first_passing else None
+    rows = group_stats(runs, args.target, rule)
+    for row in rows:
+        if short_runs_warning(row):
+            print(f"compare.py: warning: {short_runs_warning(row)}", file=sys.stderr)
     if args.baseline is not None:
         try:
             add_baseline(rows, args.baseline)

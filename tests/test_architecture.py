@@ -584,3 +584,35 @@ def test_new_architecture_trains_through_the_switch_and_accumulation_is_exact(tm
     flops = sum(T.model_flops_per_position(cfg, s) for s in range(6)) * cfg.batch_tokens
     assert a["flops"] == pytest.approx(flops, rel=1e-9)   # the window schedule counted step by step
     assert T.model_flops_per_position(cfg, 0) < T.model_flops_per_position(cfg, 5)
+
+
+def hand_flops_per_position(cfg, step):
+    """The FLOP formula written out by hand from the shapes (the accounting before it was read off the model)."""
+    d, no_attn, short = cfg.model_dim, T.layer_set(cfg.no_attn_layers), T.layer_set(cfg.short_window_layers)
+    attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
+    n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
+    long, half = T.window_at(step, cfg)
+    keys = sum(T.attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
+    return 6 * n_matmul + 12 * d * keys
+
+
+@pytest.mark.parametrize("preset", sorted(T.PRESETS))
+def test_every_presets_flops_from_the_model_equal_the_hand_count_at_every_step(preset):
+    cfg, _ = T.parse_config(["--preset", preset])
+    table = T.Schedule(cfg)
+    assert [row.flops_per_position for row in table.rows] == [
+        hand_flops_per_position(cfg, step) for step in range(cfg.num_iterations + 1)]
+
+
+def test_a_new_matmul_weight_is_counted_without_editing_the_flop_count(monkeypatch):
+    cfg = tiny(**ALL_ON)
+    before = T.FlopProfile(cfg).n_matmul
+    init, forward = T.MLP.__init__, T.MLP.forward
+
+    def init_with_gate(self, cfg):
+        init(self, cfg)
+        self.gate = T._linear(cfg.model_dim, cfg.model_dim)
+
+    monkeypatch.setattr(T.MLP, "__init__", init_with_gate)
+    monkeypatch.setattr(T.MLP, "forward", lambda self, x: forward(self, x) * torch.sigmoid(self.gate(x)))
+    assert T.FlopProfile(cfg).n_matmul == before + cfg.n_layer * cfg.model_dim ** 2

@@ -1132,7 +1132,7 @@ def test_run_sh_without_gpu_or_data_dir_trains_on_the_sample(tmp_path):
     res = _run_sh(tmp_path, {}, *tiny, "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert res.returncode == 0, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh:")]
-    assert line == ("run.sh: preset cpu_smoke, CPU, data data/sample (the repository's Wikipedia sample: no GPU "
+    assert line == ("run.sh: preset cpu_smoke, 1 process on CPU, data data/sample (the repository's Wikipedia sample: no GPU "
                     "and DATA_DIR not set), logs in logs/"), line
     log = read_log(tmp_path / "logs")
     assert "data/sample/wikipedia_val_000000.bin" in log and "status:complete" in log
@@ -1145,3 +1145,38 @@ def test_run_sh_with_data_dir_set_uses_it(tmp_path):
     assert res.returncode == 2
     assert f"run.sh: {tmp_path / 'only_val'} has no *_train_*.bin shard" in res.stderr
     assert "data/sample" not in res.stderr
+
+
+def test_trainer_start_up_refuses_what_check_shards_refuses(tmp_path):
+    """harness.check_shard_tokens (the trainer's start-up scan, before step 0) and data/shard_format's
+    rule agree on random streams with runs near the limit, runs across the scan's chunk edges,
+    <|endoftext|> runs (allowed) and foreign ids; a damaged train shard stops TokenStream at once."""
+    import harness
+    rng = np.random.default_rng(0)
+    limit, chunk = sf.CORRUPT_RUN, harness.SCAN_CHUNK
+    for case in range(12):
+        tokens = rng.integers(0, 50000, size=chunk + 3 * limit).astype(np.uint16)
+        tokens[rng.integers(0, len(tokens), 50)] = EOT
+        at = int(rng.integers(0, len(tokens) - limit))
+        if case % 4 == 1:  # a run that crosses the scan's chunk edge
+            at = chunk - limit // 2
+        length = limit + (-1 if case % 3 == 0 else 0)  # one short of the limit, or at it
+        token = [0, 777, EOT][case % 3]
+        tokens[at:at + length] = token
+        if case == 11:
+            tokens[5] = 60000  # another tokenizer's id
+        _, top, run = sf.scan_tokens(tokens)
+        bad = sf.token_problem(top, run) is not None
+        try:
+            harness.check_shard_tokens("x.bin", tokens, sf.GPT2_MAX_ID)
+            refused = False
+        except harness.DataError as e:
+            refused = True
+            assert str(e).startswith("x.bin: ") and "\n" not in str(e)
+        assert refused == bad, (case, at, length, token)
+    path = tmp_path / "t_train_000001.bin"
+    tokens = sf.read_tokens(os.path.join(SAMPLE_DIR, "wikipedia_train_000001.bin")).copy()
+    tokens[-limit:] = 0  # a zero-filled tail that kept the file's size
+    sf.write_shard(str(path), tokens)
+    with pytest.raises(harness.DataError, match="zero-filled"):
+        train_gpt.TokenStream([str(path)], wrap=True, vocab_size=train_gpt.GPT2_IDS)

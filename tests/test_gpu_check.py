@@ -7,19 +7,22 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, subprocess_env
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import gpu_check  # noqa: E402
+import gpu_kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out),
+                           "--budget-s", "600"],  # the default 240 s fits an idle machine; CI may be loaded
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=700)
     with open(out / "gpu_check.json", encoding="utf-8") as f:
         result = json.load(f)
     return proc, result, out
@@ -30,8 +33,13 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check summary" in proc.stdout
     for row in ("ms/step (mean / median)", "projected train time, FLOPs-weighted", "latent positions/s",
-                "windows timed", "cpu fp32 eager vs cpu fp32 eager", "cpu fp32 eager vs cpu bf16 eager"):
+                "windows timed", "cpu fp32 eager vs cpu fp32 eager", "cpu fp32 eager vs cpu bf16 eager",
+                "flex_vs_sdpa", "loss_vs_float64", "one step: attention", "one step: optimizer",
+                "max_memory_reserved", "wall time of this check / budget"):
         assert row in proc.stdout, row
+    # order of value: the timing run, then the kernel checks and profile, then the trainer agreement runs
+    order = [proc.stdout.index(s) for s in ("timing run of", "kernel agreement (", "trainer agreement (")]
+    assert order == sorted(order)
     # both columns of each agreement check are printed
     assert "cpu fp32 eager (ref)" in proc.stdout and "fp32_cpu_vs_device: PASS" in proc.stdout
     assert "bf16_vs_fp32: PASS" in proc.stdout
@@ -161,3 +169,67 @@ def test_a_failed_agreement_check_says_why():
     assert not check["passed"] and "dev exit status -15, stopped at its time limit" in gpu_check.failure_reason(check)
     check = gpu_check.agreement("bf16_vs_fp32", ok, dict(ok, train=[dict(step=1, loss=10.5)]), 2e-2, ("a", "b"), 1)
     assert not check["passed"] and "max |loss diff| 0.5 vs tolerance 0.02" in gpu_check.failure_reason(check)
+
+
+def test_dry_run_kernel_checks_and_profile(dry_run):
+    _, r, _ = dry_run
+    k = r["kernels"]
+    assert set(k) == {"flex_vs_sdpa", "loss_vs_float64"} and all(c["passed"] for c in k.values())
+    assert k["flex_vs_sdpa"]["max_rel_diff"] < 1e-5 and k["loss_vs_float64"]["max_rel_diff"] < 1e-5
+    pf = r["profile"]
+    assert set(pf["ms"]) == set(gpu_kernels.PROFILE_PARTS)
+    assert all(pf["ms"][p] > 0 for p in ("attention", "MLP", "head + loss", "backward", "optimizer"))
+    assert abs(sum(pf["share"].values()) - 1) < 0.01 and r["skipped"] == []
+    assert r["wall_s"] <= r["args"]["budget_s"]
+
+
+def _off_by_one(original):
+    """``block_mask_from_bounds`` with the window one position too long: the bug the check must catch."""
+    return lambda doc_ids, window, block_size=128: original(doc_ids, window + 1, block_size)
+
+
+def test_flex_check_fails_on_a_window_off_by_one(monkeypatch):
+    cpu = torch.device("cpu")
+    tiny, _ = T.parse_config(gpu_check.TINY_MODEL + ["--no-bf16", "--device", "cpu"])
+    good = gpu_kernels.run_checks(T, cpu, tiny)
+    assert good["flex_vs_sdpa"]["passed"] and good["loss_vs_float64"]["passed"]
+    monkeypatch.setattr(T, "block_mask_from_bounds", _off_by_one(T.block_mask_from_bounds))
+    bad = gpu_kernels.run_checks(T, cpu, tiny)
+    assert not bad["flex_vs_sdpa"]["passed"] and bad["flex_vs_sdpa"]["max_rel_diff"] > 100 * bad["flex_vs_sdpa"]["tol"]
+    assert bad["loss_vs_float64"]["passed"]  # only the broken kernel's check fails
+
+
+def test_loss_check_fails_on_a_slightly_wrong_loss(monkeypatch):
+    original = T.multi_target_loss
+    monkeypatch.setattr(T, "multi_target_loss", lambda *a, **kw: original(*a, **kw) * (1 + 1e-4))
+    c = gpu_kernels.loss_check(T, torch.device("cpu"))
+    assert not c["passed"] and c["diffs"]["value"] > 5e-5
+
+
+def test_reference_loss_is_the_textbook_cross_entropy():
+    logits = torch.tensor([[1.0, 2.0, 0.5]], dtype=torch.float64)
+    targets = torch.tensor([[1, -100]])
+    got = gpu_kernels.reference_loss(logits, targets, torch.tensor([1.0, 1.0]), softcap=0.0)
+    want = -(2.0 - np.log(np.exp(1.0) + np.exp(2.0) + np.exp(0.5)))
+    assert abs(float(got) - want) < 1e-12
+
+
+def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu_check, "timing", lambda *a: calls.append("timing") or dict(problems=[], warnings=[]))
+    monkeypatch.setattr(gpu_check, "kernels_and_profile", lambda *a: calls.append("kernels") or ({}, {}))
+    monkeypatch.setattr(gpu_check, "correctness", lambda *a: calls.append("agreement") or dict(passed=True))
+    section = lambda name, fn, *a: fn(*a)  # noqa: E731
+    args = gpu_check.parse_args(["--dry-run"])
+    cpu = torch.device("cpu")
+    need_k, need_a = gpu_check.MIN_SECTION_S["kernels"][0], gpu_check.MIN_SECTION_S["agreement"][0]
+    assert need_k < need_a  # the cases below assume it
+    for left, ran in ((need_a + 5, ["timing", "kernels", "agreement"]),
+                      ((need_k + need_a) / 2, ["timing", "kernels"]),
+                      (need_k - 5, ["timing"])):
+        calls.clear()
+        res = dict(microbench=None, env=None, errors=[], warnings=[], skipped=[], kernels=None, profile=None,
+                   correctness=None)
+        gpu_check.run_sections(section, res, cpu, args, [], [], "", gpu_check.time.monotonic() + left)
+        assert calls == ran, (left, calls)
+        assert len(res["skipped"]) == 3 - len(ran)  # each skipped section is named in the report

@@ -28,6 +28,7 @@ DATA = "data/sample"  # relative to the repo root, where runs are launched
 sys.path.insert(0, RECORDS)
 
 import compare  # noqa: E402
+import harness  # noqa: E402
 import train_gpt  # noqa: E402
 import verify  # noqa: E402
 
@@ -44,7 +45,7 @@ def fresh(tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
     tree = root / "tree"
     tree.mkdir()
-    for name in train_gpt.SOURCE_FILES:
+    for name in harness.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke_r21",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
@@ -508,7 +509,7 @@ def test_verify_extract_is_byte_identical(fresh, tmp_path):
     out = tmp_path / "extracted"
     proc = run_tool("verify.py", fresh["log"], "--extract", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in train_gpt.SOURCE_FILES:
+    for name in harness.SOURCE_FILES:
         got, want = (out / name).read_bytes(), open(os.path.join(fresh["tree"], name), "rb").read()
         assert got == want, name
         header = [ln for ln in read_text(fresh["log"]).splitlines() if ln.startswith(f"### file {name} ")][0]
@@ -1145,3 +1146,210 @@ def test_plot_fits_the_range_to_the_curves_and_draws_the_target_only_inside(tmp_
         assert ax.get_ylim()[0] < 3.28 < ax.get_ylim()[1] and not ax.collections
     finally:
         plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# first-passing step
+
+
+def val_lines(path):
+    """{step: val loss} of a log's val lines, by a plain reading: those of the last part between separator
+    lines that has any (the code above the first separator may hold step-like lines)."""
+    parts = [re.findall(r"^step:(\d+)/\d+ val_loss:([0-9.]+) ", part, re.M)
+             for part in read_text(path).split(compare.SEPARATOR)]
+    return {int(a): float(b) for a, b in [p for p in parts if p][-1]}
+
+
+def hand_first_passing(curves, target, rule="ttest", sigma=0.0013, margin=0.004):
+    """Slow reference: the first step every run logged whose runs' mean passes the rule, in float64.
+
+    ttest: t = (mean - target) / (s / sqrt(n)) with the sample std s, p = Student-t cdf(t, n - 1) < 0.01;
+    ztest: (target - mean) * sqrt(n) >= margin. Returns (step or None, mean, p) there."""
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    for step in common:
+        x = np.array([c[step] for c in curves], dtype=np.float64)
+        n, mean = len(x), float(x.sum() / len(x))
+        if rule == "ttest" and n < 2:  # no spread to test against: never passes
+            continue
+        if rule == "ttest":
+            s = math.sqrt(float(((x - mean) ** 2).sum()) / (n - 1))
+            if s:
+                p = float(stats.t.cdf((mean - target) / (s / math.sqrt(n)), n - 1))
+            else:  # equal losses (the untrained step 0): t is -inf or +inf
+                p = 0.0 if mean < target else 1.0
+            ok = p < 0.01
+        else:
+            p = float(stats.norm.sf((target - mean) * math.sqrt(n) / sigma))
+            ok = (target - mean) * math.sqrt(n) >= margin
+        if ok:
+            return step, mean, p
+    return None, None, None
+
+
+def passing_json(*args):
+    proc = run_tool("compare.py", "--first-passing", "--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    return {r["group"]: r for r in json.loads(proc.stdout)}, proc.stderr
+
+
+def test_first_passing_matches_a_hand_computation(tmp_path):
+    rng = np.random.default_rng(29)
+    steps = list(range(0, 1001, 100))
+    curves = {}
+    for g, (runs, end) in {"A": (4, 3.2790), "B": (5, 3.2740), "C": (3, 3.2760)}.items():
+        for i in range(runs):  # falls to about `end`; noise 0.0015 per val point
+            vals = [(s, float(end + 0.3 * (1 - s / 1000) ** 2 + rng.normal(0, 0.0015)), 7 * s + i) for s in steps]
+            curve_log(tmp_path / f"{g}__{i}.txt", vals)
+            curves.setdefault(g, []).append(val_lines(tmp_path / f"{g}__{i}.txt"))
+    checked = 0
+    for target in (3.29, 3.30, 3.28):
+        for rule, extra in (("ttest", ()), ("ztest", ()), ("ztest", ("--z-sigma", "0.002", "--z-margin", "0.01"))):
+            sigma, margin = (0.002, 0.01) if extra else (0.0013, 0.004)
+            runs = compare.collect([str(tmp_path)], "prefix")
+            rows = compare.group_stats(runs, target, compare.PassRule(rule, sigma=sigma, margin=margin))
+            compare.add_baseline(rows, "A")
+            rows = {r["group"]: r for r in rows}
+            want = {g: hand_first_passing(c, target, rule, sigma, margin) for g, c in curves.items()}
+            for g, (step, mean, p) in want.items():
+                r = rows[g]
+                assert r["first_passing_step"] == step and r["first_passing_runs"] == len(curves[g])
+                if step is None:
+                    assert r["first_passing_val_loss"] is None and r["first_passing_p"] is None
+                    continue
+                checked += 1
+                assert r["first_passing_val_loss"] == pytest.approx(mean, abs=1e-12)
+                assert r["first_passing_p"] == pytest.approx(p, rel=1e-9, abs=1e-300)
+                times = [7 * step + i for i in range(len(curves[g]))]
+                assert r["first_passing_train_time_ms"] == pytest.approx(np.mean(times))
+                assert (r["first_passing_z"] is None) == (rule == "ttest")
+            for g in ("B", "C"):
+                a, b = want["A"][0], want[g][0]
+                assert rows[g]["steps_saved"] == (None if a is None or b is None else a - b)
+                if a is not None and b is not None:
+                    assert rows[g]["time_saved_ms"] == pytest.approx(7 * (a - b) + (4 - 1) / 2 - (len(curves[g]) - 1) / 2)
+                else:
+                    assert "never" in rows[g]["passing_note"]
+    assert checked >= 8  # most cases pass somewhere: the test compares numbers, not only "never"
+    cli, _ = passing_json("--group-by", "prefix", "--target", 3.28, "--rule", "ztest", "--z-sigma", "0.002",
+                          "--z-margin", "0.01", "--baseline", "A", tmp_path)
+    assert {g: r["first_passing_step"] for g, r in cli.items()} == {g: r["first_passing_step"] for g, r in rows.items()}
+    assert {g: r.get("steps_saved") for g, r in cli.items()} == {g: r.get("steps_saved") for g, r in rows.items()}
+
+
+def test_first_passing_only_at_steps_every_run_logged(tmp_path):
+    # step 50 is logged by two runs only: there the mean is far below the target, but it does not count
+    curve_log(tmp_path / "g__a.txt", [(0, 10.8, 0), (50, 3.10, 500), (100, 3.2701, 1000), (200, 3.2600, 2000)])
+    curve_log(tmp_path / "g__b.txt", [(0, 10.8, 0), (50, 3.11, 510), (100, 3.2722, 1010), (200, 3.2610, 2010)])
+    curve_log(tmp_path / "g__c.txt", [(0, 10.8, 0), (100, 3.2712, 1020), (200, 3.2605, 2020)])
+    rows, err = passing_json("--group-by", "prefix", tmp_path)
+    g = rows["g"]
+    x = np.array([3.2701, 3.2722, 3.2712])
+    t = (x.mean() - 3.28) / (x.std(ddof=1) / math.sqrt(3))
+    assert stats.t.cdf(t, 2) < 0.01 and g["first_passing_step"] == 100
+    assert g["first_passing_p"] == pytest.approx(stats.t.cdf(t, 2), rel=1e-9)
+    assert g["val_steps_missing"] == {"g__c": [50]}
+    assert "warning: group g: its runs logged val losses at different steps" in err and "g__c lacks step 50" in err
+    assert "g__a" not in err.split("at different steps")[1]  # only the run that lacks a step is named
+    # one run: a t-test cannot be made; the z-test can
+    one, _ = passing_json(str(tmp_path / "g__a.txt"))
+    assert one["g__a"]["first_passing_step"] is None
+    one, _ = passing_json("--rule", "ztest", str(tmp_path / "g__a.txt"))
+    assert one["g__a"]["first_passing_step"] == 50 and one["g__a"]["first_passing_z"] == pytest.approx(0.18 / 0.0013)
+
+
+def test_first_passing_on_the_small_scale_records():
+    # the command of the README: aurora against adamw at 7.3, over data orders
+    small = os.path.join(CPU, "2026-11-30_small_scale")
+    args = ["--target", "7.3", "--pool-train-data", os.path.join(small, "aurora"), os.path.join(small, "adamw"),
+            "--baseline", "adamw"]
+    rows, err = passing_json(*args)
+    files = {g: sorted(glob.glob(os.path.join(small, g, "*.txt"))) for g in ("aurora", "adamw")}
+    for g, paths in files.items():
+        step, mean, p = hand_first_passing([val_lines(f) for f in paths], 7.3)
+        assert rows[g]["first_passing_step"] == step and rows[g]["first_passing_runs"] == len(paths) == 6
+        if step is not None:
+            assert rows[g]["first_passing_p"] == pytest.approx(p, rel=1e-9)
+            assert rows[g]["first_passing_val_loss"] == pytest.approx(mean, abs=1e-12)
+    assert (rows["aurora"]["first_passing_step"], rows["adamw"]["first_passing_step"]) == (300, None)
+    assert rows["aurora"]["steps_saved"] is None and "adamw never passes" in rows["aurora"]["passing_note"]
+    assert "adamw_o0_seed1 lacks steps 75, 150, 225" in err  # three adamw runs logged val every 75 steps
+    proc = run_tool("compare.py", "--first-passing", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^aurora\s+6\s+300\s+7\.2780\s", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^adamw\s+6\s+never\s", proc.stdout, re.M) and "aurora: no saving: adamw never passes" in proc.stdout
+
+
+def test_first_passing_on_peer_logs(peer_logs):
+    rows, _ = passing_json("--group-by", "prefix", peer_logs["dir"])
+    for group, files in peer_logs["files"].items():
+        step, mean, _ = hand_first_passing([val_lines(f) for f in files], 3.28)
+        assert rows[group]["first_passing_step"] == step
+    assert rows[FAST]["first_passing_step"] == PEER_GROUPS[FAST][1] and rows[ONE]["first_passing_step"] is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--rule", "ztest"), "--rule sets how --first-passing judges a step; add --first-passing"),
+    (("--first-passing", "--z-margin", "0.01"), "--z-sigma and --z-margin belong to --rule ztest"),
+])
+def test_first_passing_flags_without_their_mode_are_one_error_line(tmp_path, args, needle):
+    modded_log(tmp_path / "a.txt", 3.27)
+    proc = run_tool("compare.py", *args, tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"compare.py: error: {needle}" + ("" if "belong" not in needle else
+                                                                     "; add --rule ztest or leave them out")
+
+
+def with_code(src, dst, name, old, new):
+    """Copy a log of records/cpu whose snapshot of ``name`` has its first line ``old`` replaced by ``new``,
+    with the header's line count and sha256 made to match (an honest log of other code)."""
+    lines = read_text(src).splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"### file {name} "))
+    n = int(re.search(r"lines=(\d+)", lines[start])[1])
+    body = lines[start + 1:start + 1 + n]
+    i = body.index(old + "\n")
+    body[i] = new + "\n"
+    digest = hashlib.sha256("".join(body).encode()).hexdigest()
+    lines[start] = f"### file {name} lines={n} sha256={digest}\n"
+    write_text(dst, "".join(lines[:start + 1] + body + lines[start + 1 + n:]))
+    return digest
+
+
+def test_runs_of_other_code_are_not_pooled(tmp_path):
+    src = {seed: os.path.join(TST, f"tst_seed{seed}.txt") for seed in (0, 1)}
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    shutil.copyfile(src[0], grp / "a.txt")
+    shutil.copyfile(src[1], grp / "b.txt")
+    old = next(ln.rstrip("\n") for ln in read_text(src[1]).splitlines(keepends=True) if ln.startswith("EOT_TOKEN = "))
+    digest = with_code(src[1], grp / "c.txt", "train_gpt.py", old, old + "  # the same run, one line of other code")
+    assert verify.extract(read_text(grp / "c.txt").splitlines(keepends=True))[1] == []  # an honest snapshot
+    warnings = []
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    [w] = warnings
+    logged = re.search(r"^### file train_gpt\.py lines=\d+ sha256=([0-9a-f]+)$", read_text(src[0]), re.M)[1]
+    same, other = f"grp [code train_gpt.py {logged[:8]}]", f"grp [code train_gpt.py {digest[:8]}]"
+    assert {r.name: r.group for r in runs} == {"a": same, "b": same, "c": other}
+    assert f"group grp: its runs differ in code train_gpt.py (they measured different things); split into " \
+           f"{same}, {other}" in w and "verify.py" in w
+    rows = {r["group"]: r for r in compare.group_stats(runs)}
+    assert rows[same]["runs"] == 2 and rows[other]["runs"] == 1
+    # other code in the optimizer file and another config field: all named, config fields first
+    first = next(ln.rstrip("\n") for ln in read_text(src[1]).split("### file aurora_opt.py ")[1].splitlines()[1:]
+                 if ln.startswith("import "))
+    with_code(src[1], tmp_path / "d.txt", "aurora_opt.py", first, first + "  # other code")
+    with_config(tmp_path / "d.txt", grp / "d.txt", val_tokens=4096)
+    compare.collect([str(grp)], warn=warnings.append)
+    assert "its runs differ in val_tokens, code aurora_opt.py, code train_gpt.py (" in warnings[-1]
+    proc = run_tool("compare.py", grp)  # through the command line: the warning on stderr
+    assert proc.returncode == 0 and "compare.py: warning: group grp: its runs differ in val_tokens, code aurora_opt.py" \
+        in proc.stderr
+    # a snapshot without one of the files: <missing>
+    lines = read_text(src[1]).splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("### file aurora_opt.py "))
+    n = int(re.search(r"lines=(\d+)", lines[start])[1])
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copyfile(src[0], alone / "a.txt")
+    write_text(alone / "b.txt", "".join(lines[:start] + lines[start + 1 + n:]))
+    groups = {r.name: r.group for r in compare.collect([str(alone)], warn=warnings.append)}
+    assert groups["b"] == "alone [code aurora_opt.py <missing>]" and "differ in code aurora_opt.py" in warnings[-1]

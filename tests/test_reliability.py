@@ -1,13 +1,16 @@
 """Faults reported by people who train GPT-2-scale models, replayed: each stops with one clear line.
 
 Val shards in the train stream, resume onto other data, a full disk, checkpoints copied without
-their times, a missing C++ compiler.
+their times, a missing C++ compiler, Ctrl-C during the compile warm-up or a validation, a signal
+under torchrun, two starts of one run, a process group that cannot form.
 """
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import namedtuple
 
 import pytest
@@ -147,7 +150,7 @@ def test_a_log_that_cannot_be_written_stops_with_one_line(tmp_path):
     assert out.returncode == 2
     errors = error_lines(out.stderr)
     assert len(errors) == 1 and "--log-dir" in errors[0] and "File too large" in errors[0], out.stderr[-2000:]
-    assert os.listdir(tmp_path / "logs") == []  # no partial log, no temporary file
+    assert not (tmp_path / "logs").exists()  # no partial log, no temporary file, no lock (the folder it made goes too)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,3 +211,153 @@ def test_resume_auto_names_nested_copies_of_one_run_by_their_paths(tmp_path):
         (tmp_path / "ckpt" / sub / "step_000002.pt").write_bytes(b"x")
     with pytest.raises(T.ConfigError, match=r"2 runs under .*\(\., a\); keep one folder of step_\*\.pt files"):
         H.find_latest_checkpoint(str(tmp_path / "ckpt"), "a")
+
+
+# ---------------------------------------------------------------------------------------------
+# signals: a flag, read at safe points; never an exception inside library code
+
+
+def wait_for(path, text, proc, seconds=300):
+    """Poll a log until it holds ``text`` (or the process ended); True when it did."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_ctrl_c_during_the_compile_warm_up_stops_with_one_line_and_no_checkpoint(tmp_path):
+    env = dict(subprocess_env(), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a real compile, not a cache hit
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train_gpt.py"),
+                             *tiny_args(tmp_path, "--run-id", "w", "--compile")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "w.txt"
+    assert wait_for(log, "\nmodel: ", proc)  # the line just before the warm-up
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    errors = error_lines(err)
+    assert errors == ["train_gpt.py: rank 0: interrupted by SIGINT"], err[-3000:]
+    text = log.read_text()
+    assert "\ncompile: warm-up" not in text and "\nstep:1/" not in text  # it stopped inside the warm-up
+    assert text.splitlines()[-1] == "status:incomplete reason:rank 0: interrupted by SIGINT"
+    assert not (tmp_path / "ckpt").exists()
+    assert os.listdir(tmp_path / "logs") == ["w.json", "w.txt"]  # the lock file went with the run
+
+
+def test_an_exception_caused_by_an_interrupt_is_an_interrupt():
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise RuntimeError("BackendCompilerFailed: compile worker died") from inner
+    except RuntimeError as outer:
+        err = outer
+    assert isinstance(H.interrupt_in_chain(err), KeyboardInterrupt)
+    assert H.interrupt_in_chain(RuntimeError("x")) is None
+    stop = {"signal": None}
+    reason, code = H.failure(err, 0, stop, None, "train_gpt.py")
+    assert code == 130 and "interrupted" in reason
+
+
+def test_a_signal_during_validation_stops_it_marks_the_log_then_checkpoints(tmp_path, monkeypatch):
+    batches, calls = T.ValData.batches, []
+
+    def signalled_batches(self, *args):
+        calls.append(args)
+        for i, batch in enumerate(batches(self, *args)):
+            yield batch
+            if len(calls) == 2 and i == 0:  # the step-4 validation, after its first batch
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    saved_with = []
+
+    def save_checkpoint(state, path):
+        saved_with.append(read_log(tmp_path / "logs", "v").splitlines()[-1])
+        return H_save(state, path)
+
+    H_save = H.save_checkpoint
+    monkeypatch.setattr(T.ValData, "batches", signalled_batches)
+    monkeypatch.setattr(H, "save_checkpoint", save_checkpoint)
+    code = T.main(tiny_args(tmp_path, "--run-id", "v", "--tst-frac", "0", "--save-on-interrupt"))
+    assert code == 130
+    text = read_log(tmp_path / "logs", "v")
+    assert "step:0/8 val_loss" in text and "step:4/8 val_loss" not in text  # the cut validation is not logged
+    path = str(tmp_path / "ckpt" / "v" / "step_000004.pt")
+    status = f"status:interrupted reason:SIGTERM after step 4; checkpoint {path}; resume with --resume auto --run-id v"
+    assert saved_with == [status]  # the log was marked before the checkpoint was written
+    assert [l for l in text.splitlines() if l.startswith("status:")] == [status]
+    assert H.load_checkpoint(path)["step"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun (2 gloo processes) through run.sh: the exit status of the trainer
+
+
+def run_sh(tmp_path, *flags):
+    env = dict(subprocess_env(), NPROC="2", DATA_DIR=os.path.join(REPO, "data", "sample"), OMP_NUM_THREADS="1")
+    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *tiny_args(tmp_path, "--batch-tokens", "512",
+                                                                                 "--dist-timeout", "120", *flags)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_run_sh_under_torchrun_exits_130_on_a_signal_with_the_checkpoint_and_2_on_a_refusal(tmp_path):
+    proc = run_sh(tmp_path, "--run-id", "t", "--num-iterations", "400", "--val-every", "0", "--save-on-interrupt")
+    log = tmp_path / "logs" / "t.txt"
+    assert wait_for(log, "step:3/400 train_loss", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]  # not torchrun's own traceback
+    last = log.read_text().splitlines()[-1]
+    assert last.startswith("status:interrupted reason:SIGTERM after step "), last
+    step = int(last.split(" after step ")[1].split(";")[0])
+    assert H.load_checkpoint(str(tmp_path / "ckpt" / "t" / f"step_{step:06d}.pt"))["step"] == step
+    again = run_sh(tmp_path, "--run-id", "t")  # a new run under the same id: refused
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 2, err[-3000:]
+    assert "--run-id t:" in err and "already exists" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# one run at a time per run id
+
+
+def test_a_second_start_of_a_running_run_id_is_refused_naming_the_pid(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, harness; lock = harness.RunLock(sys.argv[1], 'r'); "
+                               "print('locked', flush=True); time.sleep(600)", str(tmp_path / "logs")],
+                              env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for extra in ([], ["--resume", "auto"]):
+            assert T.main(tiny_args(tmp_path, "--run-id", "r", "--max-steps", "2", "--save-final", *extra)) == 2
+            err = error_lines(capsys.readouterr().err)
+            assert len(err) == 1 and f"pid {holder.pid} holds" in err[0] and "--run-id r" in err[0], err
+        assert sorted(os.listdir(tmp_path / "logs")) == ["r.lock"]  # nothing written by the refused starts
+    finally:
+        holder.kill()  # SIGKILL: the OS releases its lock; the file stays
+        holder.wait()
+    assert (tmp_path / "logs" / "r.lock").exists()
+    assert T.main(tiny_args(tmp_path, "--run-id", "r", "--max-steps", "2", "--save-final")) == 0
+    assert T.main(tiny_args(tmp_path, "--run-id", "r", "--resume", "auto", "--max-steps", "1")) == 0
+    assert sorted(os.listdir(tmp_path / "logs")) == ["r.json", "r.txt"]  # a clean end leaves no lock file
+
+
+# ---------------------------------------------------------------------------------------------
+# the process group cannot form
+
+
+def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(subprocess_env(), WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    out = run_cli(tmp_path, "--dist-timeout", "2", "--micro-batch-seqs", "4", env=env)
+    assert out.returncode == 2
+    errors = error_lines(out.stderr)
+    assert len(errors) == 1 and errors[0].startswith("train_gpt.py: error: rank 1: cannot join the gloo process group"), \
+        out.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in errors[0] and "GLOO_SOCKET_IFNAME" in errors[0] and "--dist-timeout (2 s)" in errors[0]
+    assert not (tmp_path / "logs").exists()

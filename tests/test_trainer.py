@@ -1,5 +1,6 @@
 """The trainer end to end: config, shard reader, loader, model, schedule, log snapshot, bad input."""
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, SAMPLE_DIR, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 # ---------------------------------------------------------------------------------------------
 # config and CLI
@@ -460,3 +461,46 @@ def test_a_fifo_among_the_shards_is_refused_at_once_not_read(tmp_path, shard_dir
     assert out.returncode == 2
     assert error_lines(out) == [f"train_gpt.py: error: rank 0: {shard_dir / 't_train_000009.bin'}: not a regular "
                                 f"file (a folder, FIFO or device); --train-files must match shard files"]
+
+
+# ---------------------------------------------------------------------------------------------
+# train/eval split of the loss
+
+
+def test_a_training_only_loss_term_never_reaches_the_val_loss(monkeypatch):
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+                             "--seq-len", "16", "--val-tokens", "200", "--val-batch-seqs", "4"])
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    with torch.no_grad():  # a non-zero head, so the loss depends on the weights
+        model.lm_head.weight.normal_(0, 0.05)
+    val = T.ValData(T.TokenStream(sorted(glob.glob(os.path.join(SAMPLE_DIR, "*_val_*.bin")))), cfg.val_tokens)
+    rt = T.Runtime(0, 1, torch.device("cpu"), False)
+    inputs, targets = next(val.batches("full", 1, cfg.seq_len, 4, rt))
+    plain_val, plain_train = T.evaluate(model, val, "full", 1, cfg, rt), model(inputs, targets)
+    monkeypatch.setattr(T.GPT, "train_only_loss", lambda self, x, logits, targets: logits.float().square().sum())
+    assert model.training
+    assert model(inputs, targets).item() > plain_train.item() + 1.0  # the term is in the training loss
+    assert T.evaluate(model, val, "full", 1, cfg, rt) == plain_val  # and nowhere in the metric
+    assert model.training  # evaluate leaves the model as it found it
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer routing
+
+
+def test_every_parameter_is_routed_where_it_is_created_and_an_untagged_one_stops_the_run():
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
+    model = T.GPT(cfg)
+    tags = {n: p.opt_group for n, p in model.named_parameters()}
+    assert {n for n, g in tags.items() if g == "matrix"} == {
+        f"blocks.{n}" for n, p in model.blocks.named_parameters() if p.ndim == 2}
+    assert {n for n, g in tags.items() if g == "embed"} == {"embed.weight", "value_embeds.0.weight"}
+    assert {n for n, g in tags.items() if g == "head"} == {"lm_head.weight"}
+    assert all(p.ndim < 2 for n, p in model.named_parameters() if tags[n] == "scalar")
+    adam, aurora = T.build_optimizers(model, cfg)
+    assert [id(p) for p in aurora.param_groups[0]["params"]] == [
+        id(p) for n, p in model.named_parameters() if tags[n] == "matrix"]
+    model.blocks[0].gate = torch.nn.Linear(32, 2, bias=False)  # a new weight nobody routed
+    with pytest.raises(T.ConfigError, match=r"parameter blocks\.0\.gate\.weight \(2, 32\) has no optimizer group"):
+        T.build_optimizers(model, cfg)

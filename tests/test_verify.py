@@ -35,22 +35,32 @@ def run_verify(tiny, log, *args, threads="1", tmpdir=None, timeout=600):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """dict(log, tree, text, val) of a complete 8-step run: its log path, the folder with the code
-    it ran, the log's text and its final val loss as printed."""
-    tree = tmp_path_factory.mktemp("tiny")
-    for name in ("train_gpt.py", "aurora_opt.py"):
+def tiny_run(tree, run_id, compile_flag):
+    """Run the tiny 8-step config from a copy of the trainer in ``tree``; dict(log, tree, text, val):
+    its log path, the folder with the code it ran, the log's text and its final val loss as printed."""
+    for name in ("train_gpt.py", "aurora_opt.py", "harness.py"):
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"),
-           *tiny_args(tree, "--val-every", "0", "--device", "cpu", "--no-compile", "--run-id", "tiny")]
+           *tiny_args(tree, "--val-every", "0", "--device", "cpu", compile_flag, "--run-id", run_id)]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    log = tree / "logs" / "tiny.txt"
+    log = tree / "logs" / f"{run_id}.txt"
     text = log.read_text()
     assert sorted(loss_lines(text, "val_loss")) == [0, 8] and "torch threads: 1" in text
     return dict(log=log, tree=tree, text=text, val=re.search(r"^step:8/8 val_loss:(\S+) ", text, re.M)[1])
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny run, eager (``tiny_run``)."""
+    return tiny_run(tmp_path_factory.mktemp("tiny"), "tiny", "--no-compile")
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """The tiny run compiled with torch.compile on the CPU (``tiny_run``)."""
+    return tiny_run(tmp_path_factory.mktemp("compiled"), "compiled", "--compile")
 
 
 def edited(tiny, tmp_path, name, *subs):
@@ -166,6 +176,27 @@ def test_gpu_log_shows_losses_without_judging_them_unless_tol_is_given(tiny, tmp
     assert "train losses NOT reproduced within 0.01" in proc.stdout
 
 
+def test_a_compiled_log_gets_the_drift_tolerance_and_still_fails_an_edit_of_0_01(compiled, tmp_path):
+    assert '"compile": true' in compiled["text"]
+    proc = run_verify(compiled, compiled["log"], "--rerun", 8)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [case] = [ln for ln in proc.stdout.splitlines() if ln.startswith("rerun: machine: ")]
+    assert case.startswith("rerun: machine: compiled run, eager rerun (inductor's fused kernels"), case
+    assert str(verify.COMPILED_DRIFT) in case and "--no-compile" in proc.stdout  # the rerun ran eagerly
+    assert "train losses reproduced within tol(step)" in proc.stdout and proc.stdout.endswith("OK\n")
+    step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", compiled["text"], re.M)[1])
+    bad = edited(compiled, tmp_path, "compiled_edit.txt", (r"^(step:8/8 train_loss:)\S+", rf"\g<1>{step8 + 0.01:.4f}"))
+    proc = run_verify(compiled, bad, "--rerun", 8)
+    assert proc.returncode == 1 and "compiled run, eager rerun" in proc.stdout, proc.stdout + proc.stderr
+    # the eager rerun is not bitwise the compiled run: its value is not the logged one, but far from the edit
+    assert re.search(rf"^\s+8\s+{step8 + 0.01:.4f}\s+\d+\.\d{{4}}\s+\S+  > tol$", proc.stdout, re.M), proc.stdout
+    val = float(compiled["val"])
+    bad = edited(compiled, tmp_path, "compiled_val.txt", (FINAL_STEP, rf"\g<1>{val - 0.01:.4f}"))
+    proc = run_verify(compiled, bad, "--rerun", 8)
+    assert proc.returncode == 1 and f"val_loss at step 8: logged {val - 0.01:.4f}" in proc.stdout
+    assert "NOT reproduced (tol" in proc.stdout and proc.stdout.endswith("FAILED\n")
+
+
 def machine(cpu="Intel(R) Xeon(R) Processor", threads=1, world=1, device="cpu", gpus=None):
     return dict(device=device, world=world, cpu=cpu, threads=threads, gpus=gpus)
 
@@ -190,6 +221,23 @@ def test_judgement_names_the_case_and_its_tolerance(logged, here, case):
         assert text.startswith("different ") and case in text and tol == verify.DRIFT
     text, tol = verify.judgement(logged, here, tol=0.02)  # --tol replaces the tolerance, not the case
     assert "--tol 0.02 given instead" in text and tol(0) == tol(10 ** 6) == 0.02
+
+
+def test_judgement_of_a_compiled_log_is_the_drift_case_on_any_cpu():
+    for logged, here, also in [([machine()], machine(), ""), ([machine(threads=1)], machine(threads=2),
+                                                              "; also different thread count (1 vs 2)")]:
+        text, tol = verify.judgement(logged, here, compiled=True)
+        assert text.startswith("compiled run, eager rerun (inductor's fused kernels are not bitwise equal to eager "
+                               f"ones{also}): ") and tol == verify.COMPILED_DRIFT
+    assert verify.COMPILED_DRIFT.last_train_step == 14 and verify.COMPILED_DRIFT(6) > 1.2e-3  # measured at step 6
+    assert all(0.01 - verify.COMPILED_DRIFT(s) > verify.COMPILED_DRIFT(s) for s in range(0, 10_000, 7))
+    text, tol = verify.judgement([machine()], machine(), tol=0.02, compiled=True)
+    assert "--tol 0.02 given instead" in text and tol(0) == tol(10 ** 6) == 0.02
+    lines = ["world_size: 1  device: cpu  compile: True  bf16: False\n"]  # an unset --compile, resolved on
+    assert verify.was_compiled(lines, 0, {"compile": None}) and verify.was_compiled([], 0, {"compile": True})
+    assert not verify.was_compiled([lines[0].replace("True", "False", 1)], 0, {"compile": None})
+    text, tol = verify.judgement([machine(device="cuda", gpus="1 x NVIDIA H200")], machine(), compiled=True)
+    assert text.startswith("GPU log (1 x NVIDIA H200)") and tol is None  # a GPU log is not judged at all
 
 
 def test_drift_tolerance_grows_with_the_step_and_keeps_an_edit_of_0_01_failing():

@@ -1,0 +1,187 @@
+"""FP8 matmuls (``fp8_linear``): scaling, saturation and rounding against float64 references.
+
+The references are independent of the code under test: rounding to the nearest value of a
+table of every finite float8 value (ties to the even code), and products in float64 of the
+dequantized operands. ``emulate=True`` runs the op's own scaling and rounding on CPU with the
+products in float64; the CUDA path (``torch._scaled_mm``) is traced on the meta device, which
+checks its shapes, dtypes and layouts.
+"""
+import pytest
+import torch
+
+import train_gpt as T
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8_table(dtype):
+    """float64 values and uint8 codes of every finite value of an fp8 format, sorted by value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).double()
+    keep = values.isfinite()
+    values, codes = values[keep], codes[keep]
+    order = values.argsort()
+    return values[order], codes[order]
+
+
+def nearest_fp8(x, dtype):
+    """x (float64) saturated to the format's max, rounded to the nearest fp8 value, ties to the even code."""
+    values, codes = fp8_table(dtype)
+    x = x.clamp(values.min(), values.max())
+    dist = (x.reshape(-1, 1) - values).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    tie_break = (codes.long() % 2).double()  # among equally near values, the odd code loses
+    candidates = torch.where(dist == best, tie_break, torch.inf)
+    return values[candidates.argmin(dim=1)].reshape(x.shape)
+
+
+def dequant(t, scale):
+    return t.double() * float(scale)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_rounds_to_nearest_and_saturates(dtype):
+    g = torch.Generator().manual_seed(0)
+    limit = torch.finfo(dtype).max
+    x = torch.randn(4000, generator=g, dtype=torch.float64) * torch.logspace(-6, 0, 4000, dtype=torch.float64)
+    x = torch.cat([x * 3 * limit, torch.tensor([limit, -limit, 1.5 * limit, -7 * limit, 0.0], dtype=torch.float64)])
+    scale = torch.tensor(2.5)
+    got = T.fp8_quantize(x, scale, dtype)
+    assert got.dtype == dtype and got.double().isfinite().all()
+    assert torch.equal(got.double(), nearest_fp8(x / 2.5, dtype))
+    assert got.double().abs().max() == limit          # beyond the max saturates, never NaN or inf
+    assert (got.double().abs() == limit).sum() > 3
+
+
+def test_the_table_reference_rounds_ties_to_even():
+    # 1.0625 lies halfway between 1.0 (code 0x38) and 1.125 (0x39) in e4m3: the even code wins
+    assert nearest_fp8(torch.tensor([1.0625, 1.1875], dtype=torch.float64), E4M3).tolist() == [1.0, 1.25]
+
+
+def test_scale_maps_amax_to_448_exactly():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 7
+    s = T.fp8_scale(x)
+    assert s.dtype == torch.float32 and s.ndim == 0
+    assert float(s) == pytest.approx(float(x.abs().max()) / 448, rel=1e-6)
+    q = T.fp8_quantize(x, s)
+    assert q.double().abs().max() == 448                # the largest entry lands on (or saturates to) 448
+    assert float(T.fp8_scale(x, T.E5M2_MAX)) == pytest.approx(float(x.abs().max()) / 57344, rel=1e-6)
+    assert float(T.fp8_scale(torch.zeros(4, 4))) > 0    # an all-zero tensor does not divide by zero
+
+
+def operands(M=48, K=64, N=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64) * torch.logspace(-2, 1, K, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * 0.05
+    G = torch.randn(M, N, generator=g, dtype=torch.float64) * torch.logspace(-5, -1, N, dtype=torch.float64)
+    return x, w, G
+
+
+def reference(x, w, G):
+    """Forward and fp8-gradient backward from torch's conversion at the documented scales, float64 products."""
+    x_s, w_s = x.abs().max().float() / 448, w.abs().max().float() / 448
+    g_s = G.abs().max().float() / 57344
+    xq = dequant((x / x_s).clamp(-448, 448).to(E4M3), x_s)
+    wq = dequant((w / w_s).clamp(-448, 448).to(E4M3), w_s)
+    gq = dequant((G / g_s).clamp(-57344, 57344).to(E5M2), g_s)
+    return xq @ wq.t(), gq @ wq, gq.t() @ xq
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_emulated_forward_and_fp8_backward_equal_the_float64_reference(seed):
+    x, w, G = operands(seed=seed)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    y = T.fp8_linear(x.view(4, 12, 64), w, fp8_grad=True, emulate=True)
+    assert y.shape == (4, 12, 32) and y.dtype == torch.float64
+    (y.reshape(48, 32) * G).sum().backward()
+    y_ref, dx_ref, dw_ref = reference(x.detach(), w.detach(), G)
+    torch.testing.assert_close(y.reshape(48, 32), y_ref, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(x.grad, dx_ref, rtol=1e-12, atol=1e-18)
+    torch.testing.assert_close(w.grad, dw_ref, rtol=1e-12, atol=1e-18)
+    # and close to the exact product: a scale applied twice or not at all is off by orders of magnitude
+    exact = x.detach() @ w.detach().t()
+    assert (y.reshape(48, 32) - exact).norm() / exact.norm() < 0.05
+    assert (x.grad - G @ w.detach()).norm() / (G @ w.detach()).norm() < 0.1
+    assert (w.grad - G.t() @ x.detach()).norm() / (G.t() @ x.detach()).norm() < 0.1
+
+
+def test_fp8_weights_and_inputs_saturate_not_overflow_in_the_op():
+    # one huge entry sets the scale; the rest quantize relative to it, none becomes NaN
+    x, w, _ = operands()
+    x[3, 5] = 1e6
+    y = T.fp8_linear(x, w, emulate=True)
+    assert y.isfinite().all()
+    torch.testing.assert_close(y, reference(x, w, torch.ones(48, 32))[0], rtol=1e-12, atol=1e-15)
+
+
+def test_mlp_style_backward_is_exact_high_precision():
+    """Without fp8_grad (the MLP, records #84/#89) the gradients are those of x @ w.T, unquantized."""
+    x, w, G = operands(seed=5)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    (T.fp8_linear(x, w, emulate=True) * G).sum().backward()
+    torch.testing.assert_close(x.grad, G @ w.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(w.grad, G.t() @ x.detach(), rtol=1e-12, atol=0)
+
+
+def test_cuda_path_traces_on_the_meta_device():
+    """The _scaled_mm calls (row-major a, column-major b, float32 0-d scales) pass torch's shape checks."""
+    x = torch.empty(64, 48, device="meta", requires_grad=True)
+    w = torch.empty(80, 48, device="meta", requires_grad=True)
+    for fp8_grad in (True, False):
+        y = T.fp8_linear(x, w, fp8_grad=fp8_grad)
+        assert y.shape == (64, 80) and y.dtype == torch.bfloat16
+        dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
+        assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == dw.dtype == torch.float32
+
+
+def test_availability_and_shapes():
+    assert "CUDA" in T.fp8_unavailable_reason("cpu")
+    assert T.fp8_fits(torch.empty(2, 8, 32), torch.empty(48, 32))
+    assert not T.fp8_fits(torch.empty(3, 5, 32), torch.empty(48, 32))   # 15 rows
+    assert not T.fp8_fits(torch.empty(2, 8, 32), torch.empty(50, 32))   # 50 outputs
+
+
+def test_flag_is_off_by_default_and_leaves_the_cpu_model_unchanged():
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+                             "--seq-len", "16", "--batch-tokens", "32"])
+    assert T.Config().fp8 is False and cfg.fp8 is False
+    on, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8"])
+    assert on.fp8 is True
+    torch.manual_seed(0)
+    plain = T.GPT(cfg)
+    torch.manual_seed(0)
+    fp8 = T.GPT(T.dataclasses.replace(cfg, fp8=True))
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        fp8.load_state_dict(plain.state_dict())
+    inputs = torch.randint(0, 1000, (2, 16, 1))
+    assert torch.equal(plain(inputs, inputs), fp8(inputs, inputs))  # CPU: fp8 only on CUDA
+
+
+@pytest.mark.parametrize("fp8_grad", [True, False])
+def test_scaled_mm_path_equals_the_emulation_to_bf16_rounding(fp8_grad):
+    """The non-emulated path (torch._scaled_mm, which this CPU build also runs) against emulate=True.
+
+    The output gradient is bf16-representable so both paths quantize the same numbers; the
+    scaled_mm path rounds y and dx to bf16 (1 ulp = 2^-8 relative), dW stays float32. Without
+    fp8_grad the CUDA path's backward is bf16: its reference is the product of the bf16-rounded
+    operands.
+    """
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 64, generator=g).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
+    G = torch.randn(32, 48, generator=g).bfloat16().float()
+    y, y_emu = T.fp8_linear(x, w, fp8_grad=fp8_grad), T.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=True)
+    assert y.dtype == torch.bfloat16 and y_emu.dtype == torch.float32
+    dx, dw = torch.autograd.grad((y.float() * G).sum(), (x, w))
+    dx_emu, dw_emu = torch.autograd.grad((y_emu * G).sum(), (x, w))
+    bf16 = dict(rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(y.float(), y_emu, **bf16)
+    if fp8_grad:
+        torch.testing.assert_close(dx, dx_emu, **bf16)
+        torch.testing.assert_close(dw, dw_emu, rtol=1e-5, atol=1e-6)
+    else:
+        rounded = [t.detach().bfloat16().float() for t in (x, w)]
+        torch.testing.assert_close(dx, G @ rounded[1], **bf16)
+        torch.testing.assert_close(dw, G.t() @ rounded[0], **bf16)
