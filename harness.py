@@ -678,7 +678,7 @@ def check_checkpoint_dir(cfg, run_id):
 # The run log: one text file per run, a reproducible snapshot (docs/SPEC.md), plus a JSON summary
 
 SEPARATOR = "=" * 100  # between the source snapshot and the run
-SOURCE_FILES = ("train_gpt.py", "aurora_opt.py", "harness.py")  # what a log snapshots, in order
+SOURCE_FILES = ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py")  # what a log snapshots, in order
 
 
 def source_snapshot():

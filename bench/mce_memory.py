@@ -12,8 +12,8 @@ once), on CUDA the growth of ``max_memory_allocated``. The logits' own gradient 
 part of every loss's cost. Time is the median of ``--repeats`` forward+backward passes (ms).
 
 Rows: ``cross_entropy`` (``F.cross_entropy`` on the logits in float32, the s = 1 baseline),
-``mce`` (train_gpt.mce_loss: one logsumexp per position, an s-wide gather, a fused backward),
-``multi_target`` (train_gpt.multi_target_loss with s targets of weight 1, the same sum: float32
+``mce`` (kernels.mce_loss: one logsumexp per position, an s-wide gather, a fused backward),
+``multi_target`` (kernels.multi_target_loss with s targets of weight 1, the same sum: float32
 chunks of ``LOSS_CHUNK`` positions, the gradient written once in the logits' dtype) and
 ``mce_naive`` (s copies of the logits fed to cross-entropy: what MCE must not do; up to
 ``--naive-up-to``), for each s. ``--dtype bfloat16`` makes the logits bf16, as the compiled
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402
 import train_gpt  # noqa: E402
 
 
@@ -40,11 +41,11 @@ def loss_fn(kind, logits, targets, softcap=0.0):
     if kind == "cross_entropy":
         return F.cross_entropy(logits.float(), targets[:, 0])
     if kind == "mce":
-        return train_gpt.mce_loss(logits, targets, softcap=softcap)
+        return kernels.mce_loss(logits, targets, softcap=softcap)
     if kind == "multi_target":
         weights = torch.ones(targets.size(1), device=logits.device)
         cap = "tanh" if softcap else "none"
-        return train_gpt.multi_target_loss(logits, targets, weights, cap, softcap) / targets.numel()
+        return kernels.multi_target_loss(logits, targets, weights, cap, softcap) / targets.numel()
     if kind == "mce_naive":
         s = targets.size(1)
         return F.cross_entropy(logits.repeat_interleave(s, dim=0), targets.flatten())

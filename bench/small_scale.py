@@ -37,10 +37,11 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (os.path.join(REPO, "records"), os.path.join(REPO, "bench"), os.path.join(REPO, "data")):
+for _path in (REPO, os.path.join(REPO, "records"), os.path.join(REPO, "bench"), os.path.join(REPO, "data")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 import compare  # noqa: E402  (records/compare.py: the reader of trainer logs, defined once)
+import harness  # noqa: E402  (its SOURCE_FILES: what a log snapshots)
 import shard_format  # noqa: E402  (data/shard_format.py)
 import small_scale_data  # noqa: E402
 import small_scale_stats as sst  # noqa: E402
@@ -345,15 +346,15 @@ def order_key(pattern):
     return "/".join(str(pattern).replace(os.sep, "/").rstrip("/").split("/")[-2:])
 
 
-TRAINER_FILES = ("train_gpt.py", "aurora_opt.py", "harness.py")  # what a run's log snapshots
+TRAINER_FILES = harness.SOURCE_FILES  # what a run's log snapshots
 
 
 def code_hashes(code_dir):
     """``{file name: sha256}`` of the trainer snapshot's files (what every run's log header records)."""
     out = {}
     for name in TRAINER_FILES:
-        if name == "harness.py" and not os.path.exists(os.path.join(code_dir, name)):
-            continue  # a snapshot of the trainer from before the harness moved out of train_gpt.py
+        if name != "train_gpt.py" and not os.path.exists(os.path.join(code_dir, name)):
+            continue  # a snapshot of the trainer from before this file moved out of train_gpt.py
         with open(os.path.join(code_dir, name), "rb") as f:
             out[name] = hashlib.sha256(f.read()).hexdigest()
     return out
@@ -511,7 +512,7 @@ def set_aside(run_dir, run_id):
 
 
 def snapshot_trainer(out):
-    """Copy train_gpt.py and aurora_opt.py to ``<out>/code/`` once and train every run from there.
+    """Copy the trainer's files (``TRAINER_FILES``) to ``<out>/code/`` once and train every run from there.
 
     Other people edit the trainer while a benchmark runs for hours; the snapshot keeps every run
     of one output folder on the same code (each log still holds its full source). A resumed

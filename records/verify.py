@@ -148,7 +148,7 @@ def snapshot_names(sources, header_names):
     ``SOURCE_FILES = (...)`` (read with ``ast``, never run), then any other header's file.
 
     The list lives in the logged train_gpt.py (logs of two files) or, since the harness moved
-    out of it, in the logged harness.py (logs of three files); the first file that defines it
+    out of it, in the logged harness.py (logs of three or four files); the first file that defines it
     counts. ``sources`` is ``{name: text}`` as ``extract`` returns it; without a readable list
     (an old or edited trainer) the headers' names and ``train_gpt.py`` are all that is known.
     """

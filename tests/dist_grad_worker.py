@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def per_tensor_reference(model, micro_batches, rt):
 def main(out):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "3", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "3", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "16", "--batch-tokens", "128"])
     torch.manual_seed(0)
     model = T.GPT(cfg)
@@ -49,7 +50,7 @@ def main(out):
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
 
-    T.GRAD_BUCKET_BYTES = 8 * 1024  # several buckets in a tiny model
+    kernels.GRAD_BUCKET_BYTES = 8 * 1024  # several buckets in a tiny model
     events = []
     real_all_reduce = dist.all_reduce
 
@@ -63,7 +64,7 @@ def main(out):
     loss = T.accumulate_gradients(model, micro, rt)
     dist.all_reduce = real_all_reduce
     grads = [p.grad.clone() for p in model.parameters()]
-    buckets = T.grad_buckets(model)
+    buckets = kernels.grad_buckets(model)
     if rank == 0:
         torch.save(dict(ref_loss=ref_loss, loss=loss, ref_grads=ref_grads, grads=grads, events=events,
                         n_buckets=len(buckets.buckets), n_params=len(list(model.parameters())),

@@ -9,6 +9,7 @@ checks its shapes, dtypes and layouts.
 import pytest
 import torch
 
+import kernels
 import train_gpt as T
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -46,7 +47,7 @@ def test_quantize_rounds_to_nearest_and_saturates(dtype):
     x = torch.randn(4000, generator=g, dtype=torch.float64) * torch.logspace(-6, 0, 4000, dtype=torch.float64)
     x = torch.cat([x * 3 * limit, torch.tensor([limit, -limit, 1.5 * limit, -7 * limit, 0.0], dtype=torch.float64)])
     scale = torch.tensor(2.5)
-    got = T.fp8_quantize(x, scale, dtype)
+    got = kernels.fp8_quantize(x, scale, dtype)
     assert got.dtype == dtype and got.double().isfinite().all()
     assert torch.equal(got.double(), nearest_fp8(x / 2.5, dtype))
     assert got.double().abs().max() == limit          # beyond the max saturates, never NaN or inf
@@ -60,13 +61,13 @@ def test_the_table_reference_rounds_ties_to_even():
 
 def test_scale_maps_amax_to_448_exactly():
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 7
-    s = T.fp8_scale(x)
+    s = kernels.fp8_scale(x)
     assert s.dtype == torch.float32 and s.ndim == 0
     assert float(s) == pytest.approx(float(x.abs().max()) / 448, rel=1e-6)
-    q = T.fp8_quantize(x, s)
+    q = kernels.fp8_quantize(x, s)
     assert q.double().abs().max() == 448                # the largest entry lands on (or saturates to) 448
-    assert float(T.fp8_scale(x, T.E5M2_MAX)) == pytest.approx(float(x.abs().max()) / 57344, rel=1e-6)
-    assert float(T.fp8_scale(torch.zeros(4, 4))) > 0    # an all-zero tensor does not divide by zero
+    assert float(kernels.fp8_scale(x, kernels.E5M2_MAX)) == pytest.approx(float(x.abs().max()) / 57344, rel=1e-6)
+    assert float(kernels.fp8_scale(torch.zeros(4, 4))) > 0    # an all-zero tensor does not divide by zero
 
 
 def operands(M=48, K=64, N=32, seed=0):
@@ -91,7 +92,7 @@ def reference(x, w, G):
 def test_emulated_forward_and_fp8_backward_equal_the_float64_reference(seed):
     x, w, G = operands(seed=seed)
     x, w = x.requires_grad_(), w.requires_grad_()
-    y = T.fp8_linear(x.view(4, 12, 64), w, fp8_grad=True, emulate=True)
+    y = kernels.fp8_linear(x.view(4, 12, 64), w, fp8_grad=True, emulate=True)
     assert y.shape == (4, 12, 32) and y.dtype == torch.float64
     (y.reshape(48, 32) * G).sum().backward()
     y_ref, dx_ref, dw_ref = reference(x.detach(), w.detach(), G)
@@ -109,7 +110,7 @@ def test_fp8_weights_and_inputs_saturate_not_overflow_in_the_op():
     # one huge entry sets the scale; the rest quantize relative to it, none becomes NaN
     x, w, _ = operands()
     x[3, 5] = 1e6
-    y = T.fp8_linear(x, w, emulate=True)
+    y = kernels.fp8_linear(x, w, emulate=True)
     assert y.isfinite().all()
     torch.testing.assert_close(y, reference(x, w, torch.ones(48, 32))[0], rtol=1e-12, atol=1e-15)
 
@@ -118,7 +119,7 @@ def test_mlp_style_backward_is_exact_high_precision():
     """Without fp8_grad (the MLP, records #84/#89) the gradients are those of x @ w.T, unquantized."""
     x, w, G = operands(seed=5)
     x, w = x.requires_grad_(), w.requires_grad_()
-    (T.fp8_linear(x, w, emulate=True) * G).sum().backward()
+    (kernels.fp8_linear(x, w, emulate=True) * G).sum().backward()
     torch.testing.assert_close(x.grad, G @ w.detach(), rtol=1e-12, atol=0)
     torch.testing.assert_close(w.grad, G.t() @ x.detach(), rtol=1e-12, atol=0)
 
@@ -128,21 +129,21 @@ def test_cuda_path_traces_on_the_meta_device():
     x = torch.empty(64, 48, device="meta", requires_grad=True)
     w = torch.empty(80, 48, device="meta", requires_grad=True)
     for fp8_grad in (True, False):
-        y = T.fp8_linear(x, w, fp8_grad=fp8_grad)
+        y = kernels.fp8_linear(x, w, fp8_grad=fp8_grad)
         assert y.shape == (64, 80) and y.dtype == torch.bfloat16
         dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
         assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == dw.dtype == torch.float32
 
 
 def test_availability_and_shapes():
-    assert "CUDA" in T.fp8_unavailable_reason("cpu")
-    assert T.fp8_fits(torch.empty(2, 8, 32), torch.empty(48, 32))
-    assert not T.fp8_fits(torch.empty(3, 5, 32), torch.empty(48, 32))   # 15 rows
-    assert not T.fp8_fits(torch.empty(2, 8, 32), torch.empty(50, 32))   # 50 outputs
+    assert "CUDA" in kernels.fp8_unavailable_reason("cpu")
+    assert kernels.fp8_fits(torch.empty(2, 8, 32), torch.empty(48, 32))
+    assert not kernels.fp8_fits(torch.empty(3, 5, 32), torch.empty(48, 32))   # 15 rows
+    assert not kernels.fp8_fits(torch.empty(2, 8, 32), torch.empty(50, 32))   # 50 outputs
 
 
 def test_flag_is_off_by_default_and_leaves_the_cpu_model_unchanged():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "16", "--batch-tokens", "32"])
     assert T.Config().fp8 is False and cfg.fp8 is False
     on, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8"])
@@ -172,7 +173,7 @@ def test_scaled_mm_path_equals_the_emulation_to_bf16_rounding(fp8_grad):
     x = torch.randn(32, 64, generator=g).requires_grad_()
     w = (torch.randn(48, 64, generator=g) * 0.1).requires_grad_()
     G = torch.randn(32, 48, generator=g).bfloat16().float()
-    y, y_emu = T.fp8_linear(x, w, fp8_grad=fp8_grad), T.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=True)
+    y, y_emu = kernels.fp8_linear(x, w, fp8_grad=fp8_grad), kernels.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=True)
     assert y.dtype == torch.bfloat16 and y_emu.dtype == torch.float32
     dx, dw = torch.autograd.grad((y.float() * G).sum(), (x, w))
     dx_emu, dw_emu = torch.autograd.grad((y_emu * G).sum(), (x, w))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kernels
 import train_gpt as T
 from conftest import REPO
 
@@ -58,7 +59,7 @@ def test_fused_loss_and_gradient_match_a_float64_sum_of_cross_entropies(cap, c, 
     x, y, w = random_case(13, 17, J, seed=J * 7 + chunk)
     scale = 0.37  # an incoming gradient other than 1
     xa = x.clone().requires_grad_()
-    loss = T.multi_target_loss(xa, y, w, cap=cap, softcap=c, chunk=chunk)
+    loss = kernels.multi_target_loss(xa, y, w, cap=cap, softcap=c, chunk=chunk)
     (loss * scale).backward()
     xr = x.clone().requires_grad_()
     ref = naive_loss(xr, y, w, cap, c)
@@ -70,10 +71,10 @@ def test_fused_loss_and_gradient_match_a_float64_sum_of_cross_entropies(cap, c, 
 
 def test_leading_dims_are_flattened_and_a_batch_without_labels_costs_nothing():
     x, y, w = random_case(12, 9, 3, seed=1)
-    flat = T.multi_target_loss(x, y, w, cap="sigmoid")
-    assert T.multi_target_loss(x.view(3, 4, 9), y.view(3, 4, 3), w, cap="sigmoid").item() == flat.item()
+    flat = kernels.multi_target_loss(x, y, w, cap="sigmoid")
+    assert kernels.multi_target_loss(x.view(3, 4, 9), y.view(3, 4, 3), w, cap="sigmoid").item() == flat.item()
     xa = x.clone().requires_grad_()
-    none = T.multi_target_loss(xa, torch.full_like(y, -100), w, cap="sigmoid")
+    none = kernels.multi_target_loss(xa, torch.full_like(y, -100), w, cap="sigmoid")
     none.backward()
     assert none.item() == 0.0 and xa.grad.abs().max().item() == 0.0
 
@@ -90,8 +91,8 @@ def test_weights_of_one_are_todays_mce_sum(softcap):
     cap = "tanh" if softcap else "none"
     for w, factor in ((torch.ones(s), 1.0), (torch.full((s,), 1.0 / s), s)):
         a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-        new = T.multi_target_loss(a, y, w, cap=cap, softcap=softcap, chunk=8) * factor
-        old = T.mce_loss(b, y, reduction="sum", softcap=softcap)
+        new = kernels.multi_target_loss(a, y, w, cap=cap, softcap=softcap, chunk=8) * factor
+        old = kernels.mce_loss(b, y, reduction="sum", softcap=softcap)
         new.backward()
         old.backward()
         assert new.item() == pytest.approx(old.item(), rel=1e-6)
@@ -101,7 +102,7 @@ def test_weights_of_one_are_todays_mce_sum(softcap):
 def test_bf16_logits_get_a_bf16_gradient_close_to_the_float64_one():
     x, y, w = random_case(40, 257, 4, seed=3)
     xb = x.bfloat16().requires_grad_()
-    loss = T.multi_target_loss(xb, y, w.float(), cap="sigmoid", chunk=16)
+    loss = kernels.multi_target_loss(xb, y, w.float(), cap="sigmoid", chunk=16)
     loss.backward()
     exact = x.bfloat16().double().requires_grad_()  # the same bf16 values, in float64
     ref = naive_loss(exact, y, w, "sigmoid", 0.0)
@@ -118,7 +119,7 @@ def test_bad_arguments_are_one_clear_error(kw):
                 cap="none")
     args.update(kw)
     with pytest.raises(ValueError, match="cap|softcap|chunk|weights"):
-        T.multi_target_loss(**args)
+        kernels.multi_target_loss(**args)
 
 
 class OutputLog(TorchDispatchMode):
@@ -146,12 +147,12 @@ def test_no_float32_n_by_v_tensor_at_the_record_shape():
         targets = torch.zeros(N, 4, dtype=torch.int64)
         weights = torch.ones(4)
         with OutputLog() as log:
-            T.multi_target_loss(logits, targets, weights, cap="sigmoid").backward()
+            kernels.multi_target_loss(logits, targets, weights, cap="sigmoid").backward()
         grad = logits.grad
     assert grad.dtype == torch.bfloat16 and tuple(grad.shape) == (N, V)
     numel = lambda shape: torch.Size(shape).numel()  # noqa: E731
     wide = [o for o in log.outputs if o[2] in (torch.float32, torch.float64)]
-    assert max(numel(o[1]) for o in wide) == T.LOSS_CHUNK * V      # chunk temporaries only
+    assert max(numel(o[1]) for o in wide) == kernels.LOSS_CHUNK * V      # chunk temporaries only
     full = [o for o in log.outputs if numel(o[1]) >= N * V]
     assert {o[2] for o in full} == {torch.bfloat16}
     assert [o[0] for o in full if o[3]] == ["aten.empty_like.default"]   # the one gradient buffer
@@ -160,7 +161,7 @@ def test_no_float32_n_by_v_tensor_at_the_record_shape():
 def test_the_loss_compiles_into_one_graph_with_the_eager_results():
     x, y, w = random_case(11, 23, 4, seed=5)
     x = x.float()
-    fn = lambda x, y, w: T.multi_target_loss(x, y, w, cap="sigmoid", chunk=4)  # noqa: E731
+    fn = lambda x, y, w: kernels.multi_target_loss(x, y, w, cap="sigmoid", chunk=4)  # noqa: E731
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     eager, comp = fn(a, y, w.float()), compiled(b, y, w.float())
@@ -255,7 +256,7 @@ def test_next_token_training_objective_matches_a_loop(table):
     w = torch.tensor(T.objective_weights(0, 0.4), dtype=torch.float64)
     cols = T.objective_targets(targets, table)
     assert cols.shape == (2, L, 4)
-    loss = T.multi_target_loss(x, cols, w, cap="sigmoid")
+    loss = kernels.multi_target_loss(x, cols, w, cap="sigmoid")
     z, ref = SIGMOID(x), torch.zeros((), dtype=torch.float64)
     for b in range(2):
         for i in range(L):

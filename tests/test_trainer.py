@@ -284,7 +284,7 @@ def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
     assert code == 0
     head, rest = text.split(H.SEPARATOR + "\n", 1)
     assert [l.split()[2] for l in head.splitlines() if l.startswith("### file ")] == list(H.SOURCE_FILES)
-    assert H.SOURCE_FILES == ("train_gpt.py", "aurora_opt.py", "harness.py")
+    assert H.SOURCE_FILES == ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py")
     for name in H.SOURCE_FILES:  # the exact source of every snapshotted file
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             src = f.read()
@@ -490,7 +490,7 @@ def test_a_training_only_loss_term_never_reaches_the_val_loss(monkeypatch):
 
 
 def test_every_parameter_is_routed_where_it_is_created_and_an_untagged_one_stops_the_run():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
     model = T.GPT(cfg)
     tags = {n: p.opt_group for n, p in model.named_parameters()}
     assert {n for n, g in tags.items() if g == "matrix"} == {

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 import train_gpt as T
 from conftest import PLAIN_ARCHITECTURE, loss_lines, read_log, tiny_args
 
@@ -86,12 +87,12 @@ def test_mce_loss_and_gradient_match_float64_loop(s):
     ref_logits = logits.detach().double().requires_grad_()
     ref = mce_reference(ref_logits, targets)
     ref.backward()
-    loss = T.mce_loss(logits, targets)
+    loss = kernels.mce_loss(logits, targets)
     loss.backward()
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-8)
-    total = T.mce_loss(logits.detach(), targets, reduction="sum")
+    total = kernels.mce_loss(logits.detach(), targets, reduction="sum")
     assert total.item() == pytest.approx(ref.item() * (targets != -100).sum().item(), rel=1e-6)
 
 
@@ -106,14 +107,14 @@ def test_softcapped_mce_matches_float64_autograd_of_the_capped_logits(s, softcap
     ref_logits = logits.detach().double().requires_grad_()
     ref = mce_reference(softcap * torch.tanh(ref_logits / softcap), targets)
     ref.backward()
-    loss = T.mce_loss(logits, targets, softcap=softcap)
+    loss = kernels.mce_loss(logits, targets, softcap=softcap)
     loss.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-8)
     exact = logits.detach().double().requires_grad_()
-    T.mce_loss(exact, targets, reduction="sum", softcap=softcap).backward()  # float64 in, float64 math
+    kernels.mce_loss(exact, targets, reduction="sum", softcap=softcap).backward()  # float64 in, float64 math
     ref_sum = mce_reference(softcap * torch.tanh(exact.detach() / softcap), targets) * (targets != -100).sum()
-    assert T.mce_loss(exact.detach(), targets, reduction="sum", softcap=softcap).item() == pytest.approx(
+    assert kernels.mce_loss(exact.detach(), targets, reduction="sum", softcap=softcap).item() == pytest.approx(
         ref_sum.item(), rel=1e-12)
     torch.testing.assert_close(exact.grad, ref_logits.grad * (targets != -100).sum(), rtol=1e-10, atol=1e-12)
 
@@ -121,7 +122,7 @@ def test_softcapped_mce_matches_float64_autograd_of_the_capped_logits(s, softcap
 @pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, "15"])
 def test_mce_loss_refuses_a_bad_softcap(bad):
     with pytest.raises(ValueError, match="softcap"):
-        T.mce_loss(torch.randn(2, 5), torch.zeros(2, 1, dtype=torch.int64), softcap=bad)
+        kernels.mce_loss(torch.randn(2, 5), torch.zeros(2, 1, dtype=torch.int64), softcap=bad)
 
 
 def test_mce_gradient_is_softmax_minus_mean_onehot_for_full_bags():
@@ -129,7 +130,7 @@ def test_mce_gradient_is_softmax_minus_mean_onehot_for_full_bags():
     logits = torch.randn(6, 50, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (6, s))
     targets[0] = torch.tensor([7, 7, 7, 3])  # repeated token: weight 3/s
-    T.mce_loss(logits, targets, reduction="sum").backward()
+    kernels.mce_loss(logits, targets, reduction="sum").backward()
     onehot = torch.zeros(6, 50, dtype=torch.float64)
     for i in range(6):
         for y in targets[i].tolist():
@@ -142,7 +143,7 @@ def test_mce_with_one_label_is_cross_entropy():
     logits = torch.randn(64, 300)
     targets = torch.randint(0, 300, (64,))
     targets[::5] = -100
-    assert T.mce_loss(logits, targets[:, None]).item() == pytest.approx(
+    assert kernels.mce_loss(logits, targets[:, None]).item() == pytest.approx(
         F.cross_entropy(logits, targets, ignore_index=-100).item(), rel=1e-6)
 
 
@@ -150,11 +151,11 @@ def test_ignored_labels_add_nothing():
     logits = torch.randn(4, 30, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 30, (4, 3))
     padded = torch.cat([targets, torch.full((4, 2), -100)], dim=1)  # no stray lse/s terms
-    assert T.mce_loss(logits, padded).item() == pytest.approx(T.mce_loss(logits, targets).item(), rel=1e-12)
-    T.mce_loss(logits, padded, reduction="sum").backward()
+    assert kernels.mce_loss(logits, padded).item() == pytest.approx(kernels.mce_loss(logits, targets).item(), rel=1e-12)
+    kernels.mce_loss(logits, padded, reduction="sum").backward()
     g1 = logits.grad.clone()
     logits.grad = None
-    T.mce_loss(logits, targets, reduction="sum").backward()
+    kernels.mce_loss(logits, targets, reduction="sum").backward()
     torch.testing.assert_close(g1, logits.grad)
 
 

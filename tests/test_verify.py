@@ -38,7 +38,7 @@ def run_verify(tiny, log, *args, threads="1", tmpdir=None, timeout=600):
 def tiny_run(tree, run_id, compile_flag):
     """Run the tiny 8-step config from a copy of the trainer in ``tree``; dict(log, tree, text, val):
     its log path, the folder with the code it ran, the log's text and its final val loss as printed."""
-    for name in ("train_gpt.py", "aurora_opt.py", "harness.py"):
+    for name in H.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"),
            *tiny_args(tree, "--val-every", "0", "--device", "cpu", compile_flag, "--run-id", run_id)]

@@ -1,0 +1,412 @@
+"""Fast paths of the speedrun, beside train_gpt.py: the fused losses, FP8 matmuls, the bucketed
+gradient all-reduce. Every log snapshots this file with the trainer (harness.SOURCE_FILES).
+
+Each piece is exact math with a float64 reference test (tests/test_objectives.py, test_fp8.py,
+test_grad_allreduce.py); the trainer calls them, they import nothing from it. Record numbers
+refer to modded-nanogpt's record table.
+"""
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100  # a label that counts nowhere (padding, the positions past a document's end)
+
+
+def upcast(x):
+    """x in float32, or float64 if it already is (so float64 reference runs stay float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max    # 57344
+
+
+def fp8_unavailable_reason(device):
+    """Why ``--fp8`` cannot run on ``device`` (a ``torch.device`` or string), or None if it can.
+
+    FP8 tensor-core matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 or newer
+    (Ada, Hopper, Blackwell). The harness logs the reason and runs in bf16.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 matmuls need a CUDA GPU (device is {device.type}); running without fp8"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"fp8 matmuls need compute capability 8.9+ ({torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}); running without fp8")
+    return None
+
+
+def fp8_scale(t, fp8_max=E4M3_MAX):
+    """Per-tensor scale ``amax(|t|) / fp8_max``: float32 0-d, on t's device (no host sync).
+
+    ``t / scale`` then spans the format's range. Current scaling of every operand, as record #84
+    scales the up-projection's input; the records' other scales are static or delayed (see
+    ``fp8_linear``).
+    """
+    return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
+
+
+def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
+    """``t / scale`` saturated to the format's max (448 for e4m3, 57344 for e5m2), rounded to ``dtype``.
+
+    Rounding is torch's conversion (round to nearest even); the clamp makes overflow saturate on
+    every backend (the records' Triton quantizer clamps to 448 the same way) instead of NaN.
+    """
+    limit = torch.finfo(dtype).max
+    return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
+
+
+def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
+    """``(a * a_scale) @ (b * b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` (R = reduction) -> ``[M, N]``.
+
+    CUDA: ``torch._scaled_mm`` (row-major a, column-major b: ``b.t()`` of a contiguous b).
+    ``emulate``: the same product in ``out_dtype`` from the fp8 values (exact products; sums
+    rounded in ``out_dtype``), for CPU tests of the scaling math.
+    """
+    if emulate:
+        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``y = x @ w.T`` with x and w in e4m3 at current per-tensor scales (see ``fp8_linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, fp8_grad, emulate):
+        x_s, w_s = fp8_scale(x), fp8_scale(w)
+        x_f8, w_f8 = fp8_quantize(x, x_s), fp8_quantize(w, w_s)
+        out = upcast(x).dtype if emulate else torch.bfloat16
+        ctx.fp8_grad, ctx.emulate, ctx.dtypes = fp8_grad, emulate, (x.dtype, w.dtype)
+        if fp8_grad:  # the head (record #21): the backward reads the fp8 copies, half the bytes of bf16
+            ctx.save_for_backward(x_f8, w_f8, x_s, w_s)
+        else:         # the MLP (records #84, #89): the backward stays in bf16 (high precision if emulated)
+            ctx.save_for_backward(*((x, w) if emulate else (x.bfloat16(), w.bfloat16())))
+        return fp8_mm(x_f8, x_s, w_f8, w_s, out, fast_accum=True, emulate=emulate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_dtype, w_dtype = ctx.dtypes
+        if not ctx.fp8_grad:
+            x, w = ctx.saved_tensors
+            g = grad.to(x.dtype)
+            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None
+        x_f8, w_f8, x_s, w_s = ctx.saved_tensors
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21); the record's static
+        # scale assumes its loss's gradient bound, ours is divided by the global label count (a
+        # device value), so the scale follows the gradient's own amax
+        g_s = fp8_scale(grad, E5M2_MAX)
+        g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
+        out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
+        grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
+        out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
+        grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None
+
+
+def fp8_linear(x, weight, fp8_grad=False, emulate=False):
+    """``F.linear(x, weight)`` (no bias) as an FP8 matmul: x ``[..., in]``, weight ``[out, in]``.
+
+    Forward: x and weight each scaled by their current ``amax / 448`` (``fp8_scale``), saturated
+    and rounded to float8_e4m3fn, multiplied with fast accumulation; bf16 out on CUDA. Backward
+    with ``fp8_grad`` (the LM head, record #21): the output gradient scaled by its amax into
+    float8_e5m2, ``dx`` from the e4m3 weight (bf16), ``dW`` from the e4m3 input (float32).
+    Without it (the MLP, records #84 and #89): ``dx``, ``dW`` from the unquantized x and weight.
+    ``emulate``: the same scales and roundings, products in float32 (float64 for float64 x):
+    the CPU path of the tests. Record #89's delayed scaling of the down-projection (the previous
+    step's amax, so no extra pass) is not ported: every scale here is current.
+    """
+    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+def fp8_fits(x, weight):
+    """Whether ``x @ weight.T`` fits ``torch._scaled_mm``'s shape rules (every dim a multiple of 16)."""
+    return x.numel() // x.size(-1) % 16 == 0 and x.size(-1) % 16 == 0 and weight.size(0) % 16 == 0
+
+
+def fp8_active(on, x, weight):
+    """Whether a ``--fp8`` matmul runs in FP8: flag on, a training forward (grad enabled: val stays
+    bf16, as the records evaluate), x on CUDA, shapes that ``torch._scaled_mm`` takes."""
+    return on and torch.is_grad_enabled() and x.is_cuda and fp8_fits(x, weight)
+
+
+
+class _MCELossSum(torch.autograd.Function):
+    """Sum over valid (position, label) pairs of ``logsumexp(z) - z[y]``, with a fused backward.
+
+    ``z = c * tanh(x / c)`` for a softcap ``c > 0``, else ``z = x``. The backward writes one
+    ``[N, V]`` tensor, ``c_i * softmax(z_i)`` minus 1 at each valid label (``c_i`` = valid labels
+    of position i), times ``1 - tanh^2`` under a softcap, instead of autograd's separate
+    logsumexp, gather and tanh gradients: the memory of plain cross-entropy for any s, and
+    fewer passes over the ``[N, V]`` logits (they dominate a small model's step on a CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, softcap):
+        valid = targets != IGNORE_INDEX
+        index = targets.clamp_min(0)
+        tanh = logits.div(softcap).tanh_() if softcap else None     # kept for the backward
+        z = tanh * softcap if softcap else logits
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)               # [N, 1]
+        picked = z.gather(-1, index)                                 # [N, s]
+        ctx.softcap = softcap
+        ctx.save_for_backward(tanh if softcap else logits, lse, index, valid)
+        return torch.where(valid, lse - picked, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved, lse, index, valid = ctx.saved_tensors
+        c = ctx.softcap
+        n_valid = valid.sum(dim=-1, keepdim=True).to(saved.dtype)    # [N, 1]
+        g = saved.mul(c) if c else saved.clone()                     # z, then the gradient, in place
+        g.sub_(lse).exp_().mul_(n_valid * grad)
+        g.scatter_add_(-1, index, valid.to(saved.dtype) * -grad)     # repeated labels add up
+        if c:
+            g.addcmul_(g, saved.square(), value=-1.0)                # dz/dx = 1 - tanh(x / c)^2 (a 2nd [N, V])
+        return g, None, None
+
+
+def mce_loss(logits, targets, reduction="mean", softcap=0.0):
+    """Multi-hot cross-entropy (MCE) of TST; plain cross-entropy when s = 1.
+
+    Args:
+        logits: float ``[..., V]`` (computed in float32; float64 stays float64).
+        targets: int64 ``[..., s]``; ``-100`` marks a label to ignore. Repeated ids count each time.
+        reduction: ``"mean"`` (over valid (position, label) pairs; 0 if none) or ``"sum"``.
+        softcap: c > 0 scores ``z = c * tanh(logits / c)`` (inside the fused loss); 0 = no cap.
+
+    Returns:
+        float32 scalar (float64 for float64 logits): the mean (or sum) of ``logsumexp(z) - z[y]``
+        over valid pairs. Per position with all s labels this is ``lse(z) - (1/s) sum_k z[y_k]`` (averaged), whose
+        gradient in z is ``softmax(z) - (1/s) sum_k onehot(y_k)``. One logsumexp per position and
+        an s-wide gather: no ``[..., s, V]`` tensor is ever built, forward or backward.
+
+    Raises:
+        ValueError: unknown reduction, a softcap that is not a finite number >= 0, or
+            logits/targets leading shapes differ.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not (isinstance(softcap, (int, float)) and 0 <= softcap < math.inf):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = no cap), got {softcap!r}")
+    if logits.shape[:-1] != targets.shape[:-1]:
+        raise ValueError(f"mce_loss: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                         f"differ in their leading dims")
+    V, s = logits.size(-1), targets.size(-1)
+    total = _MCELossSum.apply(upcast(logits).reshape(-1, V), targets.reshape(-1, s), float(softcap))
+    if reduction == "sum":
+        return total
+    return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
+
+
+# Objectives on the same logits (training only; the metric stays next-token CE): any number of
+# weighted targets per position over one softmax, in chunks of positions. TST's MCE is the case
+# of s targets of weight 1; multi-token prediction (modded-nanogpt record #53, 2025-12-22) and the
+# prefix token (record #88, 2026-07-13) add columns to the target matrix.
+
+LOSS_CHUNK = 1024             # positions per chunk: float32 temporaries of [LOSS_CHUNK, V], never [N, V]
+LOGIT_CAPS = ("none", "tanh", "sigmoid")
+SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-12-26), HEAD's (A, B, C)
+
+
+def _cap_(x, cap, softcap):
+    """Cap float ``x`` in place: returns ``(u, a)``, ``u`` being ``x`` overwritten, with capped logits ``z = a u``.
+
+    ``none``: u = x, a = 1. ``tanh``: u = tanh(x / c), a = c (Gemma 2's cap).
+    ``sigmoid``: u = sigmoid((x + B) / C), a = A (record #54, 2025-12-26).
+    """
+    if cap == "tanh":
+        return x.div_(softcap).tanh_(), softcap
+    if cap == "sigmoid":
+        A, B, C = SIGMOID_CAP
+        return x.add_(B).div_(C).sigmoid_(), A
+    return x, 1.0
+
+
+def _slope_(u, cap):
+    """``dz/dx`` from ``u`` of ``_cap_``, overwriting ``u`` (None without a cap: the slope is 1)."""
+    if cap == "tanh":
+        return u.mul_(u).neg_().add_(1.0)                      # 1 - tanh^2
+    if cap == "sigmoid":
+        A, _, C = SIGMOID_CAP
+        return u.addcmul_(u, u, value=-1.0).mul_(A / C)        # (A / C) sigma (1 - sigma)
+    return None
+
+
+def _softmax_times_slope(x, lse, scale, cap, softcap):
+    """``scale * softmax(z) * dz/dx`` of float ``x`` (a fresh tensor, overwritten), rows' ``lse`` ``[n, 1]``."""
+    u, a = _cap_(x, cap, softcap)
+    g = (u if cap == "none" else u * a).sub_(lse).exp_().mul_(scale)
+    slope = _slope_(u, cap)
+    return g if slope is None else g.mul_(slope)
+
+
+class _MultiTargetLossSum(torch.autograd.Function):
+    """Sum over positions n and valid targets j of ``w_j * (logsumexp(z_n) - z_n[y_nj])``.
+
+    Forward: one logsumexp per position, chunk by chunk (two float32 ``[chunk, V]``
+    temporaries), and a ``[N, J]`` gather. Backward recomputes ``softmax(z)`` from the saved
+    logits rather than keeping a gradient from the forward: the saved logits cost the same
+    memory, and the logits are then read twice and the gradient written once (a stored gradient
+    would be written, read and written again to apply the incoming scale). The gradient, one
+    ``[N, V]`` tensor in the logits' dtype, is ``dz/dx * (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``
+    with ``W_n`` the weight of position n's valid targets; its J target columns are then
+    overwritten with their exact value computed on the ``[N, J]`` gather (a column hit twice
+    gets the same value twice).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, weights, cap, softcap, chunk):
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        valid = targets != IGNORE_INDEX
+        index = targets.clamp_min(0)
+        w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for ignored labels
+        lse = []
+        for a in range(0, logits.size(0), chunk):                         # a float32 copy of one chunk
+            u, scale = _cap_(logits[a:a + chunk].to(acc, copy=True), cap, softcap)
+            lse.append(torch.logsumexp(u if cap == "none" else u.mul_(scale), dim=-1))
+        lse = torch.cat(lse)                                               # [N]
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
+        ctx.cap, ctx.softcap, ctx.chunk = cap, softcap, chunk
+        ctx.save_for_backward(logits, lse, index, w)
+        return (w * (lse[:, None] - u * scale)).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, index, w = ctx.saved_tensors
+        cap, softcap, chunk = ctx.cap, ctx.softcap, ctx.chunk
+        acc, lse = lse.dtype, lse[:, None]
+        total_w = w.sum(1, keepdim=True) * grad                          # [N, 1]: W_n times the incoming scale
+        out = torch.empty_like(logits)
+        for a in range(0, logits.size(0), chunk):                         # cast to the logits' dtype on write
+            b = a + chunk
+            out[a:b] = _softmax_times_slope(logits[a:b].to(acc, copy=True), lse[a:b], total_w[a:b], cap, softcap)
+        # The target columns, exactly: the dense term minus the weight of every label on that column
+        # (repeats add up; an ignored label points at column 0 and writes column 0's true value).
+        on_column = ((index[:, :, None] == index[:, None, :]) * w[:, None, :]).sum(-1)   # [N, J]
+        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
+        z = u * scale
+        slope = _slope_(u, cap)
+        exact = (z - lse).exp_().mul_(total_w).sub_(on_column * grad)
+        exact = (exact if slope is None else exact.mul_(slope)).to(out.dtype)
+        rows = torch.arange(out.size(0), device=out.device)[:, None]
+        out.index_put_((rows, index), exact)   # not scatter_: on CPU a bf16 scatter_ makes a float32 [N, V] copy
+        return out, None, None, None, None, None
+
+
+def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=LOSS_CHUNK):
+    """Weighted sum of cross-entropies of several targets per position over one capped softmax.
+
+    Args:
+        logits: float ``[..., V]``, the head's output (bf16 on a GPU; float32/float64 here);
+            never upcast as a whole: float32 (float64 stays float64) chunks of ``chunk`` positions.
+        targets: int64 ``[..., J]``; ``IGNORE_INDEX`` (-100) marks an absent label. Repeated ids
+            count each time.
+        weights: float tensor ``[J]``, weight of target column j (a tensor, so a weight schedule
+            changes no compiled graph; 0 turns a column off).
+        cap: ``"none"``, ``"tanh"`` (``z = softcap * tanh(x / softcap)``) or ``"sigmoid"``
+            (``z = 23 sigmoid((x + 5) / 7.5)``, record #54, 2025-12-26).
+        softcap: c > 0 of the tanh cap (unused by the others).
+        chunk: positions per chunk (``LOSS_CHUNK``).
+
+    Returns:
+        float32 scalar (float64 for float64 logits): ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``,
+        a *sum*. The caller divides by a global count: today's MCE (``weights`` all 1) by the
+        number of valid labels, as ``mce_loss``; next-token training with multi-token and prefix
+        columns by the number of valid column-0 labels, the extra columns weighing on top of the
+        next-token term as in modded-nanogpt HEAD (which sums the per-position losses unnormalized).
+        Gradient memory: one ``[..., V]`` tensor in the logits' dtype whatever J.
+
+    Raises:
+        ValueError: unknown cap, a tanh softcap that is not a finite number > 0, a chunk < 1,
+            or shapes that do not match.
+    """
+    if cap not in LOGIT_CAPS:
+        raise ValueError(f"cap must be one of {', '.join(LOGIT_CAPS)}, got {cap!r}")
+    if cap == "tanh" and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"the tanh cap needs a finite softcap > 0, got {softcap!r}")
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if logits.shape[:-1] != targets.shape[:-1] or weights.shape != targets.shape[-1:]:
+        raise ValueError(f"multi_target_loss: logits {tuple(logits.shape)}, targets {tuple(targets.shape)} "
+                         f"and weights {tuple(weights.shape)} must be [..., V], [..., J] and [J]")
+    V, J = logits.size(-1), targets.size(-1)
+    return _MultiTargetLossSum.apply(logits.reshape(-1, V), targets.reshape(-1, J), weights, cap,
+                                     float(softcap), chunk)
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's default bucket_cap_mb)
+
+
+class GradBuckets:
+    """Gradient all-reduce in buckets, each started as soon as its gradients are final.
+
+    The parameters, in reverse order (the order the backward finishes them), are cut into
+    buckets of about ``cap_bytes`` (by dtype and device), each with one flat buffer allocated
+    here, once. ``hooks()`` arms, for one backward, a post-accumulate-grad hook per parameter:
+    when the last gradient of a bucket has been accumulated, the bucket is copied into its
+    buffer and summed over processes asynchronously while the backward goes on (PyTorch DDP's
+    bucketing, Li et al. 2020, arXiv 2006.15704). ``finish()`` starts what is left, waits, and
+    copies the sums back into ``.grad``. A compiled model's backward is one autograd node per
+    graph, so there the buckets start together when that node is done: fewer, larger
+    collectives, but little overlap.
+    """
+
+    def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets, self.bucket_of = [], {}
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            if (last is None or last["bytes"] + p.numel() * p.element_size() > cap_bytes
+                    or (last["dtype"], last["device"]) != (p.dtype, p.device)):
+                last = dict(params=[], bytes=0, dtype=p.dtype, device=p.device)
+                self.buckets.append(last)
+            last["params"].append(p)
+            last["bytes"] += p.numel() * p.element_size()
+            self.bucket_of[p] = len(self.buckets) - 1
+        for b in self.buckets:
+            b["flat"] = torch.empty(b["bytes"] // b["params"][0].element_size(), dtype=b["dtype"], device=b["device"])
+        self.left, self.works = [], {}
+
+    def _start(self, i):
+        b = self.buckets[i]
+        grads = [p.grad for p in b["params"] if p.grad is not None]
+        flat = b["flat"][:sum(g.numel() for g in grads)]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+
+    def _ready(self, p):
+        i = self.bucket_of[p]
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            self._start(i)
+
+    def hooks(self):
+        """Arm the hooks for the next backward; returns their handles (remove them after it)."""
+        self.left, self.works = [len(b["params"]) for b in self.buckets], {}
+        return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+
+    def finish(self):
+        """Start the buckets the backward did not fill (parameters without a gradient), wait for all, copy back."""
+        for i in range(len(self.buckets)):
+            if i not in self.works and any(p.grad is not None for p in self.buckets[i]["params"]):
+                self._start(i)
+        for work, grads, flat in self.works.values():
+            work.wait()
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+_GRAD_BUCKETS = weakref.WeakKeyDictionary()  # model -> its GradBuckets: buffers allocated once per model
+
+
+def grad_buckets(model):
+    """The model's ``GradBuckets`` (built on first use, rebuilt if its parameters changed)."""
+    held = _GRAD_BUCKETS.get(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
+        held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
+    return held
