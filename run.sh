@@ -23,7 +23,7 @@ n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cu
 if [ "$n_gpus" -eq 0 ]; then
     preset=cpu_smoke; nproc=0
 else
-    # the global batch (8 flat sequences of 49,152 tokens) splits evenly over 1, 2, 4 or 8 processes
+    # every stage's batch (8, 16, 24 packed sequences of 16,384 positions) splits evenly over 1, 2, 4 or 8 processes
     nproc=1
     while [ $((nproc * 2)) -le "$n_gpus" ] && [ $((nproc * 2)) -le 8 ]; do nproc=$((nproc * 2)); done
     if [ "$nproc" -ne "$n_gpus" ]; then
