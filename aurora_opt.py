@@ -580,6 +580,8 @@ RECORD89_ADAM = {
     "ve_gates": ((0.9, 0.99), 1.0, 1.0),
     "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
     "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+    "mudd": ((0.9, 0.99), 0.25, 1.0),            # MUDD MLP weights (record #81)
+    "mudd_bias": ((0.9, 0.99), 0.25, 0.0),
 }
 
 
