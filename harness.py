@@ -419,6 +419,9 @@ def check_model89(cfg, need, no_attn):
     need(not cfg.mudd or (skip and cfg.attn_state_layer >= 0 and cfg.ve_gate and cfg.n_head % 2 == 0
                           and cfg.n_layer - 1 not in no_attn), "--mudd needs --skip-gate, --attn-state-layer, "
          "--value-embeds with --ve-gate, an even --n-head and attention in the last layer")
+    G = cfg.mudd_gates
+    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
+         f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
 
 
 def layer_set(text):

@@ -104,6 +104,9 @@ class Config:
                               "tables N(0, 0.01^2) (records #55, #63, #70)")
     mudd: bool = _f(False, "MUDD dense connections (record #81, arXiv 2502.12170) on the last layer and after "
                            "the loop; needs --skip-gate, --attn-state-layer, --value-embeds")
+    mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
+                            "for the layers before this one, one of the stream entering it for the rest and the "
+                            "skip (HEAD: 4; 0 = learned constants)", low=0)
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
@@ -871,26 +874,28 @@ class Block(nn.Module):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
         static = has_attn and not (cfg.mudd and layer == cfg.n_layer - 1)  # MUDD's layer: gates come per token
+        const = static and not cfg.mudd_gates  # --mudd-gates: the x0 and bigram gates come per token
         self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
         lambdas = cfg.resid_lambdas and (static or not has_attn)
         self.resid = route(nn.Parameter(torch.full((2,), 1.1 ** 0.5)), "scalar", "resid_lambdas") if lambdas else None
         self.post = route(nn.Parameter(torch.ones(2)), "scalar", "post_lambdas") if lambdas else None
-        self.x0_gate = route(nn.Parameter(torch.zeros(())), "scalar") if cfg.x0_gates and static else None
+        self.x0_gate = route(nn.Parameter(torch.zeros(())), "scalar") if cfg.x0_gates and const else None
         # HEAD's bigram gate starts at 0.05 (#85's bias); layer 0's gates the stream before the first layer
-        self.bigram_gate = route(nn.Parameter(torch.tensor(0.05)), "scalar") if cfg.bigram_vocab and static else None
+        self.bigram_gate = route(nn.Parameter(torch.tensor(0.05)), "scalar") if cfg.bigram_vocab and const else None
         self.ve_gate = (route(nn.Parameter(torch.zeros(cfg.n_head, 2 * VE_GATE_IN)), "scalar", "ve_gates")
                         if value_embed and cfg.ve_gate and static else None)
 
-    def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None):
+    def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
         """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
         ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
-        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``)."""
+        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` (g_x0, g_bigram)
+        ``[B, L, 1]`` from --mudd-gates (``GPT.gate_coefs``)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
-        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, self.x0_gate, self.bigram_gate, None)
+        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, *(gates or (self.x0_gate, self.bigram_gate)), None)
         if self.attn is not None:
             h = rms_norm(x if attn_in is None else attn_in)
             if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
@@ -987,6 +992,19 @@ class GPT(nn.Module):
             b[0, 6:14] = torch.tensor([2.0, 2.0, 1.1 ** 0.5, 1.0, 0.0, 0.05, 1.1 ** 0.5, 1.0])
             b[1, 1] = -0.5  # ... and -0.5 of the state after the loop (the former backout, record #81)
             self.mudd_b2 = scalar(b / MUDD_SCALE, "mudd_bias")
+        self.gate_w1 = None
+        if cfg.mudd_gates:  # record #85: the layers with static gates, cut at --mudd-gates; the skip rides the second
+            no_attn, G = layer_set(cfg.no_attn_layers), cfg.mudd_gates
+            gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
+            self.gated = ([i for i in gated if i < G], [i for i in gated if i >= G])
+            m = max(2 * len(self.gated[0]), 2 * len(self.gated[1]) + 1)
+            self.gate_w1 = scalar(torch.empty(2, 64, d).uniform_(-d ** -0.5, d ** -0.5), "mudd_gate")
+            self.gate_w2 = scalar(torch.zeros(2, m, 64), "mudd_gate")
+            b = torch.zeros(2, m)  # (x0, bigram) per layer, then the skip: x0 0, bigram 0.05, skip 0.5 (HEAD)
+            b[0, 1:2 * len(self.gated[0]):2] = b[1, 1:2 * len(self.gated[1]):2] = 0.05
+            b[1, 2 * len(self.gated[1])] = 0.5
+            self.gate_b2 = scalar(b / MUDD_SCALE, "mudd_gate_bias")
+            self.gate_scale = scalar(torch.tensor(MUDD_SCALE), "mudd_gate_bias")  # learned, unlike MUDD's
 
     def set_window(self, window):
         """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
@@ -1017,21 +1035,27 @@ class GPT(nn.Module):
         x = x0 = rms_norm(x if self.smear_w is None else self.smeared(x))
         ves = [embed_tokens(table, inputs) for table in self.value_embeds]
         bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
+        gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
-            x = x + F.pad(self.blocks[0].bigram_gate * bigram, (0, x.size(-1) - bigram.size(-1)))
+            g0 = gates[0][1] if 0 in gates else self.blocks[0].bigram_gate
+            x = x + F.pad(g0 * bigram, (0, x.size(-1) - bigram.size(-1)))
         n, half, skips, start, snaps = len(self.blocks), len(self.blocks) // 2, [], x, {}
         for i, block in enumerate(self.blocks):
             if self.skip_weights is not None and i >= n - half:  # the second half, in reverse order
                 x = x + self.skip_weights[i - (n - half)] * skips.pop()
+            if self.gate_w1 is not None and i == self.cfg.mudd_gates:  # record #85's second gate MLP
+                post, skip_factor = self.gate_coefs(x, 1)
+                gates.update(post)
             if self.skip is not None and i == self.skip[1]:  # HEAD's one gated skip (3 -> 6)
-                x = x + torch.sigmoid(self.skip_lambda) * snaps[self.skip[0]]
+                x = x + torch.sigmoid(self.skip_lambda) * skip_factor * snaps[self.skip[0]]
             ve = ves[self.ve_of_layer[i]] if i in self.ve_of_layer else None
             dyn = None
             if self.mudd_w1 is not None and i == n - 1:  # MUDD mixes earlier states into the last layer
                 x, ve, dyn = self.mudd_in(x, start, snaps[self.cfg.attn_state_layer], ve)
             # record #77: layers after --attn-state-layer attend from the stream it left (None before it)
             state = snaps.get(self.cfg.attn_state_layer) if self.cfg.attn_state_layer >= 0 else None
-            x = block(x, start if dyn else x0, masks[i in self.short], ve, state, bigram if i else None, dyn)
+            x = block(x, start if dyn else x0, masks[i in self.short], ve, state, bigram if i else None, dyn,
+                      gates.get(i))
             snaps[i] = x  # references only: backward keeps these tensors anyway
             if self.skip_weights is not None and i < half:
                 skips.append(x)
@@ -1083,6 +1107,15 @@ class GPT(nn.Module):
         """MUDD block j's m per-token coefficients, each ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * 0.1`` (#81, HEAD)."""
         h = F.gelu(F.linear(x, self.mudd_w1[j].type_as(x)))
         return ((F.linear(h, self.mudd_w2[j, :m].type_as(h)) + self.mudd_b2[j, :m]) * MUDD_SCALE).split(1, dim=-1)
+
+    def gate_coefs(self, x, j):
+        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: (g_x0, g_bigram)}`` for ``self.gated[j]``, each
+        ``[B, L, 1]``, and (j = 1) the skip's factor: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
+        layers = self.gated[j]
+        h = F.gelu(F.linear(x, self.gate_w1[j].type_as(x)))
+        m = 2 * len(layers) + j
+        c = ((F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale).split(1, dim=-1)
+        return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, (c[-1] if j else None)
 
     def mudd_in(self, x, start, state, ve):
         """MUDD at the last layer's input x ``[B, L, d]`` (record #81 v2, HEAD): mixes the stream before layer 0

@@ -20,13 +20,14 @@ BASE = dict(n_layer=6, model_dim=32, n_head=2, seq_len=16, batch_tokens=64, micr
 VE = dict(value_embeds=3, ve_layers="1,2,5", ve_gate=True)
 ALL = dict(VE, resid_lambdas=True, skip_gate="1,3", x0_gates=True, attn_state_layer=3, bigram_vocab=97,
            bigram_dim=16, smear=True, mudd=True)
-EACH = [dict(resid_lambdas=True), dict(skip_gate="1,3"), dict(x0_gates=True), dict(attn_state_layer=3),
+ALL85 = dict(ALL, mudd_gates=2)
+EACH = [dict(x0_gates=True, bigram_vocab=97, skip_gate="1,3", mudd_gates=1), ALL85, dict(resid_lambdas=True), dict(skip_gate="1,3"), dict(x0_gates=True), dict(attn_state_layer=3),
         dict(bigram_vocab=97, bigram_dim=16), dict(bigram_vocab=97, x0_gates=True), dict(smear=True), VE,
         dict(value_embeds=3, ve_layers="5,0,1"), ALL, dict(ALL, bigram_dim=0)]
 # record #89's model (HEAD) at full size: the flags the record presets set
 RECORD_FLAGS = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9", unet=False, x0_mix=False,
                     resid_lambdas=True, skip_gate="3,6", x0_gates=True, attn_state_layer=7, bigram_vocab=377280,
-                    smear=True, value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, mudd=True)
+                    smear=True, value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, mudd=True, mudd_gates=4)
 
 
 def tiny(**kw):
@@ -90,12 +91,18 @@ def ref_mlp(P, i, h):
     return torch.relu(h @ P[f"blocks.{i}.mlp.fc.weight"].T) ** 2 @ P[f"blocks.{i}.mlp.proj.weight"].T
 
 
-def ref_mudd(P, j, x, m):
-    """MUDD block j: m coefficients [B, L, 1] = (W2 gelu(W1 x) + b) * 0.1, written out."""
-    h = x @ P["mudd_w1"][j].T
+def ref_mudd(P, j, x, m, prefix="mudd", scale=0.1):
+    """MUDD block j: m coefficients [B, L, 1] = (W2 gelu(W1 x) + b) * scale, written out."""
+    h = x @ P[f"{prefix}_w1"][j].T
     h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
-    c = (h @ P["mudd_w2"][j, :m].T + P["mudd_b2"][j, :m]) * 0.1
+    c = (h @ P[f"{prefix}_w2"][j, :m].T + P[f"{prefix}_b2"][j, :m]) * scale
     return [c[..., r:r + 1] for r in range(m)]
+
+
+def ref_gates(P, j, x, layers):
+    """Record #85's gate MLP j: {layer: (x0 gate, bigram gate)} in layer order, then the skip factor (j = 1)."""
+    c = ref_mudd(P, j, x, 2 * len(layers) + j, prefix="gate", scale=P["gate_scale"])
+    return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, c[-1] if j else 1.0
 
 
 def ref_inputs(P, cfg, model, inputs):
@@ -119,12 +126,18 @@ def ref_forward(P, cfg, model, inputs, targets):
     no_attn = H.layer_set(cfg.no_attn_layers)
     ve_of = {layer: j % max(cfg.value_embeds, 1) for j, layer in enumerate(H.ve_layer_list(cfg))}
     pad = lambda t: torch.cat((t, torch.zeros(*t.shape[:-1], d - t.size(-1), dtype=t.dtype)), -1)  # noqa: E731
-    x = x0 if bigram is None else x0 + P["blocks.0.bigram_gate"] * pad(bigram)
+    gated = [i for i in range(n) if i not in no_attn and not (cfg.mudd and i == n - 1)]
+    G = cfg.mudd_gates
+    gates, factor = ref_gates(P, 0, x0, [i for i in gated if i < G]) if G else ({}, 1.0)
+    x = x0 if bigram is None else x0 + (gates[0][1] if G else P["blocks.0.bigram_gate"]) * pad(bigram)
     start, after, skip = x, {}, H.skip_pair(cfg)
     for i in range(n):
         last_mudd = cfg.mudd and i == n - 1
+        if G and i == G:
+            post, factor = ref_gates(P, 1, x, [i for i in gated if i >= G])
+            gates.update(post)
         if skip and i == skip[1]:
-            x = x + torch.sigmoid(P["skip_lambda"]) * after[skip[0]]
+            x = x + torch.sigmoid(P["skip_lambda"]) * factor * after[skip[0]]
         r = P.get(f"blocks.{i}.resid", torch.ones(2, dtype=torch.float64))
         p = P.get(f"blocks.{i}.post", torch.ones(2, dtype=torch.float64))
         ra, pa, rm, pm = r[0], p[0], r[1], p[1]
@@ -132,7 +145,7 @@ def ref_forward(P, cfg, model, inputs, targets):
             src = after[cfg.attn_state_layer] if 0 <= cfg.attn_state_layer < i else x
             h = ref_rms(src)
             ve = ves[ve_of[i]] if i in ve_of else None
-            v_add, gx, gb = None, P.get(f"blocks.{i}.x0_gate"), P.get(f"blocks.{i}.bigram_gate")
+            v_add, (gx, gb) = None, gates.get(i, (P.get(f"blocks.{i}.x0_gate"), P.get(f"blocks.{i}.bigram_gate")))
             inject = x0
             if last_mudd:
                 mu = ref_mudd(P, 0, x, 14)
@@ -210,7 +223,7 @@ def test_model89_equals_float64_reference(flags):
     compare(cfg, *plain(cfg, seed=3))
 
 
-@pytest.mark.parametrize("flags", [ALL, dict(bigram_vocab=97, smear=True)], ids=["all", "bigram+smear"])
+@pytest.mark.parametrize("flags", [ALL85, dict(bigram_vocab=97, smear=True)], ids=["all", "bigram+smear"])
 def test_bags_equal_reference_bag_definitions(flags):
     """TST phase 1 (k = 3): bigram = mean of the bag's tokens' bigram rows over the raw stream, smear over bags."""
     cfg = tiny(**flags)
@@ -218,8 +231,9 @@ def test_bags_equal_reference_bag_definitions(flags):
     compare(cfg, *T.make_batch(tokens, "full", 3))
 
 
-def test_every_new_parameter_gets_a_gradient():
-    cfg = tiny(**ALL)
+@pytest.mark.parametrize("flags", [ALL, ALL85], ids=["static-gates", "gate-mlps"])
+def test_every_new_parameter_gets_a_gradient(flags):
+    cfg = tiny(**flags)
     model = float64_model(cfg)
     model(*plain(cfg, 1)).backward()
     for name, p in model.named_parameters():
@@ -227,7 +241,7 @@ def test_every_new_parameter_gets_a_gradient():
 
 
 def test_k1_bags_equal_plain_tokens_exactly():
-    cfg = tiny(**ALL)
+    cfg = tiny(**ALL85)
     model = float64_model(cfg)
     tokens = random_tokens((2, cfg.seq_len + 1), 9)
     bags, _ = T.make_tst_batch(tokens, 1)
@@ -255,7 +269,7 @@ def test_flags_off_build_no_new_parameters():
 
 
 def test_record89_adam_roles():
-    cfg = tiny(**ALL, optimizer="normuon")
+    cfg = tiny(**ALL85, optimizer="normuon")
     model = T.GPT(cfg)
     adam, _ = T.build_optimizers(model, cfg)
     roles = {g["role"]: {id(p) for p in g["params"]} for g in adam.param_groups}
@@ -265,7 +279,13 @@ def test_record89_adam_roles():
     assert roles["ve_gates"] == {id(model.blocks[i].ve_gate) for i in (1, 2)}
     assert roles["resid_lambdas"] == {id(b.resid) for b in model.blocks if b.resid is not None}
     assert roles["post_lambdas"] == {id(b.post) for b in model.blocks if b.post is not None}
-    assert {id(model.skip_lambda), id(model.smear_lambda), id(model.blocks[0].x0_gate)} <= roles["scalars"]
+    assert roles["mudd_gate"] == {id(model.gate_w1), id(model.gate_w2)}
+    assert roles["mudd_gate_bias"] == {id(model.gate_b2), id(model.gate_scale)}
+    assert {id(model.skip_lambda), id(model.smear_lambda)} <= roles["scalars"]
+    static = T.GPT(tiny(**ALL, optimizer="normuon"))
+    scalars = {id(p) for g in T.build_optimizers(static, static.cfg)[0].param_groups if g["role"] == "scalars"
+               for p in g["params"]}
+    assert {id(static.blocks[0].x0_gate), id(static.blocks[4].bigram_gate)} <= scalars
     # every parameter in exactly one optimizer group
     all_ids = [id(p) for opt in T.build_optimizers(model, cfg) for g in opt.param_groups for p in g["params"]]
     assert sorted(all_ids) == sorted(id(p) for p in model.parameters())
@@ -281,18 +301,24 @@ def test_bad_model89_flags_are_config_errors():
 
 def extra_matmuls89(cfg):
     """Matmul weights per position that the record #89 inputs add: smear 12, a [n_head, 12] VE gate per gated
-    layer (not MUDD's), MUDD's W1 twice and W2's 14 + 5 rows."""
+    layer (not MUDD's), MUDD's W1 twice and W2's 14 + 5 rows, the gate MLPs' W1 twice and W2's rows (2 per
+    layer with static gates otherwise, 1 for the skip)."""
     ve = [i for i in H.ve_layer_list(cfg) if not (cfg.mudd and i == cfg.n_layer - 1)] if cfg.ve_gate else []
     mudd = 2 * 64 * cfg.model_dim + (14 + 5) * 64 if cfg.mudd else 0
-    return 12 * cfg.smear + len(ve) * cfg.n_head * 12 + mudd
+    no_attn = H.layer_set(cfg.no_attn_layers)
+    gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
+    gate_mlps = 2 * 64 * cfg.model_dim + (2 * len(gated) + 1) * 64 if cfg.mudd_gates else 0
+    return 12 * cfg.smear + len(ve) * cfg.n_head * 12 + mudd + gate_mlps
 
 
 def test_flop_profile_counts_the_new_matmuls():
-    cfg = tiny(**ALL)
-    d, n_attn = cfg.model_dim, cfg.n_layer - 1
-    base = n_attn * 4 * d * d + cfg.n_layer * 8 * d * d + cfg.vocab_size * d
-    assert T.FlopProfile(cfg).n_matmul == base + extra_matmuls89(cfg)
-    assert extra_matmuls89(cfg) == 12 + 2 * 2 * 12 + 2 * 64 * 32 + 19 * 64
+    d, n_attn = BASE["model_dim"], BASE["n_layer"] - 1
+    base = n_attn * 4 * d * d + BASE["n_layer"] * 8 * d * d + 50304 * d
+    for flags, extra in [(ALL, 12 + 2 * 2 * 12 + 2 * 64 * d + 19 * 64),
+                         (ALL85, 12 + 2 * 2 * 12 + 2 * 64 * d + 19 * 64 + 2 * 64 * d + (2 * 4 + 1) * 64)]:
+        cfg = tiny(**flags)
+        assert extra_matmuls89(cfg) == extra
+        assert T.FlopProfile(cfg).n_matmul == base + extra
 
 
 def test_record_shape_parameter_count_on_meta_by_hand():
@@ -308,9 +334,10 @@ def test_record_shape_parameter_count_on_meta_by_hand():
     attn = sum(p.numel() for b in model.blocks if b.attn is not None for p in b.attn.parameters())
     assert attn >= len(attn_layers) * 4 * d * d  # q, k, v, o at least (attention's own extras counted as built)
     lambdas = (n - 1) * 4                         # resid + post per block, the MUDD layer's come per token
-    gates = 2 * (len(attn_layers) - 1) + 4 * 6 * 12  # x0 + bigram per static attention layer, VE gates of 1, 2, 8, 9
+    gates = 4 * 6 * 12                            # VE gates of layers 1, 2, 8, 9 (x0 and bigram gates come per token)
     other = 1 + 12 + 1 + 2 * 64 * d + 2 * 14 * 64 + 2 * 14  # skip lambda, smear w and lambda, MUDD
+    other += 2 * 64 * d + 2 * 11 * 64 + 2 * 11 + 1  # record #85's gate MLPs: W1, W2 and b of 8 | 11 lanes, the scale
     total = tables + mlp + attn + lambdas + gates + other
     assert sum(p.numel() for p in model.parameters()) == total
     if attn == len(attn_layers) * 4 * d * d:  # the attention of this file's time: what --describe printed
-        assert total == 635_783_300
+        assert total == 635_783_300 - 2 * 9 + 2 * 64 * d + 2 * 11 * 64 + 2 * 11 + 1
