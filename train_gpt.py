@@ -86,15 +86,16 @@ class Config:
     x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
                              "normed embedding x0 (a = 1, b = 0 at init)")
     # record #89 model: residual and inputs (issue 26)
-    resid_lambdas: bool = _f(False, "each sublayer updates x = r * x + p * sublayer(norm(x)) with learned r = sqrt(1.1), "
-                                    "p = 1 at init (HEAD's resid/post lambdas)")
+    resid_lambdas: bool = _f(False, "each sublayer updates x = r * x + p * sublayer(norm(x)), learned r = sqrt(1.1) "
+                                    "and p = 1 at init (HEAD's resid/post lambdas)")
     skip_gate: str = _f("", "'a,b': the stream after layer a is added to layer b's input times sigmoid(s), s = -1.5 "
                             "at init (HEAD: 3,6; in place of --unet)")
     x0_gates: bool = _f(False, "after each attention sublayer x += g * x0, a learned g per layer, 0 at init (#62)")
     attn_state_layer: int = _f(-1, "layers after this one take norm(stream after it) as attention input "
                                    "(record #77; HEAD: 7; -1 = off)", low=-1)
     bigram_vocab: int = _f(0, "bigram hash embedding rows (record #62, signs #83; HEAD: 377280; 0 = off): added "
-                              "to the first --bigram-dim channels before layer 0 and after each attention, gated", low=0)
+                              "to the first --bigram-dim channels before layer 0 and after each attention, gated",
+                           low=0)
     bigram_dim: int = _f(0, "bigram embedding width (0 = model_dim, HEAD's)", low=0)
     smear: bool = _f(False, "x[t] += lam * sigmoid(w . x[t, :12]) * x[t-1] on the embedding (record #34; lam = 0, "
                             "w = 0 at init)")
@@ -103,7 +104,7 @@ class Config:
     ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) * ve per head instead of the a v + b ve mix; "
                               "tables N(0, 0.01^2) (records #55, #63, #70)")
     mudd: bool = _f(False, "MUDD dense connections (record #81, arXiv 2502.12170) on the last layer and after "
-                           "the loop; needs --skip-gate, --attn-state-layer, --value-embeds")
+                           "the loop; needs --skip-gate, --attn-state-layer, --value-embeds and --ve-gate")
     mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
                             "for the layers before this one, one of the stream entering it for the rest and the "
                             "skip (HEAD: 4; 0 = learned constants)", low=0)
@@ -941,7 +942,10 @@ class GPT(nn.Module):
     FlexAttention block mask on CUDA (fused only when the model is compiled), a boolean matrix
     on CPU. ``--value-embeds k``: table j feeds layers j and n_layer - k + j. ``--unet``: block
     i's output is added, times a learned weight (1 at init), to the input of block
-    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net).
+    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net). Record #89's inputs and
+    connections (issue 26's flags, see Config): smear and the bigram embedding on the inputs,
+    ``--ve-layers``, the gated skip, the attention input from the cached state, MUDD
+    (``mudd_in`` at the last layer, ``mudd_coefs`` after the loop), record #85's gate MLPs.
     """
 
     def __init__(self, cfg):
