@@ -580,6 +580,10 @@ RECORD89_ADAM = {
     "ve_gates": ((0.9, 0.99), 1.0, 1.0),
     "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
     "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+    "mudd": ((0.9, 0.99), 0.25, 1.0),            # MUDD MLP weights (record #81)
+    "mudd_bias": ((0.9, 0.99), 0.25, 0.0),
+    "mudd_gate": ((0.9, 0.99), 0.1, 1.0),        # record #85's gate MLPs
+    "mudd_gate_bias": ((0.9, 0.99), 0.1, 0.0),
 }
 
 

@@ -369,12 +369,59 @@ def check_architecture(cfg, need):
          "--short-window-layers needs a --window (or --stages record89)")
     k, n = cfg.value_embeds, cfg.n_layer
     need(k >= 0, f"--value-embeds must be >= 0 (got {k}); 0 = none")
-    need(2 * k <= n, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
-    clash = sorted((set(range(k)) | set(range(n - k, n))) & layers["no_attn_layers"])
+    need(2 * k <= n or cfg.ve_layers, f"--value-embeds {k}: the first k and last k layers must not overlap (k <= {n // 2})")
+    try:
+        ve = ve_layer_list(cfg)
+    except ValueError as e:
+        raise ConfigError(f"--ve-layers {cfg.ve_layers!r}: {e}") from None
+    need(not cfg.ve_layers or (len(ve) == k and all(0 <= i < n for i in ve)),
+         f"--ve-layers {cfg.ve_layers!r}: name --value-embeds ({k}) layers, each in 0..{n - 1}")
+    clash = sorted(set(ve) & layers["no_attn_layers"])
     need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
                     f"without attention; drop it from --no-attn-layers or lower --value-embeds")
+    check_model89(cfg, need, layers["no_attn_layers"])
     need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
     need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
+
+
+def ve_layer_list(cfg):
+    """Layers fed by the value-embedding tables: entry i is fed by table i mod k (k = --value-embeds); --ve-layers
+    in its order, else the first k and the last k layers (table j feeds layers j and n - k + j)."""
+    if cfg.ve_layers:
+        return [int(t) for t in cfg.ve_layers.split(",")] if layer_set(cfg.ve_layers) else []
+    k, n = cfg.value_embeds, cfg.n_layer
+    return [*range(k), *range(n - k, n)] if k else []
+
+
+def skip_pair(cfg):
+    """``--skip-gate 'a,b'`` as ``(a, b)``, or None. Raises ValueError unless two layers a < b."""
+    if not cfg.skip_gate:
+        return None
+    a, b = (int(t) for t in cfg.skip_gate.split(","))
+    if not 0 <= a < b < cfg.n_layer:
+        raise ValueError(f"need 0 <= a < b < n_layer ({cfg.n_layer})")
+    return a, b
+
+
+def check_model89(cfg, need, no_attn):
+    """The checks of record #89's residual and input flags (part of ``check_architecture``)."""
+    try:
+        skip = skip_pair(cfg)
+    except ValueError as e:
+        raise ConfigError(f"--skip-gate {cfg.skip_gate!r}: give two layers 'a,b' ({e})") from None
+    need(not (skip and cfg.unet), "--skip-gate replaces --unet: set one of them")
+    need(cfg.attn_state_layer < cfg.n_layer - 1,
+         f"--attn-state-layer {cfg.attn_state_layer} must be below the last layer ({cfg.n_layer - 1})")
+    need(cfg.bigram_dim <= cfg.model_dim, f"--bigram-dim {cfg.bigram_dim} exceeds --model-dim {cfg.model_dim}")
+    need(cfg.bigram_vocab != 1, "--bigram-vocab must be 0 (off) or >= 2 (one row is kept for position 0)")
+    need(not cfg.ve_gate or (cfg.value_embeds > 0 and cfg.model_dim >= 6),
+         "--ve-gate needs --value-embeds > 0 and --model-dim >= 6")
+    need(not cfg.mudd or (skip and cfg.attn_state_layer >= 0 and cfg.ve_gate and cfg.n_head % 2 == 0
+                          and cfg.n_layer - 1 not in no_attn), "--mudd needs --skip-gate, --attn-state-layer, "
+         "--value-embeds with --ve-gate, an even --n-head and attention in the last layer")
+    G = cfg.mudd_gates
+    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
+         f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
 
 
 def layer_set(text):

@@ -85,6 +85,29 @@ class Config:
                            "n_layer - 1 - i, for i in the first half")
     x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
                              "normed embedding x0 (a = 1, b = 0 at init)")
+    # record #89 model: residual and inputs (issue 26)
+    resid_lambdas: bool = _f(False, "each sublayer updates x = r * x + p * sublayer(norm(x)), learned r = sqrt(1.1) "
+                                    "and p = 1 at init (HEAD's resid/post lambdas)")
+    skip_gate: str = _f("", "'a,b': the stream after layer a is added to layer b's input times sigmoid(s), s = -1.5 "
+                            "at init (HEAD: 3,6; in place of --unet)")
+    x0_gates: bool = _f(False, "after each attention sublayer x += g * x0, a learned g per layer, 0 at init (#62)")
+    attn_state_layer: int = _f(-1, "layers after this one take norm(stream after it) as attention input "
+                                   "(record #77; HEAD: 7; -1 = off)", low=-1)
+    bigram_vocab: int = _f(0, "bigram hash embedding rows (record #62, signs #83; HEAD: 377280; 0 = off): added "
+                              "to the first --bigram-dim channels before layer 0 and after each attention, gated",
+                           low=0)
+    bigram_dim: int = _f(0, "bigram embedding width (0 = model_dim, HEAD's)", low=0)
+    smear: bool = _f(False, "x[t] += lam * sigmoid(w . x[t, :12]) * x[t-1] on the embedding (record #34; lam = 0, "
+                            "w = 0 at init)")
+    ve_layers: str = _f("", "comma list: value-embedding table j feeds the j-th listed layer, one each (HEAD: "
+                            "1,2,8,9,10); '' = --value-embeds' first/last layout")
+    ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) * ve per head instead of the a v + b ve mix; "
+                              "tables N(0, 0.01^2) (records #55, #63, #70)")
+    mudd: bool = _f(False, "MUDD dense connections (record #81, arXiv 2502.12170) on the last layer and after "
+                           "the loop; needs --skip-gate, --attn-state-layer, --value-embeds and --ve-gate")
+    mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
+                            "for the layers before this one, one of the stream entering it for the rest and the "
+                            "skip (HEAD: 4; 0 = learned constants)", low=0)
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
@@ -752,13 +775,16 @@ def attend(q, k, v, mask=None, scale=None):
 OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
 
 
-def route(param, group):
+def route(param, group, role=None):
     """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
 
     ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
+    ``role``: its record #89 Adam role (``aurora_opt.RECORD89_ADAM``; untagged vectors are "scalars").
     """
     assert group in OPT_GROUPS, group
     param.opt_group = group
+    if role is not None:
+        param.adam_role = role
     return param
 
 
@@ -799,8 +825,9 @@ class CausalSelfAttention(nn.Module):
         self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
 
-    def forward(self, x, mask=None, ve=None):
-        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
+    def forward(self, x, mask=None, ve=None, ve_gate=None):
+        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``;
+        ``ve_gate`` None or ``[B, L, n_head, 1]``: ``v + ve_gate * ve`` instead of the mix (records #55, #70)."""
         B, L, _ = x.shape
         shape = (B, L, self.n_head, self.head_dim)
         if self.merged_qkv:
@@ -808,7 +835,9 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         else:
             q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
-        if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
+        if ve_gate is not None:  # both cast to v's dtype: bf16 under autocast
+            v = v + ve_gate.type_as(v) * ve.view(shape).type_as(v)
+        elif ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view(shape).type_as(v)
         q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
@@ -835,22 +864,60 @@ class Block(nn.Module):
 
     ``x0_mix``: the input is first replaced by ``a x + b x0`` (x0: the normed embedding; learned
     a = 1, b = 0 at init; modded-nanogpt record history, used in record #21). A layer in
-    ``--no-attn-layers`` has no attention (record #21 drops layer 7's).
+    ``--no-attn-layers`` has no attention (record #21 drops layer 7's). Record #89's residual
+    (HEAD): ``x = r x + p sublayer(norm(x))`` per sublayer (--resid-lambdas), then after attention
+    ``+ g x0`` (--x0-gates) and ``+ g' bigram`` in the first bigram_dim channels (--bigram-vocab);
+    --ve-gate: the value embedding's per-head gate. The last layer under --mudd takes all of these
+    per token from the MUDD coefficients (``dyn``) instead.
     """
 
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
+        static = has_attn and not (cfg.mudd and layer == cfg.n_layer - 1)  # MUDD's layer: gates come per token
+        const = static and not cfg.mudd_gates  # --mudd-gates: the x0 and bigram gates come per token
+        self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
+        lambdas = cfg.resid_lambdas and (static or not has_attn)
+        self.resid = route(nn.Parameter(torch.full((2,), 1.1 ** 0.5)), "scalar", "resid_lambdas") if lambdas else None
+        self.post = route(nn.Parameter(torch.ones(2)), "scalar", "post_lambdas") if lambdas else None
+        self.x0_gate = route(nn.Parameter(torch.zeros(())), "scalar") if cfg.x0_gates and const else None
+        # HEAD's bigram gate starts at 0.05 (#85's bias); layer 0's gates the stream before the first layer
+        self.bigram_gate = route(nn.Parameter(torch.tensor(0.05)), "scalar") if cfg.bigram_vocab and const else None
+        self.ve_gate = (route(nn.Parameter(torch.zeros(cfg.n_head, 2 * VE_GATE_IN)), "scalar", "ve_gates")
+                        if value_embed and cfg.ve_gate and static else None)
 
-    def forward(self, x, x0=None, mask=None, ve=None):
+    def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
+        """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
+        ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
+        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` (g_x0, g_bigram)
+        ``[B, L, 1]`` from --mudd-gates (``GPT.gate_coefs``)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
+        lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
+        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, *(gates or (self.x0_gate, self.bigram_gate)), None)
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), mask, ve)
-        return x + self.mlp(rms_norm(x))
+            h = rms_norm(x if attn_in is None else attn_in)
+            if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
+                gin = torch.cat((h[..., :VE_GATE_IN], ve[..., :VE_GATE_IN].type_as(h)), dim=-1)
+                gv = 2 * torch.sigmoid(F.linear(gin, self.ve_gate.type_as(h))).unsqueeze(-1)
+            x = _residual(x, self.attn(h, mask, ve, gv), ra, pa)
+            if gx is not None:
+                x = x + gx * x0
+            if gb is not None and bigram is not None:  # into the first bigram_dim channels (HEAD: all of them)
+                x = x + F.pad(gb * bigram, (0, x.size(-1) - bigram.size(-1)))
+        return _residual(x, self.mlp(rms_norm(x)), rm, pm)
+
+
+BIGRAM_SIGN_ROWS = 8192  # rows of record #83's sign table (HEAD)
+MUDD_SCALE = 0.1  # MUDD coefficients are the MLP's output times this (HEAD)
+VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads (HEAD)
+
+
+def _residual(x, y, r, p):
+    """``x + y``, or ``r x + p y`` with record #89's per-sublayer lambdas (HEAD)."""
+    return x + y if r is None else r * x + p * y
 
 
 def embed_tokens(table, inputs):
@@ -875,24 +942,31 @@ class GPT(nn.Module):
     FlexAttention block mask on CUDA (fused only when the model is compiled), a boolean matrix
     on CPU. ``--value-embeds k``: table j feeds layers j and n_layer - k + j. ``--unet``: block
     i's output is added, times a learned weight (1 at init), to the input of block
-    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net).
+    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net). Record #89's inputs and
+    connections (issue 26's flags, see Config): smear and the bigram embedding on the inputs,
+    ``--ve-layers``, the gated skip, the attention input from the cached state, MUDD
+    (``mudd_in`` at the last layer, ``mudd_coefs`` after the loop), record #85's gate MLPs.
     """
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        n, k = cfg.n_layer, cfg.value_embeds
-        self.ve_of_layer = {**{j: j for j in range(k)}, **{n - k + j: j for j in range(k)}}
+        n, k, d = cfg.n_layer, cfg.value_embeds, cfg.model_dim
+        self.ve_of_layer = {layer: i % k for i, layer in enumerate(harness.ve_layer_list(cfg))}
         self.short = layer_set(cfg.short_window_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim) for _ in range(k))
         for table in [self.embed, *self.value_embeds]:
             route(table.weight, "embed")
+        if cfg.ve_gate:  # HEAD's small spherical init of the gated tables
+            for table in self.value_embeds:
+                nn.init.normal_(table.weight, std=0.01)
         # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
         # each at the record's 49,152 positions)
         self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
         self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
+        self.init_model89(cfg)
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
@@ -901,6 +975,40 @@ class GPT(nn.Module):
             with torch.no_grad():
                 nn.init.normal_(self.lm_head.weight, std=0.005)
                 self.embed.weight.copy_(self.lm_head.weight)
+
+    def init_model89(self, cfg):
+        """Record #89's inputs and connections (HEAD's inits): skip gate, smear, bigram table and signs, MUDD."""
+        d, scalar = cfg.model_dim, lambda t, role=None: route(nn.Parameter(t), "scalar", role)  # noqa: E731
+        self.skip = harness.skip_pair(cfg)  # (a, b) or None
+        self.skip_lambda = scalar(torch.tensor(-1.5)) if self.skip else None  # sigmoid(-1.5) = 0.18
+        self.smear_w = scalar(torch.zeros(1, 12), "smear_gate") if cfg.smear else None
+        self.smear_lambda = scalar(torch.zeros(())) if cfg.smear else None
+        self.bigram = nn.Embedding(cfg.bigram_vocab, cfg.bigram_dim or d) if cfg.bigram_vocab else None
+        if self.bigram is not None:
+            nn.init.zeros_(route(self.bigram.weight, "embed", "bigram_embed"))
+            # record #83: a +-1 row per (previous XOR current) lets bigrams that share a hash row differ in sign
+            self.register_buffer("bigram_signs", torch.randn(BIGRAM_SIGN_ROWS, cfg.bigram_dim or d).sign())
+        self.mudd_w1 = self.mudd_w2 = self.mudd_b2 = None
+        if cfg.mudd:  # two 64-wide GELU MLPs of the stream: 14 coefficients at the last layer, 5 after it
+            self.mudd_w1 = scalar(torch.empty(2, 64, d).uniform_(-d ** -0.5, d ** -0.5), "mudd")  # kaiming a=sqrt(5)
+            self.mudd_w2 = scalar(torch.zeros(2, 14, 64), "mudd")  # zero: MUDD starts as a no-op
+            b = torch.zeros(2, 14)  # biases in units of MUDD_SCALE: VE gate 2, lambdas sqrt(1.1) and 1, bigram 0.05,
+            b[0, 6:14] = torch.tensor([2.0, 2.0, 1.1 ** 0.5, 1.0, 0.0, 0.05, 1.1 ** 0.5, 1.0])
+            b[1, 1] = -0.5  # ... and -0.5 of the state after the loop (the former backout, record #81)
+            self.mudd_b2 = scalar(b / MUDD_SCALE, "mudd_bias")
+        self.gate_w1 = None
+        if cfg.mudd_gates:  # record #85: the layers with static gates, cut at --mudd-gates; the skip rides the second
+            no_attn, G = layer_set(cfg.no_attn_layers), cfg.mudd_gates
+            gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
+            self.gated = ([i for i in gated if i < G], [i for i in gated if i >= G])
+            m = max(2 * len(self.gated[0]), 2 * len(self.gated[1]) + 1)
+            self.gate_w1 = scalar(torch.empty(2, 64, d).uniform_(-d ** -0.5, d ** -0.5), "mudd_gate")
+            self.gate_w2 = scalar(torch.zeros(2, m, 64), "mudd_gate")
+            b = torch.zeros(2, m)  # (x0, bigram) per layer, then the skip: x0 0, bigram 0.05, skip 0.5 (HEAD)
+            b[0, 1:2 * len(self.gated[0]):2] = b[1, 1:2 * len(self.gated[1]):2] = 0.05
+            b[1, 2 * len(self.gated[1])] = 0.5
+            self.gate_b2 = scalar(b / MUDD_SCALE, "mudd_gate_bias")
+            self.gate_scale = scalar(torch.tensor(MUDD_SCALE), "mudd_gate_bias")  # learned, unlike MUDD's
 
     def set_window(self, window):
         """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
@@ -927,16 +1035,38 @@ class GPT(nn.Module):
     def forward(self, inputs, targets=None, weights=None):
         masks = self.masks_for(inputs)
         table = functools.partial(F.embedding, weight=self.lm_head.weight) if self.tied else self.embed
-        x = x0 = rms_norm(embed_tokens(table, inputs))
+        x = embed_tokens(table, inputs)
+        x = x0 = rms_norm(x if self.smear_w is None else self.smeared(x))
         ves = [embed_tokens(table, inputs) for table in self.value_embeds]
-        n, half, skips = len(self.blocks), len(self.blocks) // 2, []
+        bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
+        gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
+        if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
+            g0 = gates[0][1] if 0 in gates else self.blocks[0].bigram_gate
+            x = x + F.pad(g0 * bigram, (0, x.size(-1) - bigram.size(-1)))
+        n, half, skips, start, snaps = len(self.blocks), len(self.blocks) // 2, [], x, {}
         for i, block in enumerate(self.blocks):
             if self.skip_weights is not None and i >= n - half:  # the second half, in reverse order
                 x = x + self.skip_weights[i - (n - half)] * skips.pop()
+            if self.gate_w1 is not None and i == self.cfg.mudd_gates:  # record #85's second gate MLP
+                post, skip_factor = self.gate_coefs(x, 1)
+                gates.update(post)
+            if self.skip is not None and i == self.skip[1]:  # HEAD's one gated skip (3 -> 6)
+                x = x + torch.sigmoid(self.skip_lambda) * skip_factor * snaps[self.skip[0]]
             ve = ves[self.ve_of_layer[i]] if i in self.ve_of_layer else None
-            x = block(x, x0, masks[i in self.short], ve)
+            dyn = None
+            if self.mudd_w1 is not None and i == n - 1:  # MUDD mixes earlier states into the last layer
+                x, ve, dyn = self.mudd_in(x, start, snaps[self.cfg.attn_state_layer], ve)
+            # record #77: layers after --attn-state-layer attend from the stream it left (None before it)
+            state = snaps.get(self.cfg.attn_state_layer) if self.cfg.attn_state_layer >= 0 else None
+            x = block(x, start if dyn else x0, masks[i in self.short], ve, state, bigram if i else None, dyn,
+                      gates.get(i))
+            snaps[i] = x  # references only: backward keeps these tensors anyway
             if self.skip_weights is not None and i < half:
                 skips.append(x)
+        if self.mudd_w1 is not None:  # after the loop: the start, the state, the last layer's input, VE 0, the skip
+            mu = self.mudd_coefs(x, 1, 5)
+            srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
+            x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
         if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True)
@@ -952,6 +1082,58 @@ class GPT(nn.Module):
             A, B, C = SIGMOID_CAP
             return A * torch.sigmoid((logits + B) / C)
         return c * torch.tanh(logits / c) if c > 0 else logits
+
+    def smeared(self, x):
+        """Record #34 (HEAD) on embeddings x ``[B, L, d]``: ``x[t] += lam sigmoid(w . x[t, :12]) x[t-1]`` for t >= 1.
+
+        The gate is computed at every position (one unused) so the matmul count is 12 per position."""
+        g = (self.smear_lambda * torch.sigmoid(F.linear(x[..., :12], self.smear_w.type_as(x))))[:, 1:]
+        return torch.cat((x[:, :1], x[:, 1:] + g * x[:, :-1]), dim=1)
+
+    def bigram_embedding(self, inputs):
+        """Record #62's bigram hash embedding with #83's signs: inputs ``[B, L, k]`` -> ``[B, L, bigram_dim]``.
+
+        Over a row's raw tokens (bags flattened), token t takes row ``(36313 c ^ 27191 p) mod (V - 1)`` of
+        (previous p, current c), times the sign row ``(p ^ c) mod 8192``; a row's first token takes row V - 1
+        and sign row 0 (HEAD's get_bigram_hash). A bag (k > 1) takes the mean over its tokens (docs/METHODS.md).
+        """
+        B, L, k = inputs.shape
+        cur = inputs.reshape(B, L * k)
+        prev = F.pad(cur[:, :-1], (1, 0))
+        first = torch.arange(L * k, device=inputs.device) == 0
+        V = self.bigram.num_embeddings - 1
+        rows = torch.where(first, V, ((36313 * cur) ^ (27191 * prev)) % V)  # int64: no int32 overflow
+        signs = self.bigram_signs[torch.where(first, 0, (prev ^ cur) % BIGRAM_SIGN_ROWS)]
+        e = (self.bigram(rows) * signs).view(B, L, k, -1)
+        return bag_mean(e) if k > 1 else e.squeeze(2)
+
+    def mudd_coefs(self, x, j, m):
+        """MUDD block j's m per-token coefficients, each ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * 0.1`` (#81, HEAD)."""
+        h = F.gelu(F.linear(x, self.mudd_w1[j].type_as(x)))
+        return ((F.linear(h, self.mudd_w2[j, :m].type_as(h)) + self.mudd_b2[j, :m]) * MUDD_SCALE).split(1, dim=-1)
+
+    def gate_coefs(self, x, j):
+        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: (g_x0, g_bigram)}`` for ``self.gated[j]``, each
+        ``[B, L, 1]``, and (j = 1) the skip's factor: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
+        layers = self.gated[j]
+        h = F.gelu(F.linear(x, self.gate_w1[j].type_as(x)))
+        m = 2 * len(layers) + j
+        c = ((F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale).split(1, dim=-1)
+        return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, (c[-1] if j else None)
+
+    def mudd_in(self, x, start, state, ve):
+        """MUDD at the last layer's input x ``[B, L, d]`` (record #81 v2, HEAD): mixes the stream before layer 0
+        (``start``) and the cached ``state`` into V and into the residual, gates the VE per head pair, and gives the
+        layer's lambdas and injection gates per token. Returns (x, V addend ``[B, L, d]``, Block's ``dyn``)."""
+        mu = self.mudd_coefs(x, 0, 14)
+        B, L, d = x.shape
+        H = self.cfg.n_head
+        v = mu[0] * start + mu[1] * state + mu[2] * x
+        if ve is not None:  # two gate lanes, each over half the heads
+            gate = torch.cat(mu[6:8], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)  # [B, L, H, 1]
+            v = v + (gate * ve.view(B, L, H, d // H)).view(B, L, d)
+        x = (1 + mu[5]) * x + mu[3] * start + mu[4] * state
+        return x, v, (mu[8], mu[9], mu[12], mu[13], mu[10], mu[11], x.new_ones(()))
 
     def train_only_loss(self, x, logits, targets):
         """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
@@ -1370,12 +1552,20 @@ def build_record89_optimizers(model, cfg, compile=False):
                      nesterov=cfg.nesterov, ns=cfg.ns, pp_beta=cfg.pp_beta, compile=compile,
                      ns_dtype=None if cfg.ns_dtype == "auto" else getattr(torch, cfg.ns_dtype))
     routed = {id(p) for g in groups for p in g["params"]}
-    scalars = [p for p in model.parameters() if p.ndim < 2]
-    rest = [p for p in model.blocks.parameters() if p.ndim == 2 and id(p) not in routed]
+    tagged = [p for p in model.parameters() if hasattr(p, "adam_role")]  # route(param, group, role)
+    scalars = [p for p in model.parameters() if p.ndim < 2 and not hasattr(p, "adam_role")]
+    rest = [p for p in model.blocks.parameters() if p.ndim == 2 and id(p) not in routed and not hasattr(p, "adam_role")]
     if rest:
         raise ConfigError(f"--optimizer {cfg.optimizer}: {len(rest)} block matrices have no NorMuon group")
     roles = dict(embed=[model.embed.weight], lm_head=[model.lm_head.weight],
                  value_embeds=[t.weight for t in model.value_embeds], scalars=scalars)
+    for p in tagged:
+        roles.setdefault(p.adam_role, []).append(p)
+    placed = routed | {id(p) for ps in roles.values() for p in ps}
+    missing = [n for n, p in model.named_parameters() if id(p) not in placed]
+    if missing:
+        raise ConfigError(f"--optimizer {cfg.optimizer}: parameter {missing[0]} has no optimizer role; tag it "
+                          f"with route(param, group, role)")
     opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
     for opt in opts:
         for g in opt.param_groups:
