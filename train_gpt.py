@@ -20,6 +20,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -85,6 +86,24 @@ class Config:
                            "n_layer - 1 - i, for i in the first half")
     x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
                              "normed embedding x0 (a = 1, b = 0 at init)")
+    # record #89 model: attention (issues 25, 26)
+    rope_half: bool = _f(False, "half-truncated RoPE (record #89): head_dim/4 frequencies (1/1024)^linspace(0, 1) "
+                                "rotate the first half of each head's dims, the second half is not rotated")
+    rope_yarn: bool = _f(False, "at each change of the long window (stage table), YaRN-rescale the RoPE frequencies "
+                                "(alpha 1, beta 32) and multiply the attention scale (--attn-scale) by "
+                                "0.2 ln(new/old) + 1 (record #31)")
+    paired_head_layers: str = _f("", "comma list of layers with paired-head attention (record #58; HEAD 0,2,5,9): "
+                                     "heads h and h + n_head/2 share one softmax over a doubled sequence")
+    key_offset: bool = _f(False, "partial key offset on the long-window layers (record #49): a key's second half of "
+                                 "dims (unrotated with --rope-half) is the previous position's, within its document")
+    xsa_layers: str = _f("", "comma list of layers with learnable XSA (record #82, arXiv 2603.09078; HEAD 1,3,4,7): "
+                             "y -= tanh(a_h) (y.v / |v|^2) v, a per-head a_h from 0")
+    attn_gate_layers: str = _f("", "comma list of layers whose heads' outputs are gated by sigmoid(W x[:12]) "
+                                   "(record #28 sparse attention gate, W from 0; HEAD 3,10)")
+    attn_vo_init: str = _f("zero", "attention V/O init: zero = O from 0 (record #21); uniform = O like Q/K/V "
+                                   "(record #64 as merged, HEAD); mimetic = per head V = sqrt(.05) I, O = -sqrt(.05) I, "
+                                   "+ N(0, .01^2) (record #64's runs, arXiv 2305.09828)",
+                           choices=("zero", "uniform", "mimetic"))
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
@@ -250,13 +269,16 @@ class Stage:
 @dataclass(frozen=True)
 class StepRow:
     """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions;
-    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only)."""
+    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only; ``yarn`` = the
+    long windows of steps 0..min(step, N - 1) without repeats, the RoPE's YaRN history: record #89 does not
+    rescale for the final validation's long window)."""
     stage: Stage
     lr_scale: float
     momentum: float
     window: tuple
     flops_per_position: float
     objective: tuple = ()
+    yarn: tuple = ()
 
 
 # Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
@@ -321,13 +343,15 @@ class Schedule:
 
     def __init__(self, cfg):
         self.stages, flops = stages(cfg), FlopProfile(cfg)
-        self.rows = []
+        self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
             window = stage_window(step, stage, cfg)
+            if step < N and window[0] and yarn[-1:] != (window[0],):
+                yarn = yarn + (window[0],)
             self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
-                                     flops.per_position(window), stage_objective(step, stage)))
+                                     flops.per_position(window), stage_objective(step, stage), yarn))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -589,21 +613,56 @@ def rms_norm(x):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on latent positions 0..L-1."""
+    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on positions 0..max_len-1.
 
-    def __init__(self, head_dim, max_len, base):
+    Dims i and i + r/2 of the first r rotate together. Default: r = head_dim, frequencies
+    base^(-2i/head_dim). ``half`` (record #89's half-truncated RoPE): r = head_dim/2 with
+    (1/1024)^linspace(0, 1, head_dim/4), the last half of the dims unrotated. ``scale`` (a 0-d
+    buffer, None unless given): the attention scale that ``set_history`` rescales with the RoPE.
+    """
+
+    def __init__(self, head_dim, max_len, base, half=False, scale=None):
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, head_dim/2]
+        self.rot = head_dim // 2 if half else head_dim
+        if half:
+            self.freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
+            freq = self.freq0.to(torch.get_default_device())  # kept on the CPU for set_history; built where the model is
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq).float()
+        else:
+            self.freq0 = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+            inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, head_dim/2]
         self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+        self.scale0 = scale
+        if scale is not None:
+            self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
 
     def forward(self, x):
         """x: [B, L, H, head_dim] -> same shape and dtype, rotated."""
-        L = x.size(1)
+        L, r = x.size(1), self.rot
         cos, sin = self.cos[:, :L], self.sin[:, :L]
-        x1, x2 = upcast(x).chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+        x1, x2 = upcast(x[..., :r]).chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, upcast(x[..., r:])), dim=-1).type_as(x)
+
+    @torch.no_grad()
+    def set_history(self, windows):
+        """Tables after YaRN rescales (record #31, HEAD's Yarn.apply, alpha 1, beta 32) through the long
+        ``windows`` in order (() or one window: as built), written in place (no graph changes).
+
+        Per step old -> new: with s = old/new and ramp = clamp((old f / 2 pi - 1) / 31, 0, 1), f <- f (s + ramp (1 - s))
+        (frequencies turning < 1 time in the old window interpolated, > 32 times kept); scale *= 0.2 ln(new/old) + 1.
+        """
+        freq, scale = self.freq0.clone(), self.scale0
+        for old, new in zip(windows, windows[1:]):
+            s = old / new
+            freq *= s + ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1) * (1 - s)
+            scale *= 0.2 * math.log(new / old) + 1
+        angles = torch.outer(torch.arange(self.cos.size(1), dtype=torch.float64, device="cpu"), freq)[None, :, None, :]
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+        if scale is not None:
+            self.scale.fill_(scale)
 
 
 # Attention masks: causal, optionally within a document and within a sliding window. Both come
@@ -683,6 +742,24 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
     return attention_mask(doc_ids, window)[:, None]
 
 
+class LayerMasks(NamedTuple):
+    """One window's masks for the layers that need more than ``plain`` (``attend``'s mask of the sequence):
+    ``paired`` the same ``mask_mod`` over the doubled sequence of paired-head layers (record #58: documents
+    doubled, the window counted in doubled positions, i.e. half the tokens), ``first`` bool [B, L] True at
+    each document's first position (``offset_keys``). Unused ones None."""
+    plain: object
+    paired: object = None
+    first: object = None
+
+
+def layer_masks(doc_ids, window, flex, paired=False, first=False):
+    """``LayerMasks`` of doc_ids [B, L] under ``window``: ``build_attention_mask`` of the sequence and, as asked,
+    of the doubled sequence (each id twice) and the document starts."""
+    doubled = build_attention_mask(doc_ids.repeat_interleave(2, dim=1), window, flex) if paired else None
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
+    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
+
+
 def _ordered_blocks(blocks):
     """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
     counts = blocks.sum(dim=-1, dtype=torch.int32)
@@ -749,6 +826,18 @@ def attend(q, k, v, mask=None, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def offset_keys(k, first=None):
+    """Partial key offset (record #49, 2025-12-14): the last half of each key's dims (the unrotated half with
+    --rope-half) taken from the previous position, k [B, L, H, D] -> same, except at document starts
+    (``first`` bool [B, L]; None: position 0 only), which keep their own."""
+    h = k.size(-1) // 2
+    own = k[..., h:]
+    prev = torch.cat((own[:, :1], own[:, :-1]), dim=1)
+    if first is not None:
+        prev = torch.where(first[:, :, None, None], own, prev)
+    return torch.cat((k[..., :h], prev), dim=-1)
+
+
 OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
 
 
@@ -779,40 +868,86 @@ def _linear(d_in, d_out, zero=False, group="matrix"):
     return lin
 
 
+def make_rotary(cfg):
+    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired-head layers, the scale with --rope-yarn."""
+    hd = cfg.model_dim // cfg.n_head
+    return Rotary(hd, cfg.seq_len * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
+                  (cfg.attn_scale or hd ** -0.5) if cfg.rope_yarn else None)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE.
+    """Multi-head attention with QK-norm and RoPE; ``layer``'s options from the config.
 
     ``merged_qkv``: q, k, v from one ``[3d, d]`` matmul of the three weights (record #21), which
     stay three matrices for the optimizer, each orthogonalized on its own as before.
     ``value_embed``: a value embedding ``ve`` is mixed into the values, ``v <- a v + b ve`` with
     learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
+    Record #89's (each off by default): paired heads (record #58), the partial key offset on
+    long-window layers (#49), learnable XSA (#82), the sparse output gate (#28), the V/O init
+    (#64), the YaRN-rescaled scale (#31: the shared ``Rotary``'s buffer).
     """
 
-    def __init__(self, cfg, value_embed=False, rotary=None):
+    def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
-        self.proj = _linear(d, d, zero=True)
+        self.proj = _linear(d, d, zero=cfg.attn_vo_init == "zero")
+        if cfg.attn_vo_init == "mimetic":  # W_O W_V ~ -0.05 I: each head starts copying its input, negated
+            with torch.no_grad():
+                for w, sign in ((self.v.weight, 1.0), (self.proj.weight, -1.0)):
+                    w.normal_(0.0, 0.01).diagonal().add_(sign * 0.05 ** 0.5)
         # the model passes its one table (GPT.rotary); a layer built alone makes its own
-        self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
-        self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
+        self.rotary = rotary if rotary is not None else make_rotary(cfg)
+        self.merged_qkv, self.scale, self.yarn = cfg.merged_qkv, cfg.attn_scale or None, cfg.rope_yarn
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
+        self.paired = layer in layer_set(cfg.paired_head_layers)
+        self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
+        self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if layer in layer_set(cfg.xsa_layers) else None
+        self.gate = _linear(12, self.n_head, zero=True, group="scalar") if layer in layer_set(cfg.attn_gate_layers) \
+            else None
 
-    def forward(self, x, mask=None, ve=None):
-        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``."""
+    def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
+        """x ``[B, L, d]``; ``mask`` from ``GPT.masks_for`` (None: plain causal); ``ve`` ``[B, L, d]``.
+
+        ``ve_gate`` [B, L, n_head, 1]: ``v + ve_gate ve`` in place of the learned mix. ``xsa_alpha``
+        [B, L, n_head] (before tanh) and ``attn_gate`` [B, L, n_head]: per-token values in place of the
+        layer's own (e.g. MUDD gates, record #85); either turns its element on in any layer.
+        """
         B, L, _ = x.shape
-        shape = (B, L, self.n_head, self.head_dim)
+        H, D = self.n_head, self.head_dim
+        shape = (B, L, H, D)
         if self.merged_qkv:
             qkv = F.linear(x, torch.cat((self.q.weight, self.k.weight, self.v.weight)))
             q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         else:
             q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
         if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
-            v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view(shape).type_as(v)
-        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
-        return self.proj(y.transpose(1, 2).reshape(B, L, -1))
+            ve = ve.view(shape).type_as(v)
+            v = v + ve_gate.type_as(v) * ve if ve_gate is not None else self.ve_mix[0] * v + self.ve_mix[1] * ve
+        mask, doubled, first = mask if isinstance(mask, LayerMasks) else (mask, None, None)
+        q, k, vs = rms_norm(q), rms_norm(k), v  # QK-norm, then RoPE
+        if self.paired:  # record #58: token t's heads h < H/2 at position 2t, the others at 2t + 1 (a view)
+            if mask is not None and doubled is None:
+                raise ValueError("a paired-head layer needs LayerMasks with the doubled sequence's mask")
+            q, k, vs = (t.reshape(B, 2 * L, H // 2, D) for t in (q, k, v))
+            mask = doubled
+        q, k = self.rotary(q), self.rotary(k)
+        if self.key_offset:
+            k = offset_keys(k, first)
+        scale = self.scale
+        if self.yarn:  # a buffer, so a rescale changes no graph
+            q, scale = q * self.rotary.scale.type_as(q), 1.0
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), vs.transpose(1, 2), mask, scale).transpose(1, 2).reshape(shape)
+        if xsa_alpha is not None or self.xsa is not None:  # XSA: remove tanh(alpha) of y's part along its own v
+            a = self.xsa if xsa_alpha is None else xsa_alpha
+            alpha = torch.tanh(a).type_as(y).reshape(*a.shape[:-1], H, 1)
+            y = y - alpha * (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8) * v
+        if attn_gate is None and self.gate is not None:  # record #28: a per-head gate from 12 input channels
+            attn_gate = torch.sigmoid(self.gate(x[..., :12]))
+        if attn_gate is not None:
+            y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
+        return self.proj(y.reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -841,7 +976,7 @@ class Block(nn.Module):
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        self.attn = CausalSelfAttention(cfg, value_embed, rotary) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, value_embed, rotary, layer) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
 
@@ -890,7 +1025,7 @@ class GPT(nn.Module):
             route(table.weight, "embed")
         # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
         # each at the record's 49,152 positions)
-        self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
+        self.rotary = make_rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
         self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
@@ -902,14 +1037,19 @@ class GPT(nn.Module):
                 nn.init.normal_(self.lm_head.weight, std=0.005)
                 self.embed.weight.copy_(self.lm_head.weight)
 
-    def set_window(self, window):
-        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
+    def set_window(self, window, yarn=None):
+        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer and, with --rope-yarn,
+        the RoPE tables of the long windows ``yarn`` (``StepRow.yarn``) in ``rotary``'s; written only on a change."""
         if window != self._window:
             self.windows[0], self.windows[1] = window
             self._window = window
+        if self.cfg.rope_yarn and yarn is not None and yarn != getattr(self, "_yarn", ()):
+            self.rotary.set_history(yarn)
+            self._yarn = yarn
 
     def masks_for(self, inputs):
-        """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``), or Nones."""
+        """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``; ``LayerMasks``
+        with paired-head layers or --key-offset), or Nones."""
         cfg = self.cfg
         if not cfg.doc_mask and not windowed(cfg):
             return None, None
@@ -917,11 +1057,17 @@ class GPT(nn.Module):
             doc_ids = latent_document_ids(inputs)
         else:  # one document: only causality and the window
             doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
+        paired = {i in self.short for i in layer_set(cfg.paired_head_layers)}  # the windows paired layers use
+
+        def build(window, short):
+            if not paired and not cfg.key_offset:
+                return build_attention_mask(doc_ids, window, flex=inputs.is_cuda)
+            return layer_masks(doc_ids, window, inputs.is_cuda, short in paired, cfg.key_offset and not short)
         if not windowed(cfg):
-            mask = build_attention_mask(doc_ids, 0, flex=inputs.is_cuda)
+            mask = build(0, False)
             return mask, mask
-        long = build_attention_mask(doc_ids, self.windows[0], flex=inputs.is_cuda)
-        short = build_attention_mask(doc_ids, self.windows[1], flex=inputs.is_cuda) if self.short else long
+        long = build(self.windows[0], False)
+        short = build(self.windows[1], True) if self.short else long
         return long, short
 
     def forward(self, inputs, targets=None, weights=None):
@@ -1010,7 +1156,8 @@ class FlopProfile:
         ops = counter.get_flop_counts()["Global"]
         matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
         self.n_matmul = int(matmul) // (2 * L)
-        self.layers = [(block.attn is not None, i in model.short) for i, block in enumerate(model.blocks)]
+        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
+                       for i, block in enumerate(model.blocks)]
         self.cfg = cfg
 
     def per_position(self, window):
@@ -1020,10 +1167,13 @@ class FlopProfile:
         attended key), summed over the layers with attention, each over the keys its queries
         actually attend (``attended_keys``: causality and the layer's window, a stage-table
         column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
-        made exact for the mask. TST phase 1 costs the same per latent position.
+        made exact for the mask. TST phase 1 costs the same per latent position. A paired-head layer
+        (record #58) runs n_head/2 heads over 2L positions: 12 d * keys of the doubled sequence, same window.
         """
         long, half = window
-        keys = sum(attended_keys(self.cfg.seq_len, half if short else long) for attn, short in self.layers if attn)
+        L = self.cfg.seq_len
+        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
+                   for attn, short, paired in self.layers if attn)
         return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 
@@ -1371,11 +1521,14 @@ def build_record89_optimizers(model, cfg, compile=False):
                      ns_dtype=None if cfg.ns_dtype == "auto" else getattr(torch, cfg.ns_dtype))
     routed = {id(p) for g in groups for p in g["params"]}
     scalars = [p for p in model.parameters() if p.ndim < 2]
+    gates = [p for p in model.blocks.parameters() if p.ndim == 2 and getattr(p, "opt_group", None) == "scalar"]
+    routed |= {id(p) for p in gates}
     rest = [p for p in model.blocks.parameters() if p.ndim == 2 and id(p) not in routed]
     if rest:
         raise ConfigError(f"--optimizer {cfg.optimizer}: {len(rest)} block matrices have no NorMuon group")
     roles = dict(embed=[model.embed.weight], lm_head=[model.lm_head.weight],
-                 value_embeds=[t.weight for t in model.value_embeds], scalars=scalars)
+                 value_embeds=[t.weight for t in model.value_embeds], scalars=scalars,
+                 ve_gates=gates)  # [n_head, 12] gates: attention and value-embedding gates share Adam's role (#56)
     opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
     for opt in opts:
         for g in opt.param_groups:
@@ -1618,7 +1771,7 @@ def validate(run, step):
     """
     cfg, rt = run.cfg, run.rt
     stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
-    run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
+    run.model.set_window(run.schedule[step].window, run.schedule[step].yarn)  # (the full window at the end)
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt, run.stop)
     if harness.stop_requested(run):
         return False
@@ -1720,7 +1873,7 @@ def training_loop(run, start_step, end_step):
         if run.loader.wrapped:
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, row)
-        run.model.set_window(row.window)
+        run.model.set_window(row.window, row.yarn)
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
