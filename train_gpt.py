@@ -696,37 +696,41 @@ def latent_document_ids(inputs):
     return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
 
 
-def mask_mod(doc_ids, window):
+def mask_mod(doc_ids, window, paired=False):
     """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
 
     Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and ``q - k < window``.
     ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = no window) or an int64 0-d tensor (a
     window, read on the device: a window schedule changes no graph). Index arguments are int
     tensors that broadcast (FlexAttention calls it on scalars, ``attention_mask`` on grids).
+    ``paired``: positions of the doubled sequence of paired-head layers (record #58), 2t and 2t + 1
+    of token t (documents by ``doc_ids[b, q // 2]``: no doubled copy of the ids in the kernel).
     """
     windowed = torch.is_tensor(window) or window > 0
 
     def allowed(b, h, q, k):
-        ok = (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
+        same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
+        ok = (k <= q) & same
         return ok & (q - k < window) if windowed else ok
     return allowed
 
 
-def attention_mask(doc_ids, window):
-    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``.
+def attention_mask(doc_ids, window, paired=False):
+    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``
+    (T doubled with ``paired``).
 
     ``mask[..., q, k]`` is True where query q may attend key k (``k <= q``, same document,
     ``q - k < window``; ``window`` 0 = no window). Every row allows at least its diagonal.
     """
     ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
-    B, T = ids.shape
+    B, T = ids.shape[0], ids.shape[1] * (2 if paired else 1)
     pos = torch.arange(T, device=ids.device)
     batch = torch.arange(B, device=ids.device)[:, None, None]
-    mask = mask_mod(ids, window)(batch, None, pos[:, None], pos[None, :])
+    mask = mask_mod(ids, window, paired)(batch, None, pos[:, None], pos[None, :])
     return mask if doc_ids.ndim == 2 else mask[0]
 
 
-def build_attention_mask(doc_ids, window, flex, block_size=128):
+def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
     """The mask one forward shares across layers, for ``attend``.
 
     Args:
@@ -736,10 +740,11 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
             block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
             (broadcast over heads), from the same ``mask_mod``.
         block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
+        paired: the mask of the doubled sequence of paired-head layers (``mask_mod``).
     """
     if flex:
-        return block_mask_from_bounds(doc_ids, window, block_size)
-    return attention_mask(doc_ids, window)[:, None]
+        return block_mask_from_bounds(doc_ids, window, block_size, paired)
+    return attention_mask(doc_ids, window, paired)[:, None]
 
 
 class LayerMasks(NamedTuple):
@@ -755,7 +760,7 @@ class LayerMasks(NamedTuple):
 def layer_masks(doc_ids, window, flex, paired=False, first=False):
     """``LayerMasks`` of doc_ids [B, L] under ``window``: ``build_attention_mask`` of the sequence and, as asked,
     of the doubled sequence (each id twice) and the document starts."""
-    doubled = build_attention_mask(doc_ids.repeat_interleave(2, dim=1), window, flex) if paired else None
+    doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
     starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
     return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
 
@@ -768,7 +773,7 @@ def _ordered_blocks(blocks):
     return counts[:, None], indices[:, None]
 
 
-def block_mask_from_bounds(doc_ids, window, block_size=128):
+def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
     """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
 
     ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
@@ -787,18 +792,20 @@ def block_mask_from_bounds(doc_ids, window, block_size=128):
         window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
             the device, so a window schedule neither syncs nor changes the compiled graph.
         block_size: the tile, query and key alike (FlexAttention's default 128).
+        paired: the doubled sequence of paired-head layers, T = 2 L (``mask_mod``).
 
     Returns:
-        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window), B, None, T, T,
+        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window, paired), B, None, T, T,
         BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
     """
-    B, T = doc_ids.shape
+    ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
+    B, T = ids.shape
     n = -(-T // block_size)
     first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
     last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
     complete = first + block_size <= T                               # [n] no padding in the block
     q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
-    doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]        # [B, n]
+    doc_first, doc_last = ids[:, first], ids[:, last]                # [B, n]
     some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
     every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
     if torch.is_tensor(window) or window > 0:
@@ -808,7 +815,7 @@ def block_mask_from_bounds(doc_ids, window, block_size=128):
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(every)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod(doc_ids, window), seq_lengths=(T, T))
+                                    mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
 
 
 def attend(q, k, v, mask=None, scale=None):

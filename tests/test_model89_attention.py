@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 import harness as H
 import train_gpt as T
@@ -362,3 +363,17 @@ def test_config_checks_name_the_flag():
         cfg_of(n_head=3, model_dim=48, paired_head_layers="1")
     with pytest.raises(T.ConfigError, match="--rope-half needs head_dim"):
         cfg_of(n_head=8, model_dim=48, rope_half=True)
+
+
+@pytest.mark.parametrize("window", [0, 3, 16, 37])
+def test_paired_mask_is_the_mask_of_the_doubled_documents(window):
+    """``mask_mod(paired=True)`` reads token t's document at positions 2t, 2t + 1: the doubled ids' mask; and
+    the block build from bounds equals ``create_block_mask`` of it."""
+    doc = T.latent_document_ids(random_tokens((2, 40, 1), seed=11, p_eot=0.1))
+    doubled = doc.repeat_interleave(2, dim=1)
+    assert torch.equal(T.attention_mask(doc, window, paired=True), T.attention_mask(doubled, window))
+    ref = create_block_mask(T.mask_mod(doubled, window), 2, None, 80, 80, device="cpu", BLOCK_SIZE=16)
+    got = T.block_mask_from_bounds(doc, window, 16, paired=True)
+    assert torch.equal(got.to_dense(), ref.to_dense())
+    assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks) and torch.equal(got.full_kv_num_blocks,
+                                                                              ref.full_kv_num_blocks)
