@@ -379,7 +379,8 @@ def check_architecture(cfg, need):
                                                  f"a multiple of 4")
     need(not layers["paired_head_layers"] or cfg.n_head % 2 == 0,
          f"--paired-head-layers pairs heads: --n-head {cfg.n_head} must be even")
-    need(not layers["attn_gate_layers"] or cfg.model_dim >= 12, "--attn-gate-layers reads 12 channels: --model-dim >= 12")
+    need(not layers["attn_gate_layers"] or cfg.model_dim >= 12,
+         "--attn-gate-layers reads 12 channels: --model-dim >= 12")
     need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
 
 

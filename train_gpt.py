@@ -101,7 +101,7 @@ class Config:
     attn_gate_layers: str = _f("", "comma list of layers whose heads' outputs are gated by sigmoid(W x[:12]) "
                                    "(record #28 sparse attention gate, W from 0; HEAD 3,10)")
     attn_vo_init: str = _f("zero", "attention V/O init: zero = O from 0 (record #21); uniform = O like Q/K/V "
-                                   "(record #64 as merged, HEAD); mimetic = per head V = sqrt(.05) I, O = -sqrt(.05) I, "
+                                   "(record #64 as merged, HEAD); mimetic = V = sqrt(.05) I, O = -sqrt(.05) I, "
                                    "+ N(0, .01^2) (record #64's runs, arXiv 2305.09828)",
                            choices=("zero", "uniform", "mimetic"))
     # batch and steps
@@ -626,7 +626,7 @@ class Rotary(nn.Module):
         self.rot = head_dim // 2 if half else head_dim
         if half:
             self.freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
-            freq = self.freq0.to(torch.get_default_device())  # kept on the CPU for set_history; built where the model is
+            freq = self.freq0.to(torch.get_default_device())  # freq0 stays on the CPU for set_history
             angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq).float()
         else:
             self.freq0 = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
@@ -876,7 +876,7 @@ def _linear(d_in, d_out, zero=False, group="matrix"):
 
 
 def make_rotary(cfg):
-    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired-head layers, the scale with --rope-yarn."""
+    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired layers, a scale with --rope-yarn."""
     hd = cfg.model_dim // cfg.n_head
     return Rotary(hd, cfg.seq_len * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
                   (cfg.attn_scale or hd ** -0.5) if cfg.rope_yarn else None)
@@ -910,7 +910,8 @@ class CausalSelfAttention(nn.Module):
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
         self.paired = layer in layer_set(cfg.paired_head_layers)
         self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
-        self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if layer in layer_set(cfg.xsa_layers) else None
+        xsa = layer in layer_set(cfg.xsa_layers)
+        self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if xsa else None
         self.gate = _linear(12, self.n_head, zero=True, group="scalar") if layer in layer_set(cfg.attn_gate_layers) \
             else None
 
