@@ -356,7 +356,7 @@ def check_architecture(cfg, need):
     need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
          f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
     layers = {}
-    for name in ("short_window_layers", "no_attn_layers"):
+    for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers"):
         text = getattr(cfg, name)
         try:
             layers[name] = layer_set(text)
@@ -381,6 +381,13 @@ def check_architecture(cfg, need):
                     f"without attention; drop it from --no-attn-layers or lower --value-embeds")
     check_model89(cfg, need, layers["no_attn_layers"])
     need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
+    head_dim = cfg.model_dim // cfg.n_head
+    need(not cfg.rope_half or head_dim % 4 == 0, f"--rope-half needs head_dim (model_dim / n_head = {head_dim}) "
+                                                 f"a multiple of 4")
+    need(not layers["paired_head_layers"] or cfg.n_head % 2 == 0,
+         f"--paired-head-layers pairs heads: --n-head {cfg.n_head} must be even")
+    need(not layers["attn_gate_layers"] or cfg.model_dim >= 12,
+         "--attn-gate-layers reads 12 channels: --model-dim >= 12")
     need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
 
 

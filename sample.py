@@ -91,7 +91,8 @@ def load_model(path, device):
         raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({first})") from None
     step = int(state.get("step", 0))
     # the window grows over a run: use the stage table's window at the step the weights were saved
-    model.set_window(Schedule(cfg)[min(step, cfg.num_iterations)].window)
+    row = Schedule(cfg)[min(step, cfg.num_iterations)]
+    model.set_window(row.window, row.yarn)
     return model.to(device).eval(), cfg, step
 
 

@@ -20,6 +20,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -108,6 +109,24 @@ class Config:
     mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
                             "for the layers before this one, one of the stream entering it for the rest and the "
                             "skip (HEAD: 4; 0 = learned constants)", low=0)
+    # record #89 model: attention (issues 25, 26)
+    rope_half: bool = _f(False, "half-truncated RoPE (record #89): head_dim/4 frequencies (1/1024)^linspace(0, 1) "
+                                "rotate the first half of each head's dims, the second half is not rotated")
+    rope_yarn: bool = _f(False, "at each change of the long window (stage table), YaRN-rescale the RoPE frequencies "
+                                "(alpha 1, beta 32) and multiply the attention scale (--attn-scale) by "
+                                "0.2 ln(new/old) + 1 (record #31)")
+    paired_head_layers: str = _f("", "comma list of layers with paired-head attention (record #58; HEAD 0,2,5,9): "
+                                     "heads h and h + n_head/2 share one softmax over a doubled sequence")
+    key_offset: bool = _f(False, "partial key offset on the long-window layers (record #49): a key's second half of "
+                                 "dims (unrotated with --rope-half) is the previous position's, within its document")
+    xsa_layers: str = _f("", "comma list of layers with learnable XSA (record #82, arXiv 2603.09078; HEAD 1,3,4,7): "
+                             "y -= tanh(a_h) (y.v / |v|^2) v, a per-head a_h from 0")
+    attn_gate_layers: str = _f("", "comma list of layers whose heads' outputs are gated by sigmoid(W x[:12]) "
+                                   "(record #28 sparse attention gate, W from 0; HEAD 3,10)")
+    attn_vo_init: str = _f("zero", "attention V/O init: zero = O from 0 (record #21); uniform = O like Q/K/V "
+                                   "(record #64 as merged, HEAD); mimetic = V = sqrt(.05) I, O = -sqrt(.05) I, "
+                                   "+ N(0, .01^2) (record #64's runs, arXiv 2305.09828)",
+                           choices=("zero", "uniform", "mimetic"))
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
     micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
@@ -273,13 +292,16 @@ class Stage:
 @dataclass(frozen=True)
 class StepRow:
     """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions;
-    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only)."""
+    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only; ``yarn`` = the
+    long windows of steps 0..min(step, N - 1) without repeats, the RoPE's YaRN history: record #89 does not
+    rescale for the final validation's long window)."""
     stage: Stage
     lr_scale: float
     momentum: float
     window: tuple
     flops_per_position: float
     objective: tuple = ()
+    yarn: tuple = ()
 
 
 # Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
@@ -344,13 +366,15 @@ class Schedule:
 
     def __init__(self, cfg):
         self.stages, flops = stages(cfg), FlopProfile(cfg)
-        self.rows = []
+        self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
             window = stage_window(step, stage, cfg)
+            if step < N and window[0] and yarn[-1:] != (window[0],):
+                yarn = yarn + (window[0],)
             self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
-                                     flops.per_position(window), stage_objective(step, stage)))
+                                     flops.per_position(window), stage_objective(step, stage), yarn))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -612,21 +636,56 @@ def rms_norm(x):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on latent positions 0..L-1."""
+    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on positions 0..max_len-1.
 
-    def __init__(self, head_dim, max_len, base):
+    Dims i and i + r/2 of the first r rotate together. Default: r = head_dim, frequencies
+    base^(-2i/head_dim). ``half`` (record #89's half-truncated RoPE): r = head_dim/2 with
+    (1/1024)^linspace(0, 1, head_dim/4), the last half of the dims unrotated. ``scale`` (a 0-d
+    buffer, None unless given): the attention scale that ``set_history`` rescales with the RoPE.
+    """
+
+    def __init__(self, head_dim, max_len, base, half=False, scale=None):
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, head_dim/2]
+        self.rot = head_dim // 2 if half else head_dim
+        if half:
+            self.freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
+            freq = self.freq0.to(torch.get_default_device())  # freq0 stays on the CPU for set_history
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq).float()
+        else:
+            self.freq0 = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+            inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, head_dim/2]
         self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+        self.scale0 = scale
+        if scale is not None:
+            self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
 
     def forward(self, x):
         """x: [B, L, H, head_dim] -> same shape and dtype, rotated."""
-        L = x.size(1)
+        L, r = x.size(1), self.rot
         cos, sin = self.cos[:, :L], self.sin[:, :L]
-        x1, x2 = upcast(x).chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+        x1, x2 = upcast(x[..., :r]).chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, upcast(x[..., r:])), dim=-1).type_as(x)
+
+    @torch.no_grad()
+    def set_history(self, windows):
+        """Tables after YaRN rescales (record #31, HEAD's Yarn.apply, alpha 1, beta 32) through the long
+        ``windows`` in order (() or one window: as built), written in place (no graph changes).
+
+        Per step old -> new: with s = old/new and ramp = clamp((old f / 2 pi - 1) / 31, 0, 1), f <- f (s + ramp (1 - s))
+        (frequencies turning < 1 time in the old window interpolated, > 32 times kept); scale *= 0.2 ln(new/old) + 1.
+        """
+        freq, scale = self.freq0.clone(), self.scale0
+        for old, new in zip(windows, windows[1:]):
+            s = old / new
+            freq *= s + ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1) * (1 - s)
+            scale *= 0.2 * math.log(new / old) + 1
+        angles = torch.outer(torch.arange(self.cos.size(1), dtype=torch.float64, device="cpu"), freq)[None, :, None, :]
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+        if scale is not None:
+            self.scale.fill_(scale)
 
 
 # Attention masks: causal, optionally within a document and within a sliding window. Both come
@@ -660,37 +719,41 @@ def latent_document_ids(inputs):
     return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
 
 
-def mask_mod(doc_ids, window):
+def mask_mod(doc_ids, window, paired=False):
     """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
 
     Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and ``q - k < window``.
     ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = no window) or an int64 0-d tensor (a
     window, read on the device: a window schedule changes no graph). Index arguments are int
     tensors that broadcast (FlexAttention calls it on scalars, ``attention_mask`` on grids).
+    ``paired``: positions of the doubled sequence of paired-head layers (record #58), 2t and 2t + 1
+    of token t (documents by ``doc_ids[b, q // 2]``: no doubled copy of the ids in the kernel).
     """
     windowed = torch.is_tensor(window) or window > 0
 
     def allowed(b, h, q, k):
-        ok = (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
+        same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
+        ok = (k <= q) & same
         return ok & (q - k < window) if windowed else ok
     return allowed
 
 
-def attention_mask(doc_ids, window):
-    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``.
+def attention_mask(doc_ids, window, paired=False):
+    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``
+    (T doubled with ``paired``).
 
     ``mask[..., q, k]`` is True where query q may attend key k (``k <= q``, same document,
     ``q - k < window``; ``window`` 0 = no window). Every row allows at least its diagonal.
     """
     ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
-    B, T = ids.shape
+    B, T = ids.shape[0], ids.shape[1] * (2 if paired else 1)
     pos = torch.arange(T, device=ids.device)
     batch = torch.arange(B, device=ids.device)[:, None, None]
-    mask = mask_mod(ids, window)(batch, None, pos[:, None], pos[None, :])
+    mask = mask_mod(ids, window, paired)(batch, None, pos[:, None], pos[None, :])
     return mask if doc_ids.ndim == 2 else mask[0]
 
 
-def build_attention_mask(doc_ids, window, flex, block_size=128):
+def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
     """The mask one forward shares across layers, for ``attend``.
 
     Args:
@@ -700,10 +763,29 @@ def build_attention_mask(doc_ids, window, flex, block_size=128):
             block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
             (broadcast over heads), from the same ``mask_mod``.
         block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
+        paired: the mask of the doubled sequence of paired-head layers (``mask_mod``).
     """
     if flex:
-        return block_mask_from_bounds(doc_ids, window, block_size)
-    return attention_mask(doc_ids, window)[:, None]
+        return block_mask_from_bounds(doc_ids, window, block_size, paired)
+    return attention_mask(doc_ids, window, paired)[:, None]
+
+
+class LayerMasks(NamedTuple):
+    """One window's masks for the layers that need more than ``plain`` (``attend``'s mask of the sequence):
+    ``paired`` the same ``mask_mod`` over the doubled sequence of paired-head layers (record #58: documents
+    doubled, the window counted in doubled positions, i.e. half the tokens), ``first`` bool [B, L] True at
+    each document's first position (``offset_keys``). Unused ones None."""
+    plain: object
+    paired: object = None
+    first: object = None
+
+
+def layer_masks(doc_ids, window, flex, paired=False, first=False):
+    """``LayerMasks`` of doc_ids [B, L] under ``window``: ``build_attention_mask`` of the sequence and, as asked,
+    of the doubled sequence (each id twice) and the document starts."""
+    doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
+    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
 
 
 def _ordered_blocks(blocks):
@@ -714,7 +796,7 @@ def _ordered_blocks(blocks):
     return counts[:, None], indices[:, None]
 
 
-def block_mask_from_bounds(doc_ids, window, block_size=128):
+def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
     """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
 
     ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
@@ -733,18 +815,20 @@ def block_mask_from_bounds(doc_ids, window, block_size=128):
         window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
             the device, so a window schedule neither syncs nor changes the compiled graph.
         block_size: the tile, query and key alike (FlexAttention's default 128).
+        paired: the doubled sequence of paired-head layers, T = 2 L (``mask_mod``).
 
     Returns:
-        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window), B, None, T, T,
+        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window, paired), B, None, T, T,
         BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
     """
-    B, T = doc_ids.shape
+    ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
+    B, T = ids.shape
     n = -(-T // block_size)
     first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
     last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
     complete = first + block_size <= T                               # [n] no padding in the block
     q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
-    doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]        # [B, n]
+    doc_first, doc_last = ids[:, first], ids[:, last]                # [B, n]
     some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
     every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
     if torch.is_tensor(window) or window > 0:
@@ -754,7 +838,7 @@ def block_mask_from_bounds(doc_ids, window, block_size=128):
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(every)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod(doc_ids, window), seq_lengths=(T, T))
+                                    mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
 
 
 def attend(q, k, v, mask=None, scale=None):
@@ -770,6 +854,18 @@ def attend(q, k, v, mask=None, scale=None):
     if isinstance(mask, BlockMask):
         return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def offset_keys(k, first=None):
+    """Partial key offset (record #49, 2025-12-14): the last half of each key's dims (the unrotated half with
+    --rope-half) taken from the previous position, k [B, L, H, D] -> same, except at document starts
+    (``first`` bool [B, L]; None: position 0 only), which keep their own."""
+    h = k.size(-1) // 2
+    own = k[..., h:]
+    prev = torch.cat((own[:, :1], own[:, :-1]), dim=1)
+    if first is not None:
+        prev = torch.where(first[:, :, None, None], own, prev)
+    return torch.cat((k[..., :h], prev), dim=-1)
 
 
 OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the block matrices; Adam for the rest
@@ -792,10 +888,10 @@ def route(param, group, role=None):
 # up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
 # tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
 
-def _linear(d_in, d_out, zero=False, group="matrix"):
-    """A bias-free ``nn.Linear`` whose weight is routed to ``group``."""
+def _linear(d_in, d_out, zero=False, group="matrix", role=None):
+    """A bias-free ``nn.Linear`` whose weight is routed to ``group`` (and Adam ``role``, record #89's optimizer)."""
     lin = nn.Linear(d_in, d_out, bias=False)
-    route(lin.weight, group)
+    route(lin.weight, group, role)
     with torch.no_grad():
         if zero:  # output projections start at zero: each block starts as the identity
             lin.weight.zero_()
@@ -805,43 +901,87 @@ def _linear(d_in, d_out, zero=False, group="matrix"):
     return lin
 
 
+def make_rotary(cfg):
+    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired layers, a scale with --rope-yarn."""
+    hd = cfg.model_dim // cfg.n_head
+    return Rotary(hd, cfg.seq_len * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
+                  (cfg.attn_scale or hd ** -0.5) if cfg.rope_yarn else None)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE.
+    """Multi-head attention with QK-norm and RoPE; ``layer``'s options from the config.
 
     ``merged_qkv``: q, k, v from one ``[3d, d]`` matmul of the three weights (record #21), which
     stay three matrices for the optimizer, each orthogonalized on its own as before.
     ``value_embed``: a value embedding ``ve`` is mixed into the values, ``v <- a v + b ve`` with
     learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
+    Record #89's (each off by default): paired heads (record #58), the partial key offset on
+    long-window layers (#49), learnable XSA (#82), the sparse output gate (#28), the V/O init
+    (#64), the YaRN-rescaled scale (#31: the shared ``Rotary``'s buffer).
     """
 
-    def __init__(self, cfg, value_embed=False, rotary=None):
+    def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
         self.q, self.k, self.v = _linear(d, d), _linear(d, d), _linear(d, d)
-        self.proj = _linear(d, d, zero=True)
+        self.proj = _linear(d, d, zero=cfg.attn_vo_init == "zero")
+        if cfg.attn_vo_init == "mimetic":  # W_O W_V ~ -0.05 I: each head starts copying its input, negated
+            with torch.no_grad():
+                for w, sign in ((self.v.weight, 1.0), (self.proj.weight, -1.0)):
+                    w.normal_(0.0, 0.01).diagonal().add_(sign * 0.05 ** 0.5)
         # the model passes its one table (GPT.rotary); a layer built alone makes its own
-        self.rotary = rotary if rotary is not None else Rotary(self.head_dim, cfg.seq_len, cfg.rope_base)
-        self.merged_qkv, self.scale = cfg.merged_qkv, cfg.attn_scale or None
+        self.rotary = rotary if rotary is not None else make_rotary(cfg)
+        self.merged_qkv, self.scale, self.yarn = cfg.merged_qkv, cfg.attn_scale or None, cfg.rope_yarn
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
+        self.paired = layer in layer_set(cfg.paired_head_layers)
+        self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
+        xsa = layer in layer_set(cfg.xsa_layers)
+        self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if xsa else None
+        gated = layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
+        self.gate = _linear(12, self.n_head, zero=True, group="scalar", role="ve_gates") if gated else None
 
-    def forward(self, x, mask=None, ve=None, ve_gate=None):
-        """x ``[B, L, d]``; ``mask`` from ``build_attention_mask`` (None: plain causal); ``ve`` ``[B, L, d]``;
-        ``ve_gate`` None or ``[B, L, n_head, 1]``: ``v + ve_gate * ve`` instead of the mix (records #55, #70)."""
+    def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
+        """x ``[B, L, d]``; ``mask`` from ``GPT.masks_for`` (None: plain causal); ``ve`` ``[B, L, d]``.
+
+        ``ve_gate`` [B, L, n_head, 1]: ``v + ve_gate ve`` in place of the learned mix. ``xsa_alpha``
+        [B, L, n_head] (before tanh) and ``attn_gate`` [B, L, n_head]: per-token values in place of the
+        layer's own (e.g. MUDD gates, record #85); either turns its element on in any layer.
+        """
         B, L, _ = x.shape
-        shape = (B, L, self.n_head, self.head_dim)
+        H, D = self.n_head, self.head_dim
+        shape = (B, L, H, D)
         if self.merged_qkv:
             qkv = F.linear(x, torch.cat((self.q.weight, self.k.weight, self.v.weight)))
             q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         else:
             q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
-        if ve_gate is not None:  # both cast to v's dtype: bf16 under autocast
-            v = v + ve_gate.type_as(v) * ve.view(shape).type_as(v)
-        elif ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
-            v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view(shape).type_as(v)
-        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))  # QK-norm, then RoPE
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
-        return self.proj(y.transpose(1, 2).reshape(B, L, -1))
+        if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
+            ve = ve.view(shape).type_as(v)
+            v = v + ve_gate.type_as(v) * ve if ve_gate is not None else self.ve_mix[0] * v + self.ve_mix[1] * ve
+        mask, doubled, first = mask if isinstance(mask, LayerMasks) else (mask, None, None)
+        q, k, vs = rms_norm(q), rms_norm(k), v  # QK-norm, then RoPE
+        if self.paired:  # record #58: token t's heads h < H/2 at position 2t, the others at 2t + 1 (a view)
+            if mask is not None and doubled is None:
+                raise ValueError("a paired-head layer needs LayerMasks with the doubled sequence's mask")
+            q, k, vs = (t.reshape(B, 2 * L, H // 2, D) for t in (q, k, v))
+            mask = doubled
+        q, k = self.rotary(q), self.rotary(k)
+        if self.key_offset:
+            k = offset_keys(k, first)
+        scale = self.scale
+        if self.yarn:  # a buffer, so a rescale changes no graph
+            q, scale = q * self.rotary.scale.type_as(q), 1.0
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), vs.transpose(1, 2), mask, scale).transpose(1, 2).reshape(shape)
+        if xsa_alpha is not None or self.xsa is not None:  # XSA: remove tanh(alpha) of y's part along its own v
+            a = self.xsa if xsa_alpha is None else xsa_alpha
+            alpha = torch.tanh(a).type_as(y).reshape(*a.shape[:-1], H, 1)
+            y = y - alpha * (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8) * v
+        if attn_gate is None and self.gate is not None:  # record #28: a per-head gate from 12 input channels
+            attn_gate = torch.sigmoid(self.gate(x[..., :12]))
+        if attn_gate is not None:
+            y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
+        return self.proj(y.reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -876,7 +1016,7 @@ class Block(nn.Module):
         has_attn = layer not in layer_set(cfg.no_attn_layers)
         static = has_attn and not (cfg.mudd and layer == cfg.n_layer - 1)  # MUDD's layer: gates come per token
         const = static and not cfg.mudd_gates  # --mudd-gates: the x0 and bigram gates come per token
-        self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary, layer) if has_attn else None
         self.mlp = MLP(cfg)
         self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
         lambdas = cfg.resid_lambdas and (static or not has_attn)
@@ -963,7 +1103,7 @@ class GPT(nn.Module):
                 nn.init.normal_(table.weight, std=0.01)
         # one RoPE table shared by every attention layer (one cos/sin pair, not one per layer: 25 MB
         # each at the record's 49,152 positions)
-        self.rotary = Rotary(cfg.model_dim // cfg.n_head, cfg.seq_len, cfg.rope_base)
+        self.rotary = make_rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
         self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
         self.init_model89(cfg)
@@ -1010,14 +1150,19 @@ class GPT(nn.Module):
             self.gate_b2 = scalar(b / MUDD_SCALE, "mudd_gate_bias")
             self.gate_scale = scalar(torch.tensor(MUDD_SCALE), "mudd_gate_bias")  # learned, unlike MUDD's
 
-    def set_window(self, window):
-        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer (written only on a change)."""
+    def set_window(self, window, yarn=None):
+        """Put ``(long, short)`` windows (a stage-table column) in the ``windows`` buffer and, with --rope-yarn,
+        the RoPE tables of the long windows ``yarn`` (``StepRow.yarn``) in ``rotary``'s; written only on a change."""
         if window != self._window:
             self.windows[0], self.windows[1] = window
             self._window = window
+        if self.cfg.rope_yarn and yarn is not None and yarn != getattr(self, "_yarn", ()):
+            self.rotary.set_history(yarn)
+            self._yarn = yarn
 
     def masks_for(self, inputs):
-        """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``), or Nones."""
+        """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``; ``LayerMasks``
+        with paired-head layers or --key-offset), or Nones."""
         cfg = self.cfg
         if not cfg.doc_mask and not windowed(cfg):
             return None, None
@@ -1025,11 +1170,17 @@ class GPT(nn.Module):
             doc_ids = latent_document_ids(inputs)
         else:  # one document: only causality and the window
             doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
+        paired = {i in self.short for i in layer_set(cfg.paired_head_layers)}  # the windows paired layers use
+
+        def build(window, short):
+            if not paired and not cfg.key_offset:
+                return build_attention_mask(doc_ids, window, flex=inputs.is_cuda)
+            return layer_masks(doc_ids, window, inputs.is_cuda, short in paired, cfg.key_offset and not short)
         if not windowed(cfg):
-            mask = build_attention_mask(doc_ids, 0, flex=inputs.is_cuda)
+            mask = build(0, False)
             return mask, mask
-        long = build_attention_mask(doc_ids, self.windows[0], flex=inputs.is_cuda)
-        short = build_attention_mask(doc_ids, self.windows[1], flex=inputs.is_cuda) if self.short else long
+        long = build(self.windows[0], False)
+        short = build(self.windows[1], True) if self.short else long
         return long, short
 
     def forward(self, inputs, targets=None, weights=None):
@@ -1192,7 +1343,8 @@ class FlopProfile:
         ops = counter.get_flop_counts()["Global"]
         matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
         self.n_matmul = int(matmul) // (2 * L)
-        self.layers = [(block.attn is not None, i in model.short) for i, block in enumerate(model.blocks)]
+        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
+                       for i, block in enumerate(model.blocks)]
         self.cfg = cfg
 
     def per_position(self, window):
@@ -1202,10 +1354,13 @@ class FlopProfile:
         attended key), summed over the layers with attention, each over the keys its queries
         actually attend (``attended_keys``: causality and the layer's window, a stage-table
         column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
-        made exact for the mask. TST phase 1 costs the same per latent position.
+        made exact for the mask. TST phase 1 costs the same per latent position. A paired-head layer
+        (record #58) runs n_head/2 heads over 2L positions: 12 d * keys of the doubled sequence, same window.
         """
         long, half = window
-        keys = sum(attended_keys(self.cfg.seq_len, half if short else long) for attn, short in self.layers if attn)
+        L = self.cfg.seq_len
+        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
+                   for attn, short, paired in self.layers if attn)
         return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 
@@ -1808,7 +1963,7 @@ def validate(run, step):
     """
     cfg, rt = run.cfg, run.rt
     stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
-    run.model.set_window(run.schedule[step].window)  # this step's windows (the full window at the end)
+    run.model.set_window(run.schedule[step].window, run.schedule[step].yarn)  # (the full window at the end)
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt, run.stop)
     if harness.stop_requested(run):
         return False
@@ -1910,7 +2065,7 @@ def training_loop(run, start_step, end_step):
         if run.loader.wrapped:
             log_wrap(run, step + 1)
         scale = apply_schedule(run.opts, row)
-        run.model.set_window(row.window)
+        run.model.set_window(row.window, row.yarn)
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
