@@ -1,10 +1,8 @@
 """Train a GPT on FineWeb (GPT-2 tokens) to 3.28 val loss, fast: Aurora + Token-Superposition Training.
 
-Read top to bottom, this file is the speedrun: config and the stage table, data, model, TST,
-optimizers, eval, and last the training loop. The CLI, checkpoints, the run log and signals are
-in harness.py; the optimizer in aurora_opt.py; every log snapshots all three. One GPU (gradient
-accumulation) or ``torchrun`` on many; CPU for tests and smoke runs. The exact math of TST and
-Aurora is in docs/METHODS.md.
+Top to bottom: config and the stage table, data, model, TST, optimizers, eval, the training loop.
+The CLI, checkpoints, run log and signals are in harness.py, the optimizers in aurora_opt.py, the
+fused kernels in kernels.py (every log snapshots all four); the math is in docs/METHODS.md.
 
     python train_gpt.py --preset record_h200                                   # one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
@@ -40,8 +38,7 @@ from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_
 
 
 def _f(default, help, **kw):
-    """A config field: its default, its --help text, optional ``choices`` and bounds (``low``, ``high``:
-    the value must be >= low, and < high; harness.validate_config checks them)."""
+    """A config field: default, --help text, optional ``choices`` and bounds low <= value < high."""
     return field(default=default, metadata=dict(help=help, **kw))
 
 
@@ -157,34 +154,32 @@ class Config:
 
 
 # The architecture of the modded-nanogpt record history, switched on by the presets (each element
-# is a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps
-# of 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 over the run
-# (records #12-#13), half windows in the "short" layers, value embeddings (#9), U-net skips and
-# the x0 mix, merged QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an
-# lr cooldown over the last 40% to 0.1x (record #19 onward).
+# a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps of
+# 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 (records #12-#13),
+# half windows in the "short" layers, value embeddings (#9), U-net skips and the x0 mix, merged
+# QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an lr cooldown over the
+# last 40% (the default --cooldown-frac) to 0.1x (record #19 onward). Presets list only what differs
+# from Config's defaults (or their parent preset's values): tests/test_trainer.py checks it.
 ARCHITECTURE = dict(doc_mask=True, value_embeds=3, unet=True, x0_mix=True, merged_qkv=True, attn_scale=0.12,
-                    logit_softcap=15.0, lr_floor=0.1, cooldown_frac=0.4)
+                    logit_softcap=15.0, lr_floor=0.1)
 
-# Record #21's model, batch and steps plus Aurora and TST. One flat 49,152-token sequence per
-# micro-step: 8 micro-steps on one GPU, one each on eight -- the same run whatever the GPU count.
-RECORD = dict(ARCHITECTURE, n_layer=12, model_dim=768, n_head=6, seq_len=48 * 1024, batch_tokens=393_216,
-              micro_batch_seqs=1, num_iterations=1770, window_start=128, window=1792,
-              short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7", head_lr=0.22, embed_lr=0.6,
-              tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05,
-              matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760, val_every=125,
-              log_every=10)  # a train-loss line is the only host sync between val points
+# Record #21's model, batch and steps (its 12 x 768 model and 6 heads are the defaults) with Aurora
+# and TST at their defaults. One flat 49,152-token sequence per micro-step: 8 micro-steps on one
+# GPU, one each on eight -- the same run whatever the GPU count.
+RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch_seqs=1, num_iterations=1770,
+              window_start=128, window=1792, short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7",
+              head_lr=0.22, log_every=10)  # a train-loss line is the only host sync between val points
 # Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on the model above: 1,270
 # scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
 # sequences of 16,384 (HEAD's 2,048 x 8 per GPU), cooldown over the last 60% to 0.15 (record #72),
-# momentum 0.85 -> 0.95 over 300 steps and back over the last 50 (record #39). No TST.
-RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, window_block=128,
-                seq_len=16384, batch_tokens=393_216, window=0, window_start=0, cooldown_frac=0.6, lr_floor=0.15,
-                momentum_start=0.85, momentum=0.95, momentum_warmup_steps=300, momentum_cooldown_steps=50,
-                tst_frac=0.0, tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2,
-                objectives=True, logit_cap="sigmoid", tied_embed=True)
+# momentum 0.85 -> 0.95 over 300 steps (the defaults) and back over the last 50 (record #39). No TST.
+RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
+                window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
+                tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
+                logit_cap="sigmoid", tied_embed=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
-RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, tst_mode="full", optimizer="aurora_normuon")
+RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
 PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as its authors ran it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
@@ -198,7 +193,7 @@ PRESETS = {
     # 2 CPU cores, under 5 minutes: a tiny model of the record recipe on the real-text sample, one flat
     # (document-packed) sequence of 1,024 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, n_layer=4, n_head=4, model_dim=128, seq_len=1024, batch_tokens=3072,
-                      micro_batch_seqs=1, num_iterations=100, extension_steps=2, window_block=32,
+                      num_iterations=100, extension_steps=2, window_block=32,
                       momentum_warmup_steps=24, momentum_cooldown_steps=4, value_embeds=1,
                       short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
