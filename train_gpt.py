@@ -27,7 +27,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import harness
 from kernels import (IGNORE_INDEX, SIGMOID_CAP, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets,
                      mce_loss, multi_target_loss, upcast)
-from aurora_opt import NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups, record89_matrix_groups
+from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
+                        record89_matrix_groups)
 from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
                      log_wrap, read_shard_header)
 
@@ -103,19 +104,19 @@ class Config:
                                   "record #89's NorMuon + CautiousAdam every other step; aurora_normuon: the same "
                                   "with Aurora's polar on the MLP matrices (docs/METHODS.md §3)",
                         choices=("aurora", "muon", "adamw", "normuon", "aurora_normuon"))
-    matrix_lr: float = _f(0.05, "Aurora/Muon lr")
-    matrix_wd: float = _f(0.025, "Aurora/Muon decoupled weight decay (scaled by lr)")
-    momentum: float = _f(0.95, "Aurora/Muon momentum (after warmup)")
+    matrix_lr: float = _f(AURORA["lr"], "Aurora/Muon lr")
+    matrix_wd: float = _f(AURORA["weight_decay"], "Aurora/Muon decoupled weight decay (scaled by lr)")
+    momentum: float = _f(AURORA["momentum"], "Aurora/Muon momentum (after warmup)")
     momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
     momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start linearly over the last this-many "
                                          "steps (record #39; 0 = none)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
-    ns: str = _f("polar_express", "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
+    ns: str = _f(AURORA["ns"], "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
     ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
                        "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
-    pp_iterations: int = _f(2, "Aurora row-equalization rounds K (ignored by --optimizer muon, which uses 0)")
-    pp_beta: float = _f(0.5, "Aurora row-scale exponent beta")
+    pp_iterations: int = _f(AURORA["pp_iterations"], "Aurora row-equalization rounds K (--optimizer muon: 0)")
+    pp_beta: float = _f(AURORA["pp_beta"], "Aurora row-scale exponent beta")
     adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw", low=0)
     adamw_wd: float = _f(0.0, "weight decay of the block matrices with --optimizer adamw", low=0)
     embed_lr: float = _f(0.6, "Adam lr of the token embedding", low=0)
