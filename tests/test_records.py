@@ -1353,3 +1353,19 @@ def test_runs_of_other_code_are_not_pooled(tmp_path):
     write_text(alone / "b.txt", "".join(lines[:start] + lines[start + 1 + n:]))
     groups = {r.name: r.group for r in compare.collect([str(alone)], warn=warnings.append)}
     assert groups["b"] == "alone [code aurora_opt.py <missing>]" and "differ in code aurora_opt.py" in warnings[-1]
+
+
+def test_tools_find_the_repository_one_way():
+    """Every tool's sys.path set-up is the root line (then ``_paths`` for data/, records/, bench/), nothing else."""
+    root_line = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
+    tools = glob.glob(os.path.join(REPO, "bench", "*.py")) + glob.glob(os.path.join(RECORDS, "*.py"))
+    setups = {}
+    for path in tools + [os.path.join(REPO, "sample.py")]:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if re.search(r"sys\.path\.(insert|append)|sys\.path\[", line) and "sys.argv" not in line:
+                    setups.setdefault(os.path.relpath(path, REPO), []).append(line.split("#")[0].strip())
+    assert setups, "no tool sets up sys.path: the scan is broken"
+    odd = {p: lines for p, lines in setups.items()
+           if any(line not in (root_line, "sys.path.insert(0, root)") for line in lines)}
+    assert not odd, odd
