@@ -253,6 +253,12 @@ RECORD89_STAGES = ((1 / 3, 1, 896, (1, 3), 1.0, 0),
                    (1 / 3, 3, 2048, (5, 11), 1.73, 2))
 RECORD89_EXTENSION_BLOCKS = (6, 13)
 RECORD89_FINAL_LONG_BLOCKS = 20
+# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
+# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
+# prefix column (record #88: .25, .25 -> 0, 0). The extension stage uses the last row.
+OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
+                     ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
+                     ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
 
 
 def record89_stages(cfg):
@@ -1096,14 +1102,6 @@ def prefix_token_table(vocab_size, path=harness.GPT2_ENCODER_JSON):
         if i < vocab_size:
             table[i] = next((ids[b[:n]] for n in range(len(b) - 1, 0, -1) if b[:n] in ids), IGNORE_INDEX)
     return torch.tensor(table, dtype=torch.int64)
-
-
-# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
-# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
-# prefix column (record #88: .25, .25 -> 0, 0). The extension stage uses the last row.
-OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
-                     ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
-                     ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
 
 
 def objective_targets(targets, prefix_table=None, n_predict=3):
