@@ -1050,19 +1050,14 @@ def check_commands(spec):
 
 
 def machine_line():
+    """``N-core CPU (model), torch X, Python Y`` for the report (the CPU model: ``harness.cpu_model``)."""
     import platform
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
     try:
         import torch
         tv = torch.__version__
     except ImportError:
         tv = "?"
-    return f"{os.cpu_count()}-core CPU ({cpu or platform.machine()}), torch {tv}, Python {platform.python_version()}"
+    return f"{os.cpu_count()}-core CPU ({harness.cpu_model()}), torch {tv}, Python {platform.python_version()}"
 
 
 def parse_args(argv=None):
