@@ -1135,6 +1135,14 @@ def make_loader(cfg, schedule, stream, rt):
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
+def with_initial_lr(opts):
+    """Record every group's ``initial_lr`` (what the stage table's lr scale multiplies); returns ``opts``."""
+    for opt in opts:
+        for g in opt.param_groups:
+            g["initial_lr"] = g["lr"]
+    return opts
+
+
 def build_optimizers(model, cfg, compile=False):
     """Aurora/Muon (or AdamW) on the "matrix" parameters, Adam on the rest, by their ``route`` tags; every group
     keeps its ``initial_lr`` for the schedule. An untagged parameter is a ConfigError naming it."""
@@ -1163,10 +1171,7 @@ def build_optimizers(model, cfg, compile=False):
     else:
         opts.append(torch.optim.AdamW([p for _, p in matrices], lr=cfg.adamw_lr, betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=cfg.adamw_wd, fused=cuda))
-    for opt in opts:
-        for g in opt.param_groups:
-            g["initial_lr"] = g["lr"]
-    return opts
+    return with_initial_lr(opts)
 
 
 def build_record89_optimizers(model, cfg, compile=False):
@@ -1189,10 +1194,7 @@ def build_record89_optimizers(model, cfg, compile=False):
     roles = dict(embed=[model.embed.weight], lm_head=[model.lm_head.weight],
                  value_embeds=[t.weight for t in model.value_embeds], scalars=scalars)
     opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
-    for opt in opts:
-        for g in opt.param_groups:
-            g["initial_lr"] = g["lr"]
-    return opts
+    return with_initial_lr(opts)
 
 
 @torch.no_grad()
