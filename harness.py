@@ -956,7 +956,7 @@ def log_summary(run, end_step, compile_ms):
              f"compile_time:{compile_ms:.0f}ms")
 
 
-def finish(run, end_step, stopped_at, compile_ms, graphs_before):
+def run_outcome(run, end_step, stopped_at, compile_ms, graphs_before):
     """Log the end of a run's loop and return its ``(status, reason)`` for ``main``.
 
     Args:

@@ -1520,7 +1520,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
     graphs_before = compiled_graphs() if rt.compile else 0
     stopped_at = training_loop(run, start_step, end_step)
-    return harness.finish(run, end_step, stopped_at, compile_ms, graphs_before)
+    return harness.run_outcome(run, end_step, stopped_at, compile_ms, graphs_before)
 
 
 def plan(cfg):
