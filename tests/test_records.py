@@ -572,7 +572,7 @@ def test_verify_says_truncated_not_edited(fresh, tmp_path):
         assert "edited after the run" not in proc.stdout
         assert f"FAIL snapshot: the log is truncated: the header of aurora_opt.py (log line {start + 1}) " \
                f"{promised}" in proc.stdout, proc.stdout
-        assert "train_gpt.py equal to the log's snapshot" in proc.stdout  # the complete file is still checked
+        assert "train_gpt.py, kernels.py equal to the log's snapshot" in proc.stdout  # the complete files: checked
         assert "aurora_opt.py line" not in proc.stdout  # the cut copy is not diffed against the tree
     # cut right after the snapshot: no separator and no run
     write_text(tmp_path / "no_run.txt", "".join(lines[:start + 1 + n]))
