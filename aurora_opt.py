@@ -1,31 +1,22 @@
 """Aurora and Muon: orthogonalizing optimizers for the 2-D weight matrices of a Transformer.
 
-Muon (K. Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/) replaces the
-momentum update U of a matrix by its polar factor polar(U) = U (U^T U)^{-1/2}, computed
-with a few Newton-Schulz iterations in bfloat16 (float32 on a CPU: ``Aurora``'s ``ns_dtype``).
-Aurora (Tilde Research, 2026, "Aurora: A Leverage-Aware Spectral Optimizer", arXiv
-2606.27715) keeps the update (nearly)
-orthogonal but also equalizes its row norms on non-square matrices, so that no row (an
-MLP neuron) gets a much larger update than the others. On a square matrix Aurora is Muon;
-with ``pp_iterations=0`` it is Muon everywhere.
-
-This file has no dependency on train_gpt.py. Public API:
-
-* ``polar(U, ns)``: approximate polar factor of ``[..., m, n]`` matrices.
-* ``aurora_direction(U, pp_iterations, pp_beta, ns, eps)``: Aurora's update direction.
-* ``Aurora``: the optimizer (a ``torch.optim.Optimizer``), sharded across processes
-  when ``torch.distributed`` is initialized.
-* ``ns_dtype_on(device, ns_dtype)``: the Newton-Schulz dtype Aurora uses on a device.
-* ``equalized_polar(U, ...)``: Aurora's direction without the shape scale (plain polar at K = 0).
-* ``NorMuon``: modded-nanogpt record #89's NorMuon (docs/METHODS.md §3), an ``Aurora`` subclass
-  with the same sharding; a group's ``pp_iterations`` >= 1 gives Aurora's polar + NorMuon.
-* ``CautiousAdam``: record #89's Adam, cautious decay, updating every other ``step()`` call.
-* ``normuon_normalize``, ``cautious_update_``, ``normuon_finish_``: NorMuon's elementwise pieces.
+Muon (K. Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/) replaces a matrix's
+momentum update U by its polar factor U (U^T U)^{-1/2}, by a few Newton-Schulz iterations.
+Aurora (Tilde Research, 2026, arXiv 2606.27715) also equalizes the row norms of non-square
+updates, so no MLP neuron gets a much larger update than the others; on a square matrix, or
+with ``pp_iterations=0``, it is Muon. ``NorMuon`` and ``CautiousAdam`` are modded-nanogpt record
+#89's optimizers (docs/METHODS.md §2-§3). Nothing here imports train_gpt.py.
 """
 import math
 
 import torch
 import torch.distributed as dist
+
+# Aurora's defaults, defined here once (train_gpt.Config reads them): lr, decoupled weight decay and
+# momentum of Muon in record #21 (2025-01-26); K rounds of row equalization with exponent beta (arXiv
+# 2606.27715); the Newton-Schulz variant; the row-norm floor.
+DEFAULTS = dict(lr=0.05, weight_decay=0.025, momentum=0.95, pp_iterations=2, pp_beta=0.5, ns="polar_express",
+                eps=1e-7)
 
 # Newton-Schulz iterations X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per step.
 NS_COEFFICIENTS = {
@@ -49,24 +40,10 @@ NS_COEFFICIENTS = {
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 
-def polar(U, ns="polar_express", dtype=torch.bfloat16):
-    """Approximate polar factor (nearest semi-orthogonal matrix) by Newton-Schulz.
+def polar(U, ns=DEFAULTS["ns"], dtype=torch.bfloat16):
+    """Approximate polar factor of ``[..., m, n]`` matrices by Newton-Schulz in ``dtype``; ``U``'s shape and dtype.
 
-    Args:
-        U: ``[..., m, n]`` float tensor; leading dims are a batch of independent matrices.
-        ns: iteration, one of ``NS_COEFFICIENTS`` (``quintic5``, ``simple12``, ``polar_express``).
-        dtype: dtype of the iteration (bfloat16 by default, as in Muon; float64 for references).
-
-    Returns:
-        ``[..., m, n]`` tensor in ``U``'s dtype whose singular values are near 1 (how near
-        depends on ``ns``). A zero matrix gives a zero matrix.
-
-    Raises:
-        ValueError: ``U`` has fewer than 2 dims, or ``ns`` is unknown.
-
-    Each matrix is first divided by its Frobenius norm (``1.02 * norm + 1e-6`` for Polar
-    Express, ``norm + 1e-7`` otherwise) so all singular values start in (0, 1]. The
-    iteration runs on the wide orientation (``X X^T`` is the small ``min(m, n)`` square).
+    Singular values end near 1 (how near depends on ``ns``); zero stays zero. ValueError for a bad shape or ``ns``.
     """
     if U.ndim < 2:
         raise ValueError(f"polar: expected a [..., m, n] tensor, got shape {tuple(U.shape)}")
@@ -75,7 +52,7 @@ def polar(U, ns="polar_express", dtype=torch.bfloat16):
     tall = U.size(-2) > U.size(-1)
     X = U.mT if tall else U
     X = X.to(torch.promote_types(X.dtype, torch.float32))  # normalize in >= float32
-    norm = X.norm(dim=(-2, -1), keepdim=True)
+    norm = X.norm(dim=(-2, -1), keepdim=True)  # singular values start in (0, 1]; X X^T is the small square
     X = (X / (1.02 * norm + 1e-6) if ns == "polar_express" else X / (norm + 1e-7)).to(dtype)
     for a, b, c in NS_COEFFICIENTS[ns]:
         A = X @ X.mT
@@ -84,12 +61,12 @@ def polar(U, ns="polar_express", dtype=torch.bfloat16):
     return (X.mT if tall else X).to(U.dtype)
 
 
-def equalized_polar(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, dtype=torch.bfloat16):
-    """Aurora's row-equalized polar factor of ``[..., m, n]`` matrices, without a shape scale.
+def equalized_polar(U, pp_iterations=DEFAULTS["pp_iterations"], pp_beta=DEFAULTS["pp_beta"], ns=DEFAULTS["ns"],
+                    eps=DEFAULTS["eps"], dtype=torch.bfloat16):
+    """Aurora's row-equalized polar factor of ``[..., m, n]`` without the shape scale, float32 (float64 if ``U`` is).
 
-    Returns float32 (float64 if ``U`` is) ``[..., m, n]``: ``polar(U)`` when ``pp_iterations`` is 0
-    or the matrix is square, else the (nearly) semi-orthogonal matrix whose rows in the tall
-    orientation have near-equal norms (``aurora_direction`` documents the arguments and algorithm).
+    Tall orientation M > N: ``D = 1/max(|row_i(U)|, eps)``; K times ``P = polar(diag(D) U)``, between
+    rounds ``D *= ((N/M) / max(|row_i(P)|^2, eps^2)) ** beta``. Square or K = 0: ``polar(U)``.
     """
     m, n = U.shape[-2:]
     U = U if U.dtype == torch.float64 else U.float()
@@ -107,43 +84,26 @@ def equalized_polar(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-
     return P if tall else P.mT
 
 
-def aurora_direction(U, pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, dtype=torch.bfloat16):
-    """Aurora's update direction O for a momentum matrix U (docs/METHODS.md §2).
+def aurora_direction(U, pp_iterations=DEFAULTS["pp_iterations"], pp_beta=DEFAULTS["pp_beta"], ns=DEFAULTS["ns"],
+                     eps=DEFAULTS["eps"], dtype=torch.bfloat16):
+    """Aurora's direction for momentum ``[..., m, n]`` (docs/METHODS.md §2): ``equalized_polar(U) sqrt(max(1, m/n))``.
 
-    Args:
-        U: ``[..., m, n]`` float tensor (a batch of same-shape matrices is fine).
-        pp_iterations: K, rounds of row scaling + polar; 0 gives plain Muon.
-        pp_beta: exponent of the row-scale correction (0.5 by default).
-        ns: Newton-Schulz variant used for each polar factor (see ``polar``).
-        eps: floor on row norms (and ``eps**2`` on squared row norms).
-        dtype: dtype of the Newton-Schulz iterations (float64 for reference checks).
-
-    Returns:
-        float32 (float64 if ``U`` is) ``[..., m, n]``: the (nearly) semi-orthogonal direction, multiplied by
-        ``sqrt(max(1, m / n))``. For a tall (or transposed wide) matrix with ``K >= 1`` its
-        rows have near-equal norms; a square matrix, or ``K = 0``, gives Muon's ``polar(U)``.
-
-    The hyperparameters are not checked here (this runs every step, possibly compiled):
-    ``Aurora``'s constructor checks them with ``check_hparams``.
-
-    Algorithm (tall orientation M > N, float32 outside the polar iterations):
-    ``D = 1/max(|row_i(U)|, eps)``; for k = 1..K: ``P = polar(diag(D) U)``; if k < K:
-    ``D *= ((N/M) / max(|row_i(P)|^2, eps^2)) ** beta``. The result is P.
+    Unchecked (it runs every step, maybe compiled): ``Aurora``'s constructor checks the hyperparameters.
     """
     m, n = U.shape[-2:]
     return equalized_polar(U, pp_iterations, pp_beta, ns, eps, dtype) * math.sqrt(max(1.0, m / n))
 
 
 def ns_dtype_on(device, ns_dtype=None):
-    """The Newton-Schulz dtype ``Aurora`` uses on ``device``: ``ns_dtype``, else bfloat16 on CUDA
-    (as Muon) and float32 elsewhere (CPUs emulate bfloat16 matmuls, dozens of times slower)."""
+    """Newton-Schulz dtype on ``device``: ``ns_dtype``, else bfloat16 on CUDA (as Muon), float32 elsewhere."""
     if ns_dtype is not None:
         return ns_dtype
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # CPUs emulate bf16 matmuls: ~68x slower
 
 
-def check_hparams(lr=0.05, weight_decay=0.025, momentum=0.95, ns="polar_express", pp_iterations=2,
-                  pp_beta=0.5, eps=1e-7):
+def check_hparams(lr=DEFAULTS["lr"], weight_decay=DEFAULTS["weight_decay"], momentum=DEFAULTS["momentum"],
+                  ns=DEFAULTS["ns"], pp_iterations=DEFAULTS["pp_iterations"], pp_beta=DEFAULTS["pp_beta"],
+                  eps=DEFAULTS["eps"]):
     """Raise ValueError for a value Aurora cannot use; the message starts with the argument's name."""
     if not lr >= 0:
         raise ValueError(f"lr must be >= 0 (got {lr!r})")
@@ -162,36 +122,17 @@ def check_hparams(lr=0.05, weight_decay=0.025, momentum=0.95, ns="polar_express"
 
 
 class Aurora(torch.optim.Optimizer):
-    """Aurora (arXiv 2606.27715) / Muon for 2-D weight matrices, sharded over processes.
+    """Aurora (arXiv 2606.27715) / Muon for 2-D matrices (param groups may carry ``names`` for messages).
 
-    Per matrix W (m x n) with gradient G: ``M <- mu M + (1 - mu) G``; ``U = (1 - mu) G + mu M``
-    with Nesterov (else ``U = M``); ``O = aurora_direction(U)``;
-    ``W <- W (1 - lr wd) - lr O``. Same-shape matrices are orthogonalized as one batched
-    ``[k, m, n]`` call. When ``torch.distributed`` is initialized with world size W, each
-    shape's list of k matrices is padded to a multiple of W and cut into W equal chunks;
-    rank r orthogonalizes chunk r only, then the directions are all-gathered, so every
-    rank applies identical updates. Gradients must already be identical on every rank
-    (all-reduced); the momentum buffers are kept (identically) on every rank.
-
-    Args:
-        params: 2-D parameters, or param groups (dicts). A group may carry ``names``, a list
-            of the parameters' names in the model, used in error messages.
-        lr: learning rate (default 0.05). weight_decay: decoupled, scaled by lr (0.025).
-        momentum: mu (0.95). nesterov: Nesterov momentum (True).
-        pp_iterations: K (2); 0 = Muon. pp_beta: row-scale exponent (0.5).
-        ns: Newton-Schulz variant for ``polar`` ("polar_express"). eps: row-norm floor (1e-7).
-        compile: run the direction computation through ``torch.compile``.
-        ns_dtype: dtype of the Newton-Schulz iterations; None (default) = bfloat16 on CUDA (as
-            Muon) and float32 elsewhere: most CPUs emulate bfloat16 matmuls (a [4, 128, 128] x [4, 128, 512]
-            batch: 68x slower than float32 on a 2-core AMD EPYC), so bfloat16 would only cost time there.
-
-    Raises:
-        ValueError: a parameter is not 2-D, a hyperparameter is out of range, or ``ns_dtype``
-            is not one of None, bfloat16, float32, float64.
+    Per matrix: ``M <- mu M + (1 - mu) G``; ``U = (1 - mu) G + mu M`` (Nesterov, else M);
+    ``W <- W (1 - lr wd) - lr aurora_direction(U)``. Same-shape matrices form one ``[k, m, n]`` batch,
+    padded to a multiple of the world size and split over ranks, then all-gathered: every rank
+    applies the same update (gradients must be all-reduced already). ``ns_dtype``: ``ns_dtype_on``.
     """
 
-    def __init__(self, params, lr=0.05, weight_decay=0.025, momentum=0.95, nesterov=True,
-                 pp_iterations=2, pp_beta=0.5, ns="polar_express", eps=1e-7, compile=False, ns_dtype=None):
+    def __init__(self, params, lr=DEFAULTS["lr"], weight_decay=DEFAULTS["weight_decay"], momentum=DEFAULTS["momentum"],
+                 nesterov=True, pp_iterations=DEFAULTS["pp_iterations"], pp_beta=DEFAULTS["pp_beta"], ns=DEFAULTS["ns"],
+                 eps=DEFAULTS["eps"], compile=False, ns_dtype=None):
         check_hparams(lr, weight_decay, momentum, ns, pp_iterations, pp_beta, eps)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         pp_iterations=pp_iterations, pp_beta=pp_beta, ns=ns, eps=eps)
@@ -242,11 +183,7 @@ class Aurora(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter (a grad of None counts as zero), with no host sync.
-
-        Non-finite gradients are not checked here (that would sync every step): the caller
-        guards its loss on the device, as train_gpt.py does.
-        """
+        """One update of every parameter (a None grad counts as zero); no host sync, so no finiteness check."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,19 +228,11 @@ class Aurora(torch.optim.Optimizer):
 # NorMuon and Adam as in modded-nanogpt record #89 (2026-07-17, HEAD train_gpt.py)
 
 def normuon_normalize(O, second_moment, beta2):
-    """NorMuon's per-neuron second-moment normalization (arXiv 2510.05491; records #41, 2025-10-24, and #48).
+    """NorMuon's per-neuron normalization (arXiv 2510.05491; records #41, 2025-10-24, and #48) of ``[..., m, n]``.
 
-    Args:
-        O: ``[..., m, n]`` float32/float64 orthogonalized updates (a batch of blocks).
-        second_moment: ``[..., m, 1]`` if ``m >= n`` else ``[..., 1, n]``, same dtype; updated in place
-            to ``beta2 * s + (1 - beta2) * mean_sq`` (no bias correction, as HEAD).
-        beta2: EMA factor of the per-neuron mean square (0.9 in record #89).
-
-    Returns:
-        ``[..., m, n]``: ``O`` with each neuron divided by ``sqrt(max(s, 1e-10))``, then each block rescaled
-        to ``O``'s Frobenius norm. A neuron is a row when ``m >= n``, else a column: the larger side,
-        where the polar factor leaves uneven norms (its ``min(m, n)`` vectors on the smaller side are
-        orthonormal, so normalizing them would do nothing).
+    A neuron is a row if m >= n, else a column (the side the polar factor leaves uneven); each is divided
+    by ``sqrt(s)``, ``s`` (``[..., m, 1]`` or ``[..., 1, n]``) its mean-square EMA updated in place with
+    ``beta2`` (no bias correction, as HEAD); each block is then rescaled to ``O``'s Frobenius norm.
     """
     red = -1 if O.size(-2) >= O.size(-1) else -2  # average over the smaller side: one stat per neuron
     second_moment.lerp_(O.square().mean(dim=red, keepdim=True), 1 - beta2)
@@ -313,10 +242,9 @@ def normuon_normalize(O, second_moment, beta2):
 
 
 def cautious_update_(p, update, lr, wd):
-    """``p <- p - lr * (update + wd * [update * p >= 0] * p)``, in place (record #43, 2025-11-10, arXiv 2510.12402).
+    """``p <- p - lr (update + wd [update p >= 0] p)`` in place, in >= float32 (record #43, arXiv 2510.12402).
 
-    Decay acts only on entries where the update pushes the weight toward zero (same sign as ``p``).
-    ``p`` float32 or float64 (a bfloat16 ``p`` is updated in float32 and rounded once); ``update`` broadcastable.
+    Decay acts only where the update pushes the weight toward zero; ``update`` broadcasts to ``p``.
     """
     P = p.to(torch.promote_types(p.dtype, torch.float32))
     mask = (update * P) >= 0  # HEAD's NorMuon mask (>=; its Adam uses > 0)
@@ -325,10 +253,9 @@ def cautious_update_(p, update, lr, wd):
 
 
 def normuon_finish_(p, O, second_moment, beta2, lr_eff, wd_lr):
-    """``normuon_normalize`` (skipped when ``second_moment`` is None), then ``cautious_update_`` of ``p``.
+    """``normuon_normalize`` (unless ``second_moment`` is None), then ``cautious_update_`` of ``p`` ``[b, rows, cols]``.
 
-    ``lr_eff`` and ``wd_lr`` are floats, or 0-D float64 CPU tensors when compiled (a new lr then
-    needs no new graph, record #48's trick). ``p`` ``[b, rows, cols]``, ``O`` the same shape.
+    ``lr_eff``, ``wd_lr``: floats, or 0-D float64 CPU tensors when compiled (no new graph per lr, record #48).
     """
     if second_moment is not None:
         O = normuon_normalize(O, second_moment, beta2)
@@ -336,40 +263,18 @@ def normuon_finish_(p, O, second_moment, beta2, lr_eff, wd_lr):
 
 
 class NorMuon(Aurora):
-    """NorMuon of modded-nanogpt record #89 for hidden 2-D matrices; Aurora's direction per group on request.
+    """NorMuon of modded-nanogpt record #89 (records #41-#43, #48, #80) for hidden 2-D matrices.
 
-    Per block ``W`` (``m x n``, float32) of a matrix with gradient ``G`` (records #41-#43, #48, #80):
-    Nesterov momentum as ``Aurora``; ``O = equalized_polar(U)`` (plain Polar Express when the group's
-    ``pp_iterations`` is 0, Aurora's row-equalized polar otherwise); ``V = normuon_normalize(O)``
-    (skipped when the group's ``normalize`` is False); ``lr_eff = lr * lr_mul * sqrt(max(1, m/n))``;
-    ``W <- W - lr_eff * (V + wd * lr * [V * W >= 0] * W)`` (cautious decay, scaled by ``lr_eff * lr``
-    as HEAD: both follow the lr schedule). A matrix is cut into row blocks of ``block_rows`` rows
-    (e.g. one Q or K head pair, record #80), each orthogonalized and normalized on its own.
-
-    Sharding, batching and checks are ``Aurora``'s: blocks of equal shape (across the group's
-    matrices) are orthogonalized as one batch, split over ranks, then all-gathered; the momentum
-    and second-moment buffers stay identical on every rank. No host sync in ``step``.
-
-    Args:
-        params: 2-D parameters or param groups; a group may set any of the keyword arguments
-            below (``lr``, ``weight_decay``, ``momentum``, ``beta2``, ``lr_mul``, ``block_rows``,
-            ``pp_iterations``, ``normalize``...) and ``names``.
-        lr: base learning rate (0.023, record #89); the caller scales it by the schedule.
-        weight_decay: cautious decay factor (1.2, record #43). momentum: mu (0.95; HEAD schedules it).
-        beta2: NorMuon's EMA factor (0.9). lr_mul: the group's lr multiplier (2 on the MLP output
-            projection in HEAD). block_rows: rows per orthogonalized block, None = the whole matrix.
-        normalize: apply ``normuon_normalize`` (True). pp_iterations: 0 = NorMuon (default); K >= 1
-            uses Aurora's row-equalized polar (non-square blocks). compile: also compiles
-            ``normuon_finish_`` (one graph per block shape). Others: see ``Aurora``.
-
-    Raises:
-        ValueError: as ``Aurora``, or ``beta2`` not in [0, 1), ``lr_mul`` < 0, or ``block_rows``
-            does not divide a matrix's rows.
+    A matrix is cut into row blocks of ``block_rows`` (a Q or K head pair, record #80); per block
+    ``m x n``: momentum as ``Aurora``, ``O = equalized_polar(U)`` (Polar Express at the group's
+    ``pp_iterations`` 0, Aurora's polar otherwise), ``V = normuon_normalize(O)`` (if ``normalize``),
+    ``W <- W - lr_eff (V + wd lr [V W >= 0] W)`` with ``lr_eff = lr lr_mul sqrt(max(1, m/n))``, as HEAD.
+    Batching, sharding and checks are ``Aurora``'s; a group may set any keyword below.
     """
 
     def __init__(self, params, lr=0.023, weight_decay=1.2, momentum=0.95, beta2=0.9, lr_mul=1.0, block_rows=None,
-                 normalize=True, nesterov=True, pp_iterations=0, pp_beta=0.5, ns="polar_express", eps=1e-7,
-                 compile=False, ns_dtype=None):
+                 normalize=True, nesterov=True, pp_iterations=0, pp_beta=DEFAULTS["pp_beta"], ns=DEFAULTS["ns"],
+                 eps=DEFAULTS["eps"], compile=False, ns_dtype=None):
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          pp_iterations=pp_iterations, pp_beta=pp_beta, ns=ns, eps=eps, compile=compile,
                          ns_dtype=ns_dtype)
@@ -457,27 +362,12 @@ class NorMuon(Aurora):
 
 
 class CautiousAdam(torch.optim.Optimizer):
-    """Adam with cautious weight decay, updating every ``every``-th step on the summed gradients.
+    """Adam with cautious weight decay, updating every ``every``-th ``step()`` with the gradients summed since.
 
-    Modded-nanogpt record #89's Adam (records #39, 2025-09-30: every other step; #50, 2025-12-18:
-    cautious decay). ``step()`` is called on every training step: it adds the gradient to a buffer
-    and, on every ``every``-th call (the 2nd, 4th, ... for ``every=2``, HEAD's odd steps), updates
-    with the sum ``g`` of the gradients since the last update (HEAD keeps them in ``.grad``; the
-    buffer here lets the training loop zero its grads every step). Per parameter, ``t`` counting
-    updates: ``m <- b1 m + (1-b1) g``; ``v <- b2 v + (1-b2) g^2``;
-    ``u = lr sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps)``; ``p <- p - u - lr^2 wd [u p > 0] p``
-    (decay scaled by lr^2, as HEAD). The call count is a Python int: no host sync.
-
-    Args:
-        params: parameters or param groups; a group may set ``lr``, ``betas``, ``eps``, ``weight_decay``.
-        lr: learning rate (0.008 in record #89, times each parameter's lr multiplier; the caller
-            scales it by the schedule). betas: (b1, b2). eps: 1e-10 (HEAD).
-        weight_decay: 0.005 times the parameter's wd multiplier (0 for scalars).
-        every: update every this many calls (2, record #39); 1 = plain Adam every step.
-        compile: compile the update (``adam_finish_``, one graph per shape and betas).
-
-    Raises:
-        ValueError: lr or weight_decay < 0, a beta not in [0, 1), eps <= 0, or every < 1.
+    Record #89's Adam (records #39, 2025-09-30: every other step; #50, 2025-12-18: cautious decay):
+    ``u = lr sqrt(1-b2^t)/(1-b1^t) m/(sqrt(v)+eps)``; ``p <- p - u - lr^2 wd [u p > 0] p`` (as HEAD).
+    The sum lives in a buffer (HEAD keeps it in ``.grad``), so the loop zeroes grads every step;
+    the call count is a Python int: no host sync. Defaults: HEAD's (lr 0.008, wd 0.005, eps 1e-10).
     """
 
     def __init__(self, params, lr=0.008, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.005, every=2, compile=False):
@@ -556,11 +446,8 @@ class CautiousAdam(torch.optim.Optimizer):
 
 
 def adam_finish_(p, g, exp_avg, exp_avg_sq, b1, b2, eps, step_size, wd_lr2):
-    """One cautious Adam update of ``p`` in place (``CautiousAdam``); moments updated in place.
-
-    ``step_size = lr sqrt(1-b2^t)/(1-b1^t)`` and ``wd_lr2 = lr^2 wd`` are floats, or 0-D float64 CPU
-    tensors when compiled. ``g`` and the moments are float32 (float64 for a float64 ``p``).
-    """
+    """One cautious Adam update of ``p`` and its float32 (float64) moments in place; ``step_size`` and ``wd_lr2``
+    (lr^2 wd) are floats, or 0-D float64 CPU tensors when compiled."""
     exp_avg.lerp_(g, 1 - b1)
     exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
     u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
@@ -588,18 +475,8 @@ RECORD89_ADAM = {
 
 
 def record89_adam_groups(roles, lr=0.008, weight_decay=0.005):
-    """``CautiousAdam`` param groups with record #89's per-role betas, lr and wd (docs/METHODS.md §3).
-
-    Args:
-        roles: ``{role: [params]}`` with roles from ``RECORD89_ADAM``; empty lists are skipped.
-        lr, weight_decay: HEAD's Adam base values, multiplied by each role's multipliers.
-
-    Returns:
-        A list of group dicts (``params``, ``betas``, ``lr``, ``weight_decay``, ``role``).
-
-    Raises:
-        ValueError: an unknown role.
-    """
+    """``CautiousAdam`` groups from ``{role: [params]}`` with record #89's per-role betas and lr, wd multipliers
+    (``RECORD89_ADAM``; docs/METHODS.md §3); empty roles are skipped, an unknown one is a ValueError."""
     groups = []
     for role, params in roles.items():
         if role not in RECORD89_ADAM:
@@ -611,25 +488,12 @@ def record89_adam_groups(roles, lr=0.008, weight_decay=0.005):
     return groups
 
 
-def record89_matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations=2):
-    """``NorMuon`` param groups matching record #89's blocks and lr factors, for ``[out, in]`` matrices.
+def record89_matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations=DEFAULTS["pp_iterations"]):
+    """``NorMuon`` groups of record #89 from ``[(name, W [out, in])]``: Q and K cut into head pairs (record #80),
+    V and the attention output whole, the MLP input and output (with ``aurora``, Aurora's polar on them).
 
-    Args:
-        qk: ``[(name, W)]`` of the query and key matrices (``[n_head * head_dim, d]``), cut into head pairs.
-        vo: ``[(name, W)]`` of the value and attention output matrices (whole blocks).
-        mlp_in: ``[(name, W)]`` of the MLP input projections (``[hidden, d]``, tall).
-        mlp_out: ``[(name, W)]`` of the MLP output projections (``[d, hidden]``, wide).
-        head_dim: rows per head; a block is ``2 * head_dim`` rows (record #80).
-        aurora: use Aurora's row-equalized polar (``pp_iterations``) on the MLP matrices, the tall
-            ones in HEAD's layout (docs/METHODS.md §3); NorMuon's normalization stays on.
-
-    Returns:
-        A list of group dicts. The MLP output's ``lr_mul`` gives HEAD's total factor
-        ``2 * sqrt(hidden / d)`` (HEAD stores it as ``[hidden, d]``; here the shape factor is 1).
-
-    Raises:
-        ValueError: ``2 * head_dim`` does not divide a Q/K matrix's rows (from ``NorMuon``), or
-            the MLP output projections have different shapes.
+    The MLP output's ``lr_mul`` gives HEAD's factor ``2 sqrt(hidden / d)`` (HEAD stores it as
+    ``[hidden, d]``; here the shape factor is 1). ValueError if the MLP outputs differ in shape.
     """
     K = pp_iterations if aurora else 0
     groups = [dict(params=[w for _, w in qk], names=[n for n, _ in qk], block_rows=2 * head_dim, pp_iterations=0),

@@ -127,6 +127,38 @@ def check_shard_tokens(path, tokens, max_id):
         run_id, run_start = int(block[-1]), start + int(starts[-1])
 
 
+GPT2_ENCODER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2_bpe", "encoder.json")
+GPT2_EOT = "<|endoftext|>"
+
+
+def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
+    """The bytes of GPT-2's 50,256 ordinary tokens, read from its ``encoder.json`` (no network).
+
+    encoder.json spells each byte as one printable character: the 188 printable bytes
+    (33-126, 161-172, 174-255) as themselves, the other 68 as ``chr(256 + i)`` in byte order
+    (GPT-2's ``bytes_to_unicode``). ``<|endoftext|>`` (50256) is a special token, left out.
+
+    Args:
+        path: the encoder.json file (default: the repository's data/gpt2_bpe/encoder.json).
+
+    Returns:
+        ``{id: bytes}`` of the ordinary tokens.
+
+    Raises:
+        DataError: the file is missing or not GPT-2's encoder.json (names it and the fix).
+    """
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = sorted(set(range(256)) - set(printable))
+    char_to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    try:
+        with open(path, encoding="utf-8") as f:
+            encoder = json.load(f)
+        return {i: bytes(char_to_byte[c] for c in s) for s, i in encoder.items() if s != GPT2_EOT}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: cannot read GPT-2's encoder.json ({type(e).__name__}: {e}); "
+                        f"restore it from the repository (git checkout -- data/gpt2_bpe)") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Runtime: this process's device, rank and precision
 
@@ -184,8 +216,8 @@ class Trainer:
             other field defines the run: ``--resume`` refuses a checkpoint that differs in one).
         shape_fields: the fields that fix the shape of the weights (no ``--resume-force`` past them).
         train: ``train(cfg, rt, log, data, preset, resume, stop) -> (status, reason)``, the run.
-        plan: ``plan(cfg) -> dict(lines, flops_total, tokens_total, positions_total, steps)``: what a run would do,
-            for ``--describe`` (no data, no device).
+        plan: ``plan(cfg) -> (parameter count, stage table)``: what a run would do, for ``--describe``
+            (no data, no device); ``plan_summary`` reads the table.
         name: the program's name in messages.
     """
     config: type
@@ -473,16 +505,47 @@ def _duration(seconds):
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2g} s"
 
 
+def plan_summary(cfg, n_params, table):
+    """What a run would do, from its parameter count and stage table (``Trainer.plan``).
+
+    Args:
+        cfg: the run's Config.
+        n_params: the model's parameter count.
+        table: the stage table: ``stages`` (each with ``start``, ``end``, ``phase``, ``bag_size``,
+            ``mode``, ``batch_tokens``, ``doc_cap``, ``lr_mul``, ``raw_tokens(seq_len)``) and a row per
+            step 0..N (``stage``, ``window``, ``flops_per_position``).
+
+    Returns:
+        ``dict(lines, flops_total, tokens_total, positions_total, steps)``: lines for the model and
+        each stage (steps, positions, raw tokens read and FLOPs per step), the model FLOPs of all N
+        steps (float), the raw train tokens read and latent positions trained (ints), N.
+    """
+    N, L = cfg.num_iterations, cfg.seq_len
+    flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
+    lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
+             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+    for st in table.stages:
+        what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
+                  if cfg.stages != "flags" else "")
+        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
+                     f"{st.raw_tokens(L):,} raw tokens per step{recipe}, "
+                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
+    tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
+    positions = sum(row.stage.batch_tokens for row in table.rows[:N])
+    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
+
+
 def describe(cfg, preset, trainer):
     """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
 
-    The resolved config; the trainer's plan (``Trainer.plan``: the model, the stages, then
+    The resolved config; the trainer's plan (``plan_summary``: the model, the stages, then
     ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw train tokens
     read), ``positions_total`` (int, latent positions trained), ``steps`` (int)); then the train
     time projected from ``flops_total`` at 40% and 60% of each GPU's dense bf16 peak
     (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
     """
-    plan = trainer.plan(cfg)
+    plan = plan_summary(cfg, *trainer.plan(cfg))
     total = plan["flops_total"]
     lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
@@ -947,6 +1010,31 @@ def log_summary(run, end_step, compile_ms):
              f"compile_time:{compile_ms:.0f}ms")
 
 
+def run_outcome(run, end_step, stopped_at, compile_ms, graphs_before):
+    """Log the end of a run's loop and return its ``(status, reason)`` for ``main``.
+
+    Args:
+        run: the trainer's run (``log``, ``cfg``, ``rt``, ``progress``, ...).
+        end_step: the step the loop was to stop at.
+        stopped_at: the steps done when a signal stopped the loop, or None.
+        compile_ms: the warm-up's time.
+        graphs_before: ``compiled_graphs()`` before the loop (with --compile).
+
+    Returns:
+        ``("interrupted", why)``, ``("stopped_early", "--max-steps N")`` or ``("complete", None)``.
+    """
+    log, cfg = run.log, run.cfg
+    if stopped_at is not None:
+        log.update(**dataclasses.asdict(run.progress), steps=stopped_at)
+        return "interrupted", interrupt_reason(run, stopped_at)
+    if run.rt.compile:
+        log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
+    log_summary(run, end_step, compile_ms)
+    if end_step < cfg.num_iterations:
+        return "stopped_early", f"--max-steps {cfg.max_steps}"
+    return "complete", None
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop's clock, NaN guard and log lines (nothing here changes what a run computes)
 
@@ -1004,6 +1092,75 @@ def log_wrap(run, step):
     stream = run.loader.stream
     run.log.line(f"data: the train stream ({stream.total} tokens) wrapped around during step {step}; from "
                  f"here on tokens are read again (epoch {(run.loader.position - 1) // stream.total + 1})")
+
+
+def _progress_fields(progress):
+    return dict(tokens=progress.raw_tokens, positions=progress.positions, flops=f"{progress.flops:.3e}")
+
+
+def log_train_line(run, step, loss, scale):
+    """Log the train loss after ``step`` steps (one host sync; the NaN guard's check first).
+
+    Args:
+        run: the trainer's run (``log``, ``cfg``, ``progress``, ``guard``, ``phase_at``).
+        step: optimizer steps done.
+        loss: the last step's loss, a 0-d device tensor.
+        scale: the step's lr multiplier (a float).
+
+    Raises:
+        FloatingPointError: a loss since the last check was not finite.
+    """
+    run.guard.check()
+    value, p = loss.item(), run.progress
+    run.log.summary.setdefault("train_losses", []).append([step, value])
+    run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
+        phase=run.phase_at(step - 1), **_progress_fields(p), lr_scale=f"{scale:.4f}")))
+
+
+def log_val_line(run, step, loss, phase, loss_tst=None):
+    """Log the val loss at ``step`` and record it as the run's final one so far.
+
+    Args:
+        run: the trainer's run (``log``, ``cfg``, ``progress``).
+        step: optimizer steps done.
+        loss: the next-token val loss (a float).
+        phase: the TST phase that trained the model so far.
+        loss_tst: the phase-1 objective's val loss, or None outside phase 1.
+    """
+    extra = dict(phase=phase, **({} if loss_tst is None else dict(val_loss_tst=f"{loss_tst:.4f}")))
+    run.log.line(step_line(step, run.cfg, "val_loss", loss, run.progress.train_time_ms,
+                           dict(extra, **_progress_fields(run.progress))))
+    run.log.update(final_val_loss=loss, val_step=step)
+
+
+def log_stage(run, step):
+    """Log the first step of a stage: ``tst_switch`` when TST ends, else ``stage``.
+
+    Args:
+        run: the trainer's run (``log``, ``schedule`` with rows ``.stage``, ``progress``).
+        step: the stage's first step (> 0).
+    """
+    was, now = run.schedule[step - 1].stage, run.schedule[step].stage
+    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
+    into = "next-token" if now.phase == 2 else now.mode
+    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
+                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
+                 f"tokens:{run.progress.raw_tokens}")
+
+
+def log_model_line(run):
+    """Log the parameter count, step 0's FLOPs per position, the accumulation and the TST stages.
+
+    Args:
+        run: the trainer's run (``log``, ``cfg``, ``rt``, ``model``, ``schedule``).
+    """
+    cfg, rt = run.cfg, run.rt
+    n_params = sum(p.numel() for p in run.model.parameters())
+    tst = ", ".join(f"{st.mode} s={st.bag_size} for steps [{st.start}, {st.end})"
+                    for st in run.schedule.stages if st.phase == 1) or "off"
+    run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
+                 f"position at step 0; "
+                 f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
 
 
 def compiled_graphs():

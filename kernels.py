@@ -1,9 +1,7 @@
-"""Fast paths of the speedrun, beside train_gpt.py: the fused losses, FP8 matmuls, the bucketed
-gradient all-reduce. Every log snapshots this file with the trainer (harness.SOURCE_FILES).
+"""Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce.
 
-Each piece is exact math with a float64 reference test (tests/test_objectives.py, test_fp8.py,
-test_grad_allreduce.py); the trainer calls them, they import nothing from it. Record numbers
-refer to modded-nanogpt's record table.
+Each is exact math with a float64 reference test (tests/test_objectives.py, test_fp8.py,
+test_grad_allreduce.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
 """
 import math
 import weakref
@@ -24,11 +22,7 @@ E5M2_MAX = torch.finfo(torch.float8_e5m2).max    # 57344
 
 
 def fp8_unavailable_reason(device):
-    """Why ``--fp8`` cannot run on ``device`` (a ``torch.device`` or string), or None if it can.
-
-    FP8 tensor-core matmuls (``torch._scaled_mm``) need CUDA compute capability 8.9 or newer
-    (Ada, Hopper, Blackwell). The harness logs the reason and runs in bf16.
-    """
+    """Why ``--fp8`` cannot run on ``device`` (``torch._scaled_mm`` needs CUDA capability 8.9+), or None."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"fp8 matmuls need a CUDA GPU (device is {device.type}); running without fp8"
@@ -40,32 +34,19 @@ def fp8_unavailable_reason(device):
 
 
 def fp8_scale(t, fp8_max=E4M3_MAX):
-    """Per-tensor scale ``amax(|t|) / fp8_max``: float32 0-d, on t's device (no host sync).
-
-    ``t / scale`` then spans the format's range. Current scaling of every operand, as record #84
-    scales the up-projection's input; the records' other scales are static or delayed (see
-    ``fp8_linear``).
-    """
+    """Current per-tensor scale ``amax(|t|) / fp8_max``, float32 0-d on t's device (no sync; record #84's scaling)."""
     return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
 
 
 def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
-    """``t / scale`` saturated to the format's max (448 for e4m3, 57344 for e5m2), rounded to ``dtype``.
-
-    Rounding is torch's conversion (round to nearest even); the clamp makes overflow saturate on
-    every backend (the records' Triton quantizer clamps to 448 the same way) instead of NaN.
-    """
+    """``t / scale`` saturated to ``dtype``'s max (no NaN on overflow, as the records), rounded to nearest."""
     limit = torch.finfo(dtype).max
     return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
 
 
 def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
-    """``(a * a_scale) @ (b * b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` (R = reduction) -> ``[M, N]``.
-
-    CUDA: ``torch._scaled_mm`` (row-major a, column-major b: ``b.t()`` of a contiguous b).
-    ``emulate``: the same product in ``out_dtype`` from the fp8 values (exact products; sums
-    rounded in ``out_dtype``), for CPU tests of the scaling math.
-    """
+    """``(a a_scale) @ (b b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` -> ``[M, N]`` by ``torch._scaled_mm``;
+    ``emulate``: the same product in ``out_dtype`` from the fp8 values (the CPU tests' path)."""
     if emulate:
         return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
     return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
@@ -108,16 +89,11 @@ class _FP8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x, weight, fp8_grad=False, emulate=False):
-    """``F.linear(x, weight)`` (no bias) as an FP8 matmul: x ``[..., in]``, weight ``[out, in]``.
+    """``F.linear(x [..., in], weight [out, in])``, both in e4m3 at current scales, bf16 out (records #21, #84, #89).
 
-    Forward: x and weight each scaled by their current ``amax / 448`` (``fp8_scale``), saturated
-    and rounded to float8_e4m3fn, multiplied with fast accumulation; bf16 out on CUDA. Backward
-    with ``fp8_grad`` (the LM head, record #21): the output gradient scaled by its amax into
-    float8_e5m2, ``dx`` from the e4m3 weight (bf16), ``dW`` from the e4m3 input (float32).
-    Without it (the MLP, records #84 and #89): ``dx``, ``dW`` from the unquantized x and weight.
-    ``emulate``: the same scales and roundings, products in float32 (float64 for float64 x):
-    the CPU path of the tests. Record #89's delayed scaling of the down-projection (the previous
-    step's amax, so no extra pass) is not ported: every scale here is current.
+    ``fp8_grad`` (the LM head, record #21): the output gradient in e5m2, dx and dW from the e4m3
+    copies; else (the MLP) dx, dW in bf16. Record #89's delayed scaling is not ported: every scale
+    is current. ``emulate``: the same roundings, products in float32 (float64), for CPU tests.
     """
     y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
     return y.view(*x.shape[:-1], weight.size(0))
@@ -136,13 +112,10 @@ def fp8_active(on, x, weight):
 
 
 class _MCELossSum(torch.autograd.Function):
-    """Sum over valid (position, label) pairs of ``logsumexp(z) - z[y]``, with a fused backward.
+    """Sum over valid (position, label) of ``logsumexp(z) - z[y]``, ``z = c tanh(x / c)`` (c = 0: x).
 
-    ``z = c * tanh(x / c)`` for a softcap ``c > 0``, else ``z = x``. The backward writes one
-    ``[N, V]`` tensor, ``c_i * softmax(z_i)`` minus 1 at each valid label (``c_i`` = valid labels
-    of position i), times ``1 - tanh^2`` under a softcap, instead of autograd's separate
-    logsumexp, gather and tanh gradients: the memory of plain cross-entropy for any s, and
-    fewer passes over the ``[N, V]`` logits (they dominate a small model's step on a CPU).
+    The fused backward writes one ``[N, V]`` tensor, ``(c_i softmax(z_i) - onehots) dz/dx``: the
+    memory of plain cross-entropy for any s, and fewer passes over the logits than autograd's.
     """
 
     @staticmethod
@@ -171,23 +144,11 @@ class _MCELossSum(torch.autograd.Function):
 
 
 def mce_loss(logits, targets, reduction="mean", softcap=0.0):
-    """Multi-hot cross-entropy (MCE) of TST; plain cross-entropy when s = 1.
+    """TST's multi-hot cross-entropy (plain CE when s = 1): float32 (float64) mean or sum over valid labels.
 
-    Args:
-        logits: float ``[..., V]`` (computed in float32; float64 stays float64).
-        targets: int64 ``[..., s]``; ``-100`` marks a label to ignore. Repeated ids count each time.
-        reduction: ``"mean"`` (over valid (position, label) pairs; 0 if none) or ``"sum"``.
-        softcap: c > 0 scores ``z = c * tanh(logits / c)`` (inside the fused loss); 0 = no cap.
-
-    Returns:
-        float32 scalar (float64 for float64 logits): the mean (or sum) of ``logsumexp(z) - z[y]``
-        over valid pairs. Per position with all s labels this is ``lse(z) - (1/s) sum_k z[y_k]`` (averaged), whose
-        gradient in z is ``softmax(z) - (1/s) sum_k onehot(y_k)``. One logsumexp per position and
-        an s-wide gather: no ``[..., s, V]`` tensor is ever built, forward or backward.
-
-    Raises:
-        ValueError: unknown reduction, a softcap that is not a finite number >= 0, or
-            logits/targets leading shapes differ.
+    ``logits`` ``[..., V]``, ``targets`` int64 ``[..., s]`` (-100 ignored, repeats count each time),
+    ``softcap`` c > 0 scores ``c tanh(x / c)``. Gradient ``softmax(z) - (1/s) sum_k onehot(y_k)`` per
+    position; no ``[..., s, V]`` tensor is built. ValueError for a bad reduction, cap or shape.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -214,11 +175,8 @@ SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-1
 
 
 def _cap_(x, cap, softcap):
-    """Cap float ``x`` in place: returns ``(u, a)``, ``u`` being ``x`` overwritten, with capped logits ``z = a u``.
-
-    ``none``: u = x, a = 1. ``tanh``: u = tanh(x / c), a = c (Gemma 2's cap).
-    ``sigmoid``: u = sigmoid((x + B) / C), a = A (record #54, 2025-12-26).
-    """
+    """Cap ``x`` in place: ``(u, a)`` with capped logits ``a u``: none (x, 1), tanh (tanh(x / c), c: Gemma 2),
+    sigmoid (sigmoid((x + B) / C), A: record #54, 2025-12-26)."""
     if cap == "tanh":
         return x.div_(softcap).tanh_(), softcap
     if cap == "sigmoid":
@@ -246,17 +204,11 @@ def _softmax_times_slope(x, lse, scale, cap, softcap):
 
 
 class _MultiTargetLossSum(torch.autograd.Function):
-    """Sum over positions n and valid targets j of ``w_j * (logsumexp(z_n) - z_n[y_nj])``.
+    """Sum over positions n and valid targets j of ``w_j (logsumexp(z_n) - z_n[y_nj])``, in chunks of positions.
 
-    Forward: one logsumexp per position, chunk by chunk (two float32 ``[chunk, V]``
-    temporaries), and a ``[N, J]`` gather. Backward recomputes ``softmax(z)`` from the saved
-    logits rather than keeping a gradient from the forward: the saved logits cost the same
-    memory, and the logits are then read twice and the gradient written once (a stored gradient
-    would be written, read and written again to apply the incoming scale). The gradient, one
-    ``[N, V]`` tensor in the logits' dtype, is ``dz/dx * (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``
-    with ``W_n`` the weight of position n's valid targets; its J target columns are then
-    overwritten with their exact value computed on the ``[N, J]`` gather (a column hit twice
-    gets the same value twice).
+    The backward recomputes softmax from the saved logits (same memory as a stored gradient, one
+    pass fewer) into one ``[N, V]`` tensor, ``dz/dx (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``,
+    then overwrites the J target columns with their exact value from the ``[N, J]`` gather.
     """
 
     @staticmethod
@@ -299,31 +251,13 @@ class _MultiTargetLossSum(torch.autograd.Function):
 
 
 def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=LOSS_CHUNK):
-    """Weighted sum of cross-entropies of several targets per position over one capped softmax.
+    """``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])`` over one capped softmax: float32 (float64), a *sum*.
 
-    Args:
-        logits: float ``[..., V]``, the head's output (bf16 on a GPU; float32/float64 here);
-            never upcast as a whole: float32 (float64 stays float64) chunks of ``chunk`` positions.
-        targets: int64 ``[..., J]``; ``IGNORE_INDEX`` (-100) marks an absent label. Repeated ids
-            count each time.
-        weights: float tensor ``[J]``, weight of target column j (a tensor, so a weight schedule
-            changes no compiled graph; 0 turns a column off).
-        cap: ``"none"``, ``"tanh"`` (``z = softcap * tanh(x / softcap)``) or ``"sigmoid"``
-            (``z = 23 sigmoid((x + 5) / 7.5)``, record #54, 2025-12-26).
-        softcap: c > 0 of the tanh cap (unused by the others).
-        chunk: positions per chunk (``LOSS_CHUNK``).
-
-    Returns:
-        float32 scalar (float64 for float64 logits): ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``,
-        a *sum*. The caller divides by a global count: today's MCE (``weights`` all 1) by the
-        number of valid labels, as ``mce_loss``; next-token training with multi-token and prefix
-        columns by the number of valid column-0 labels, the extra columns weighing on top of the
-        next-token term as in modded-nanogpt HEAD (which sums the per-position losses unnormalized).
-        Gradient memory: one ``[..., V]`` tensor in the logits' dtype whatever J.
-
-    Raises:
-        ValueError: unknown cap, a tanh softcap that is not a finite number > 0, a chunk < 1,
-            or shapes that do not match.
+    ``logits`` ``[..., V]`` (bf16 on a GPU; upcast in chunks of ``chunk`` positions, never whole),
+    ``targets`` int64 ``[..., J]`` (-100 absent), ``weights`` ``[J]`` (a tensor: a weight schedule
+    compiles no new graph), ``cap`` none / tanh (``softcap``) / sigmoid (record #54). The caller
+    divides by a global count (valid column-0 labels: extra columns weigh on top, as HEAD). Gradient
+    memory: one ``[..., V]`` whatever J. ValueError for a bad cap, softcap, chunk or shape.
     """
     if cap not in LOGIT_CAPS:
         raise ValueError(f"cap must be one of {', '.join(LOGIT_CAPS)}, got {cap!r}")
@@ -343,17 +277,9 @@ GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's
 
 
 class GradBuckets:
-    """Gradient all-reduce in buckets, each started as soon as its gradients are final.
-
-    The parameters, in reverse order (the order the backward finishes them), are cut into
-    buckets of about ``cap_bytes`` (by dtype and device), each with one flat buffer allocated
-    here, once. ``hooks()`` arms, for one backward, a post-accumulate-grad hook per parameter:
-    when the last gradient of a bucket has been accumulated, the bucket is copied into its
-    buffer and summed over processes asynchronously while the backward goes on (PyTorch DDP's
-    bucketing, Li et al. 2020, arXiv 2006.15704). ``finish()`` starts what is left, waits, and
-    copies the sums back into ``.grad``. A compiled model's backward is one autograd node per
-    graph, so there the buckets start together when that node is done: fewer, larger
-    collectives, but little overlap.
+    """Gradient all-reduce in buckets of ``cap_bytes``, each started once its gradients are final (PyTorch DDP's
+    bucketing, arXiv 2006.15704): parameters in reverse order, one flat buffer per bucket allocated once.
+    Under torch.compile the backward is one node per graph: the buckets then start together.
     """
 
     def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):

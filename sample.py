@@ -30,8 +30,8 @@ import torch
 from harness import ConfigError, load_checkpoint
 from train_gpt import EOT_TOKEN, GPT, Config, Schedule
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
-from tokenize_text import TokenizeError, load_encoder  # noqa: E402  (data/ is not a package)
+import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
+from tokenize_text import TokenizeError, load_encoder  # noqa: E402
 
 GPT2_VOCAB = EOT_TOKEN + 1  # ids 0..50256 are GPT-2's; rows above are padding to a multiple of 128
 

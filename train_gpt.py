@@ -1,10 +1,8 @@
 """Train a GPT on FineWeb (GPT-2 tokens) to 3.28 val loss, fast: Aurora + Token-Superposition Training.
 
-Read top to bottom, this file is the speedrun: config and the stage table, data, model, TST,
-optimizers, eval, and last the training loop. The CLI, checkpoints, the run log and signals are
-in harness.py; the optimizer in aurora_opt.py; every log snapshots all three. One GPU (gradient
-accumulation) or ``torchrun`` on many; CPU for tests and smoke runs. The exact math of TST and
-Aurora is in docs/METHODS.md.
+Top to bottom: config and the stage table, data, model, TST, optimizers, eval, the training loop.
+The CLI, checkpoints, run log and signals are in harness.py, the optimizers in aurora_opt.py, the
+fused kernels in kernels.py (every log snapshots all four); the math is in docs/METHODS.md.
 
     python train_gpt.py --preset record_h200                                   # one GPU
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
@@ -12,12 +10,10 @@ Aurora is in docs/METHODS.md.
 """
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -32,17 +28,17 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import harness
 from kernels import (IGNORE_INDEX, SIGMOID_CAP, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets,
                      mce_loss, multi_target_loss, upcast)
-from aurora_opt import NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups, record89_matrix_groups
+from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
+                        record89_matrix_groups)
 from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
-                     log_wrap, read_shard_header, step_line)
+                     log_wrap, read_shard_header)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
 
 
 def _f(default, help, **kw):
-    """A config field: its default, its --help text, optional ``choices`` and bounds (``low``, ``high``:
-    the value must be >= low, and < high; harness.validate_config checks them)."""
+    """A config field: default, --help text, optional ``choices`` and bounds low <= value < high."""
     return field(default=default, metadata=dict(help=help, **kw))
 
 
@@ -150,19 +146,19 @@ class Config:
                                   "record #89's NorMuon + CautiousAdam every other step; aurora_normuon: the same "
                                   "with Aurora's polar on the MLP matrices (docs/METHODS.md §3)",
                         choices=("aurora", "muon", "adamw", "normuon", "aurora_normuon"))
-    matrix_lr: float = _f(0.05, "Aurora/Muon lr")
-    matrix_wd: float = _f(0.025, "Aurora/Muon decoupled weight decay (scaled by lr)")
-    momentum: float = _f(0.95, "Aurora/Muon momentum (after warmup)")
+    matrix_lr: float = _f(AURORA["lr"], "Aurora/Muon lr")
+    matrix_wd: float = _f(AURORA["weight_decay"], "Aurora/Muon decoupled weight decay (scaled by lr)")
+    momentum: float = _f(AURORA["momentum"], "Aurora/Muon momentum (after warmup)")
     momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
     momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start linearly over the last this-many "
                                          "steps (record #39; 0 = none)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
-    ns: str = _f("polar_express", "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
+    ns: str = _f(AURORA["ns"], "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
     ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
                        "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
-    pp_iterations: int = _f(2, "Aurora row-equalization rounds K (ignored by --optimizer muon, which uses 0)")
-    pp_beta: float = _f(0.5, "Aurora row-scale exponent beta")
+    pp_iterations: int = _f(AURORA["pp_iterations"], "Aurora row-equalization rounds K (--optimizer muon: 0)")
+    pp_beta: float = _f(AURORA["pp_beta"], "Aurora row-scale exponent beta")
     adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw", low=0)
     adamw_wd: float = _f(0.0, "weight decay of the block matrices with --optimizer adamw", low=0)
     embed_lr: float = _f(0.6, "Adam lr of the token embedding", low=0)
@@ -199,34 +195,32 @@ class Config:
 
 
 # The architecture of the modded-nanogpt record history, switched on by the presets (each element
-# is a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps
-# of 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 over the run
-# (records #12-#13), half windows in the "short" layers, value embeddings (#9), U-net skips and
-# the x0 mix, merged QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an
-# lr cooldown over the last 40% to 0.1x (record #19 onward).
+# a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps of
+# 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 (records #12-#13),
+# half windows in the "short" layers, value embeddings (#9), U-net skips and the x0 mix, merged
+# QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an lr cooldown over the
+# last 40% (the default --cooldown-frac) to 0.1x (record #19 onward). Presets list only what differs
+# from Config's defaults (or their parent preset's values): tests/test_trainer.py checks it.
 ARCHITECTURE = dict(doc_mask=True, value_embeds=3, unet=True, x0_mix=True, merged_qkv=True, attn_scale=0.12,
-                    logit_softcap=15.0, lr_floor=0.1, cooldown_frac=0.4)
+                    logit_softcap=15.0, lr_floor=0.1)
 
-# Record #21's model, batch and steps plus Aurora and TST. One flat 49,152-token sequence per
-# micro-step: 8 micro-steps on one GPU, one each on eight -- the same run whatever the GPU count.
-RECORD = dict(ARCHITECTURE, n_layer=12, model_dim=768, n_head=6, seq_len=48 * 1024, batch_tokens=393_216,
-              micro_batch_seqs=1, num_iterations=1770, window_start=128, window=1792,
-              short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7", head_lr=0.22, embed_lr=0.6,
-              tst_bag_size=4, tst_frac=0.3, tst_mode="full", optimizer="aurora", matrix_lr=0.05,
-              matrix_wd=0.025, momentum=0.95, val_tokens=10_485_760, val_every=125,
-              log_every=10)  # a train-loss line is the only host sync between val points
+# Record #21's model, batch and steps (its 12 x 768 model and 6 heads are the defaults) with Aurora
+# and TST at their defaults. One flat 49,152-token sequence per micro-step: 8 micro-steps on one
+# GPU, one each on eight -- the same run whatever the GPU count.
+RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch_seqs=1, num_iterations=1770,
+              window_start=128, window=1792, short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7",
+              head_lr=0.22, log_every=10)  # a train-loss line is the only host sync between val points
 # Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on the model above: 1,270
 # scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
 # sequences of 16,384 (HEAD's 2,048 x 8 per GPU), cooldown over the last 60% to 0.15 (record #72),
-# momentum 0.85 -> 0.95 over 300 steps and back over the last 50 (record #39). No TST.
-RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, window_block=128,
-                seq_len=16384, batch_tokens=393_216, window=0, window_start=0, cooldown_frac=0.6, lr_floor=0.15,
-                momentum_start=0.85, momentum=0.95, momentum_warmup_steps=300, momentum_cooldown_steps=50,
-                tst_frac=0.0, tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2,
-                objectives=True, logit_cap="sigmoid", tied_embed=True)
+# momentum 0.85 -> 0.95 over 300 steps (the defaults) and back over the last 50 (record #39). No TST.
+RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
+                window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
+                tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
+                logit_cap="sigmoid", tied_embed=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
-RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, tst_mode="full", optimizer="aurora_normuon")
+RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
 PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as its authors ran it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
@@ -240,7 +234,7 @@ PRESETS = {
     # 2 CPU cores, under 5 minutes: a tiny model of the record recipe on the real-text sample, one flat
     # (document-packed) sequence of 1,024 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, n_layer=4, n_head=4, model_dim=128, seq_len=1024, batch_tokens=3072,
-                      micro_batch_seqs=1, num_iterations=100, extension_steps=2, window_block=32,
+                      num_iterations=100, extension_steps=2, window_block=32,
                       momentum_warmup_steps=24, momentum_cooldown_steps=4, value_embeds=1,
                       short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
@@ -261,47 +255,34 @@ OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_st
 
 @dataclass(frozen=True)
 class Stage:
-    """Optimizer steps [start, end) of one graph shape: TST ``phase`` (1 = bags, 2 = next-token),
-    ``bag_size`` s and ``mode`` of its objective, ``batch_tokens`` latent positions per step.
-
-    Record #89's columns (``--stages record89``; the defaults leave a flags-derived run as it
-    was): ``doc_cap`` most tokens of a document in a packed sequence (0 = the flat stream),
-    ``lr_mul`` the stage's lr multiplier, ``blocks`` its (short, long) windows in window blocks
-    (() = the --window flags), ``objective`` the start and end rows of its multi-token and prefix
-    weights (``OBJECTIVE_WEIGHTS``; () = next-token only) ramped over ``ramp`` = [first, end) steps
-    of the recipe stage (a TST switch may split one recipe stage in two).
-    """
+    """Optimizer steps [start, end) of one graph shape; record #89's columns default to a flags run."""
     start: int
     end: int
-    phase: int
-    bag_size: int
-    mode: str
-    batch_tokens: int
-    doc_cap: int = 0
+    phase: int           # TST phase: 1 = bags, 2 = next-token
+    bag_size: int        # TST bag size s
+    mode: str            # TST mode: full, input, output
+    batch_tokens: int    # latent positions per step
+    doc_cap: int = 0     # most tokens of a document in a packed sequence (0 = the flat stream)
     lr_mul: float = 1.0
-    blocks: tuple = ()
-    objective: tuple = ()
-    ramp: tuple = ()
+    blocks: tuple = ()   # (short, long) windows in window blocks; () = the --window flags
+    objective: tuple = ()  # OBJECTIVE_WEIGHTS rows (start, end) of the extra columns; () = next-token only
+    ramp: tuple = ()     # [first, end) of the recipe stage the objective ramps over (kept by a TST split)
 
     def raw_tokens(self, seq_len):
-        """Raw text tokens a step of this stage reads (TST bags read s times the positions); with a
-        document cap, the positions' tokens (the clipped and cut tails read besides are logged, not planned)."""
+        """Text tokens a step reads (s x the positions in TST; a packed step's skipped tails: logged, not planned)."""
         return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
 
 
 @dataclass(frozen=True)
 class StepRow:
-    """One optimizer step's schedule: its stage and ramps (``window`` = (long, short) latent positions;
-    ``objective`` = the weights of the multi-token and prefix columns, () = next-token only; ``yarn`` = the
-    long windows of steps 0..min(step, N - 1) without repeats, the RoPE's YaRN history: record #89 does not
-    rescale for the final validation's long window)."""
+    """One optimizer step's schedule: its stage and ramps."""
     stage: Stage
     lr_scale: float
     momentum: float
-    window: tuple
+    window: tuple          # (long, short) in latent positions
     flops_per_position: float
-    objective: tuple = ()
-    yarn: tuple = ()
+    objective: tuple = ()  # weights of the multi-token and prefix columns; () = next-token only
+    yarn: tuple = ()  # long windows of steps 0..min(step, N - 1), no repeats: the RoPE's YaRN history (record #31)
 
 
 # Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
@@ -315,12 +296,17 @@ RECORD89_STAGES = ((1 / 3, 1, 896, (1, 3), 1.0, 0),
                    (1 / 3, 3, 2048, (5, 11), 1.73, 2))
 RECORD89_EXTENSION_BLOCKS = (6, 13)
 RECORD89_FINAL_LONG_BLOCKS = 20
+# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
+# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
+# prefix column (record #88: .25, .25 -> 0, 0). The extension stage uses the last row.
+OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
+                     ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
+                     ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
 
 
 def record89_stages(cfg):
-    """Record #89's recipe stages over N = ``--num-iterations`` steps (the last ``--extension-steps``
-    past the schedule), before any TST split: ``Stage``s with phase 2. Boundaries round(c * N_s)
-    at the cumulative fractions c of the N_s = N - extension scheduled steps, as HEAD."""
+    """Record #89's recipe ``Stage``s (phase 2, before a TST split): boundaries round(c N_s) at cumulative
+    fractions c of the N_s = N - extension scheduled steps, as HEAD; then the extension."""
     N, scheduled = cfg.num_iterations, cfg.num_iterations - cfg.extension_steps
     bounds, c = [0], 0.0
     for frac, *_ in RECORD89_STAGES[:-1]:
@@ -339,14 +325,9 @@ def record89_stages(cfg):
 
 
 def stages(cfg):
-    """The stages of a run, in order, covering steps [0, N): TST phase 1 for the first round(r N)
-    steps (``--tst-bag-size``, ``--tst-mode``; none when r N = 0), then next-token training.
-
-    ``--stages flags``: one recipe stage from the flags; ``record89``: ``record89_stages``. TST
-    phase 1 covers the first round(r N) steps whatever the recipe: a recipe stage the switch falls
-    in is split in two, its columns (batch, cap, windows, lr) kept on both sides. A bag-size
-    schedule (e.g. s = 8, then 4, then next-token) is more rows here; the loader's layout,
-    warm-up graphs, token counts and --describe follow from the table."""
+    """The run's stages over steps [0, N): the recipe (flags: one stage; record89), TST phase 1 over its
+    first round(r N) steps, a recipe stage the switch falls in split in two with its columns kept.
+    A bag-size schedule is more rows here: loader, warm-up graphs, token counts, --describe follow."""
     if cfg.stages == "record89":
         recipe = record89_stages(cfg)
     else:
@@ -385,21 +366,18 @@ class Schedule:
 
 
 def stage_window(step, stage, cfg):
-    """``(long, short)`` windows at ``step`` in latent positions: the stage's blocks times
-    ``--window-block`` (row N: long windows of RECORD89_FINAL_LONG_BLOCKS, record #89's final
-    validation), or ``window_at`` without blocks."""
+    """``(long, short)`` windows at ``step`` in latent positions: blocks x --window-block, else ``window_at``."""
     if not stage.blocks:
         return window_at(step, cfg)
     short, long = stage.blocks
-    if step >= cfg.num_iterations:
+    if step >= cfg.num_iterations:  # row N: record #89's final validation
         long = RECORD89_FINAL_LONG_BLOCKS
     return long * cfg.window_block, short * cfg.window_block
 
 
 def stage_lr_scale(step, stage, cfg):
-    """lr multiplier at ``step``: ``lr_scale`` for a flags stage; for record #89's stages (HEAD's
-    get_lr, record #72) the stage's multiplier m, and from step c = int(N_s (1 - cooldown_frac)) of
-    the N_s scheduled steps ``m (1 - t) + lr_floor t``, t = min(1, (step - c) / (N_s - c))."""
+    """lr multiplier at ``step``: ``lr_scale`` (flags), or record #89's (HEAD's get_lr, record #72): the stage's
+    m, then from c = int(N_s (1 - cooldown_frac)) ``m (1 - t) + lr_floor t``, t = min(1, (step - c) / (N_s - c))."""
     if cfg.stages == "flags":
         return lr_scale(step, cfg)
     scheduled = cfg.num_iterations - cfg.extension_steps
@@ -411,8 +389,7 @@ def stage_lr_scale(step, stage, cfg):
 
 
 def stage_objective(step, stage):
-    """The multi-token and prefix weights at ``step``: the stage's rows ramped linearly over its recipe
-    stage, at ``(step - first) / (end - first)`` as HEAD (() = next-token only)."""
+    """Multi-token and prefix weights at ``step``: the stage's rows, linear over its ramp as HEAD (() = none)."""
     if not stage.objective:
         return ()
     lo, hi = stage.ramp
@@ -428,8 +405,7 @@ PACKED_READ_MARGIN = 1.5
 
 
 def train_tokens_needed(cfg):
-    """Raw train tokens a whole run reads (a TST stage reads s times more per step, a document-packed
-    one up to PACKED_READ_MARGIN times more), labels included."""
+    """Raw train tokens a whole run reads, labels included (a packed stage budgets PACKED_READ_MARGIN x)."""
     run_stages = stages(cfg)
     total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) * (PACKED_READ_MARGIN if st.doc_cap else 1)
                 for st in run_stages)
@@ -438,8 +414,7 @@ def train_tokens_needed(cfg):
 
 
 def tst_switch_step(cfg):
-    """Step at which phase 2 (plain next-token training) starts: round(r * N) (0 = no phase 1).
-    With ``--tst-bag-size 1`` phase 1 is next-token training: a run repeats one without TST bit for bit."""
+    """First step of phase 2 (next-token): round(r N); with s = 1 phase 1 is next-token training, bit for bit."""
     return int(round(cfg.tst_frac * cfg.num_iterations))
 
 
@@ -455,9 +430,8 @@ def lr_scale(step, cfg):
 
 
 def momentum_at(step, cfg):
-    """Aurora/Muon momentum: linear from --momentum-start to --momentum over the warmup steps and,
-    with --momentum-cooldown-steps c, back to --momentum-start over the last c steps (HEAD's
-    get_muon_momentum, record #39: from step N - c, exclusive)."""
+    """Momentum: --momentum-start -> --momentum over the warmup, back over the last c steps after N - c
+    (--momentum-cooldown-steps; HEAD's get_muon_momentum, record #39)."""
     lo, hi, N, c = cfg.momentum_start, cfg.momentum, cfg.num_iterations, cfg.momentum_cooldown_steps
     if step < cfg.momentum_warmup_steps:
         frac = step / cfg.momentum_warmup_steps
@@ -469,12 +443,10 @@ def momentum_at(step, cfg):
 
 
 def window_at(step, cfg):
-    """``(long, short)`` attention windows in latent positions at optimizer ``step`` (0 = no window).
+    """``(long, short)`` windows in latent positions at ``step`` (0 = none); short = half the long one.
 
-    With ``--window-start w0`` the long window grows linearly from w0 at step 0 to ``--window`` at
-    step N, rounded up to a multiple of w0 (record #13's window warmup; record #21: 128 to 1,792 in
-    blocks of 128), else it is ``--window``. ``--short-window-layers`` see half of it (at least 1).
-    """
+    --window-start w0: the long one grows linearly from w0 to --window at step N, rounded up to a
+    multiple of w0 (record #13's window warmup; record #21: 128 -> 1,792 in blocks of 128)."""
     w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
     if w == 0:
         return 0, 0
@@ -488,19 +460,9 @@ def window_at(step, cfg):
 # per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
 
 def document_spans(window, start, total):
-    """The documents of a read-ahead window whose whole extent lies inside it.
-
-    Args:
-        window: int64 ``[n]``, stream tokens ``[start, start + n)``.
-        start: stream position of ``window[0]`` (may exceed ``total``: later epochs).
-        total: tokens in one pass of the stream.
-
-    Returns:
-        ``(starts, ends)``, int64 absolute positions: a document starts at an EOT (50256) and
-        ends at the next EOT or at the end of the pass (an epoch boundary), whichever comes
-        first. Tokens before the first EOT of a pass belong to no document (a stream or pass
-        that starts mid-document). The last document is dropped when its end is past the window.
-    """
+    """``(starts, ends)`` int64 stream positions of the documents wholly inside ``window`` (int64 ``[n]``,
+    the tokens from ``start``; ``total`` per pass): a document runs from an EOT to the next EOT or the
+    end of the pass; tokens before a pass's first EOT belong to none."""
     stop = start + window.size
     starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
     ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
@@ -509,14 +471,9 @@ def document_spans(window, start, total):
 
 
 def pack_plan(lengths, seq_tokens, n_seqs):
-    """Which documents fill each of ``n_seqs`` packed sequences of ``seq_tokens`` tokens.
-
-    Documents (clipped ``lengths``, int64 ``[D]``) go whole, in order, into the current
-    sequence; the one that crosses its end is cut there (its rest skipped) and the next
-    sequence starts with the next document. Returns ``(first, last, tail)``, int64
-    ``[n_seqs]``: the first and last document of each sequence and the tokens taken from its
-    last one; None when the D documents cannot fill ``n_seqs`` sequences (read further).
-    """
+    """``(first, last, tail)`` int64 ``[n_seqs]``: the documents (clipped ``lengths`` ``[D]``, in order)
+    filling each sequence of ``seq_tokens`` and the tokens taken from its last, cut one (the rest is
+    skipped); None when the D documents cannot fill ``n_seqs`` sequences."""
     bounds = np.concatenate(([0], np.cumsum(lengths)))
     first = np.empty(n_seqs, dtype=np.int64)
     last = np.empty(n_seqs, dtype=np.int64)
@@ -530,28 +487,14 @@ def pack_plan(lengths, seq_tokens, n_seqs):
 
 
 class PackedLoader:
-    """Document-packed train batches over a TokenStream, sized per call (a stage may change them).
+    """Document-packed train batches (HEAD's ``Shard.next_batch``, record #89), sized per call.
 
-    Every packed sequence of ``seq_tokens`` raw tokens (labels included, ``sequence_layout``)
-    starts at a document's EOT (record #26) and holds whole documents in stream order, each
-    clipped to ``cap`` tokens with the clipped tail skipped (records #29, #72); the document
-    that crosses the sequence's end is cut there and its rest skipped too, so there is no
-    padding and every position has a label (HEAD's ``Shard.next_batch``, record #89). As in
-    HEAD the last kept token of a clipped document is labelled with the next document's EOT.
-
-    A step's global batch is the ``global_seqs`` sequences packed from ``position``; the chunk of
-    ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and micro-step, so
-    one process with accumulation and many processes train on the same data. Every rank plans
-    the whole step (binary searches over a read-ahead window's EOT positions) and gathers only
-    its own tokens. ``position`` (an int) is the only state: after a step it is the end of the
-    last document used, and a new loader set to it yields the same next batches. ``wrapped``
-    tells whether the last step read past the end of the stream, as ``TrainLoader``.
-
-    TST phase 1 (``bag_size`` s > 1): the cap counts raw tokens and a sequence holds
-    ``(L + 1) * s`` of them (``input``/``full``; ``L + s`` for ``output``); bags are cut from
-    the packed tokens by ``make_batch``, so a bag that straddles two documents belongs to the
-    document of its last token (``latent_document_ids``); each sequence's first bag starts
-    with an EOT.
+    A sequence starts at an EOT (record #26) and holds whole documents clipped to ``cap`` tokens
+    (records #29, #72; a clipped one's last token is labelled with the next EOT, as HEAD); the one
+    crossing its end is cut: no padding. Sequence ``rank * accum + micro`` of a step goes to that
+    rank and micro-step; every rank plans the whole step and gathers its own tokens. ``position``
+    is the whole state (a loader set to it repeats the next batches). In TST the cap counts raw
+    tokens and a bag straddling documents belongs to its last token's (``latent_document_ids``).
     """
 
     def __init__(self, stream, rank, world):
@@ -559,26 +502,8 @@ class PackedLoader:
         self.position, self.wrapped = 0, False
 
     def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
-        """This rank's micro-batches of one step.
-
-        Args:
-            global_seqs: packed sequences in the whole step (all ranks and micro-steps).
-            micro_seqs: sequences per micro-batch; ``global_seqs`` must split into
-                ``micro_seqs * world * accum``.
-            seq_len: latent positions per sequence (L).
-            cap: most tokens of one document (EOT included) in a sequence; 0 = no cap.
-            bag_size, mode: the phase's TST layout (``sequence_layout``).
-
-        Returns:
-            ``(micro, raw_tokens, positions)``: a list of ``accum`` int64
-            ``[micro_seqs, seq_tokens]`` tensors (same shapes for the same arguments), the
-            stream tokens the step consumed (the advance of ``position``: kept, clipped, cut
-            and skipped tokens alike) and the positions trained (``global_seqs * seq_len``).
-
-        Raises:
-            ValueError: ``global_seqs`` does not split evenly over ranks and micro-batches, or ``cap < 0``.
-            DataError: the stream has no EOT, or (without wrap) too few documents are left.
-        """
+        """``(micro, raw_tokens, positions)``: ``accum`` int64 ``[micro_seqs, seq_tokens]`` of this rank, the
+        stream tokens consumed (skipped ones too) and ``global_seqs * seq_len``; ``cap`` 0 = no cap."""
         if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
             raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
                              f"over {self.world} process(es)")
@@ -600,10 +525,7 @@ class PackedLoader:
         return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
 
     def _plan(self, n_seqs, seq_tokens, cap):
-        """Read ahead from ``position`` (doubling the window) until ``n_seqs`` sequences pack.
-
-        Returns ``(window, starts, ends, lengths, pack_plan(...))``; ``lengths`` are the clipped ones.
-        """
+        """``(window, starts, ends, clipped lengths, pack_plan)``, reading ahead (doubling) until n_seqs pack."""
         stream, start = self.stream, self.position
         room = None if stream.wrap else max(0, stream.total - start)
         n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
@@ -1377,12 +1299,8 @@ GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-si
 
 
 class TokenStream:
-    """The shards of a glob as one long token stream; ``read`` is random access.
-
-    Each header is read once, here (a bad shard fails before training starts); every read
-    checks its ids are below ``vocab_size`` (a shard from another tokenizer fails naming the
-    file, not deep inside the embedding). ``wrap=True``: reads past the end start over.
-    """
+    """The shards of a glob as one token stream with random access; ``wrap``: reads past the end start over.
+    Headers and ids are checked here, before step 0, so a bad shard fails naming its file."""
 
     def __init__(self, files, wrap=False, vocab_size=None):
         self.files = list(files)
@@ -1424,13 +1342,8 @@ class TokenStream:
 
 
 def sequence_layout(mode, bag_size, seq_len):
-    """Raw tokens per sequence and the stream advance per sequence, for a phase.
-
-    Returns ``(seq_tokens, advance)``: plain next-token (``bag_size == 1``) needs ``L + 1``
-    tokens and advances ``L``; TST ``full``/``input`` need ``(L + 1) * s`` (the last latent
-    position's labels are the next bag) and advance ``L * s``; ``output`` needs ``L + s``
-    and advances ``L``. Every token of the stream is an input exactly once.
-    """
+    """``(seq_tokens, advance)`` raw tokens per sequence and stream advance: next-token L + 1, L; TST
+    full/input (L + 1) s, L s (the last bag's labels: the next bag); output L + s, L. Each token is input once."""
     s, L = bag_size, seq_len
     if s == 1:
         return L + 1, L
@@ -1442,14 +1355,8 @@ def sequence_layout(mode, bag_size, seq_len):
 
 
 class TrainLoader:
-    """Sequential train batches over a TokenStream; each (rank, micro-step) gets its own slice.
-
-    A global batch is ``global_seqs`` sequences cut from the stream at ``position``; the chunk
-    of ``micro_seqs`` sequences number ``rank * accum + micro`` goes to that rank and
-    micro-step, so one process with accumulation and many processes see the same batch.
-    ``position`` (tokens consumed) is all the state there is; it is saved in checkpoints.
-    ``wrapped`` tells whether the last batch read past the end of the stream (a new epoch).
-    """
+    """Flat train batches: chunk ``rank * accum + micro`` of a step's sequences to each rank and micro-step
+    (any process count sees the same batch); ``position`` is the whole state, ``wrapped`` a new epoch."""
 
     def __init__(self, stream, global_seqs, micro_seqs, rank, world):
         self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
@@ -1457,10 +1364,7 @@ class TrainLoader:
         self.position, self.wrapped = 0, False
 
     def next_batch(self, seq_tokens, advance, global_seqs=None):
-        """This rank's micro-batches of one step: a list of ``accum`` int64 ``[micro_seqs, seq_tokens]``.
-
-        ``global_seqs``: the step's sequences (its stage's tokens per step; None = the constructor's).
-        """
+        """This rank's ``accum`` int64 ``[micro_seqs, seq_tokens]`` of a step (``global_seqs`` None: the init's)."""
         global_seqs = global_seqs or self.global_seqs
         accum = global_seqs // (self.micro_seqs * self.world)
         micro = []
@@ -1486,19 +1390,7 @@ def open_data(cfg, data):
 # Token-Superposition Training (Peng, Gigant, Quesnelle 2026, arXiv 2605.06546; docs/METHODS.md §1)
 
 def make_tst_batch(tokens, bag_size):
-    """Cut sequences into bags and next-bag targets.
-
-    Args:
-        tokens: int64 ``[B, (L + 1) * s]``.
-        bag_size: s >= 1.
-
-    Returns:
-        ``(bags, targets)``, both int64 ``[B, L, s]`` views of ``tokens``:
-        ``bags[b, i] = tokens[b, i*s:(i+1)*s]``, ``targets[b, i] = tokens[b, (i+1)*s:(i+2)*s]``.
-
-    Raises:
-        ValueError: the length is not a multiple of s, or holds fewer than 2 bags.
-    """
+    """int64 ``[B, (L + 1) s]`` -> ``(bags, next bags)``, int64 ``[B, L, s]`` views; bag i: tokens [i s, (i + 1) s)."""
     B, n = tokens.shape
     s = bag_size
     if s < 1 or n % s or n // s < 2:
@@ -1508,12 +1400,8 @@ def make_tst_batch(tokens, bag_size):
 
 
 def make_batch(tokens, mode, bag_size):
-    """Model inputs and targets of one phase from raw sequences (see ``sequence_layout``).
-
-    ``tokens`` int64 ``[B, seq_tokens]`` -> ``(inputs [B, L, k], targets [B, L, j])``:
-    plain (s = 1): k = j = 1; ``full``: k = j = s; ``input``: k = s, j = 1 (the first token of
-    the next bag); ``output``: k = 1, j = s (position t predicts tokens t+1..t+s).
-    """
+    """int64 ``[B, seq_tokens]`` -> ``(inputs [B, L, k], targets [B, L, j])``: next-token k = j = 1; full k = j = s;
+    input k = s, j = 1 (the next bag's first token); output k = 1, j = s (position t predicts t+1..t+s)."""
     if bag_size == 1 or mode in ("full", "input"):
         bags, targets = make_tst_batch(tokens, bag_size)
         return bags, (targets[..., :1] if mode == "input" else targets)
@@ -1529,58 +1417,20 @@ def bag_mean(x):
 
 
 def multi_token_targets(targets, n_predict):
-    """Targets of the next ``n_predict`` tokens (multi-token prediction, record #53, 2025-12-22).
-
-    ``targets`` int64 ``[..., L]`` (next-token labels of each sequence) -> int64 ``[..., L, n_predict]``
-    with ``out[..., i, k] = targets[..., i + k]`` and ``IGNORE_INDEX`` where ``i + k >= L``. As in
-    HEAD, labels are not cut at document boundaries: a position near a document's end also
-    predicts the next document's first tokens.
-    """
+    """int64 ``[..., L]`` -> ``[..., L, n]``: ``out[..., i, k] = targets[..., i + k]``, ignored past L (multi-token
+    prediction, record #53, 2025-12-22; as HEAD, not cut at document ends)."""
     return F.pad(targets, (0, n_predict - 1), value=IGNORE_INDEX).unfold(-1, n_predict, 1)
 
 
 def prefix_targets(table, targets):
-    """Prefix-token labels (record #88, 2026-07-13): ``table[targets]``, ``IGNORE_INDEX`` where ignored.
-
-    ``table`` int64 ``[V]`` (``prefix_token_table``), ``targets`` int64 ``[...]`` -> int64 ``[...]``.
-    """
+    """Prefix-token labels int64 ``[...]``: ``table[targets]`` (int64 ``[V]``), ignored where ignored (record #88)."""
     return torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, table[targets.clamp_min(0)])
 
 
-GPT2_ENCODER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2_bpe", "encoder.json")
-GPT2_EOT = "<|endoftext|>"
-
-
-def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
-    """``{id: bytes}`` of GPT-2's 50,256 ordinary tokens, read from its ``encoder.json`` (no network).
-
-    encoder.json spells each byte as one printable character: the 188 printable bytes
-    (33-126, 161-172, 174-255) as themselves, the other 68 as ``chr(256 + i)`` in byte order
-    (GPT-2's ``bytes_to_unicode``). ``<|endoftext|>`` (50256) is a special token, left out.
-
-    Raises:
-        DataError: the file is missing or not GPT-2's encoder.json.
-    """
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = sorted(set(range(256)) - set(printable))
-    char_to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-    try:
-        with open(path, encoding="utf-8") as f:
-            encoder = json.load(f)
-        return {i: bytes(char_to_byte[c] for c in s) for s, i in encoder.items() if s != GPT2_EOT}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: cannot read GPT-2's encoder.json ({type(e).__name__}: {e}); "
-                        f"restore it from the repository (git checkout -- data/gpt2_bpe)") from None
-
-
-def prefix_token_table(vocab_size, path=GPT2_ENCODER_JSON):
-    """int64 ``[vocab_size]``: the id of the longest proper byte prefix of each token that is a token.
-
-    Record #88 (2026-07-13): a token's prefix token is the token whose bytes are the longest
-    proper prefix of its bytes. ``IGNORE_INDEX`` where there is none: single-byte tokens,
-    ``<|endoftext|>`` and the padding ids past GPT-2's 50,257. Built from the vocabulary only.
-    """
-    token_bytes = gpt2_token_bytes(path)
+def prefix_token_table(vocab_size, path=harness.GPT2_ENCODER_JSON):
+    """int64 ``[vocab_size]``: each token's longest proper byte prefix that is a token, else ignored (record #88,
+    2026-07-13): single bytes, <|endoftext|> and padding have none."""
+    token_bytes = harness.gpt2_token_bytes(path)
     ids = {b: i for i, b in token_bytes.items()}
     table = [IGNORE_INDEX] * vocab_size
     for i, b in token_bytes.items():
@@ -1589,31 +1439,9 @@ def prefix_token_table(vocab_size, path=GPT2_ENCODER_JSON):
     return torch.tensor(table, dtype=torch.int64)
 
 
-# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
-# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
-# prefix column (record #88: .25, .25 -> 0, 0). Stages past the table use its last row.
-OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
-                     ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
-                     ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
-
-
-def objective_weights(stage, progress):
-    """Weights ``[4]`` (3 multi-token columns, then the prefix column) at ``progress`` in [0, 1] of ``stage`` (0-based).
-
-    Linear from the stage's start row to its end row of ``OBJECTIVE_WEIGHTS`` (HEAD interpolates
-    at ``(step - start) / (end - start)``).
-    """
-    start, end = OBJECTIVE_WEIGHTS[min(stage, len(OBJECTIVE_WEIGHTS) - 1)]
-    return [a + (b - a) * progress for a, b in zip(start, end)]
-
-
 def objective_targets(targets, prefix_table=None, n_predict=3):
-    """Target matrix of next-token training with auxiliary columns, for ``multi_target_loss``.
-
-    ``targets`` int64 ``[..., L]`` -> int64 ``[..., L, n_predict (+ 1)]``: the multi-token
-    columns (``multi_token_targets``) then, with a ``prefix_table``, the prefix token of the next
-    token (``prefix_targets``). Pair with ``objective_weights`` (n_predict = 3, with the table).
-    """
+    """int64 ``[..., L]`` -> ``[..., L, n_predict (+ 1)]`` for ``multi_target_loss``: the multi-token columns, then
+    the next token's prefix token (with a ``prefix_table``)."""
     cols = multi_token_targets(targets, n_predict)
     if prefix_table is None:
         return cols
@@ -1621,12 +1449,8 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
 
 
 def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
-    """This rank's ``[(inputs, targets)]`` for a step of ``stage`` (its layout and batch), on the device.
-
-    A stage with a document cap reads document-packed sequences (a ``PackedLoader``, whose
-    micro-batches hold ``micro_seqs`` sequences), else flat ones (a ``TrainLoader``).
-    Returns ``(micro_batches, raw_tokens)``: ``raw_tokens`` is what the whole step read from the stream.
-    """
+    """``([(inputs, targets)] of this rank on the device, raw tokens the step read)`` for a step of ``stage``
+    (packed with a document cap, else flat)."""
     s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
     if stage.doc_cap:
         tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
@@ -1637,8 +1461,7 @@ def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
 
 
 def make_loader(cfg, schedule, stream, rt):
-    """The run's train loader: a ``PackedLoader`` when the stage table caps documents (record #89's
-    stages), else a ``TrainLoader``; either keeps its whole state in ``position``."""
+    """A ``PackedLoader`` when the stage table caps documents (record #89), else a ``TrainLoader``."""
     if any(st.doc_cap for st in schedule.stages):
         return PackedLoader(stream, rt.rank, rt.world)
     return TrainLoader(stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world)
@@ -1647,16 +1470,17 @@ def make_loader(cfg, schedule, stream, rt):
 # ----------------------------------------------------------------------------------------------
 # Optimizers
 
+def with_initial_lr(opts):
+    """Record every group's ``initial_lr`` (what the stage table's lr scale multiplies); returns ``opts``."""
+    for opt in opts:
+        for g in opt.param_groups:
+            g["initial_lr"] = g["lr"]
+    return opts
+
+
 def build_optimizers(model, cfg, compile=False):
-    """Aurora/Muon (or AdamW) on the "matrix" parameters; Adam on "embed", "head" and "scalar" (``route``).
-
-    ``compile`` compiles Aurora's direction computation (the run's resolved --compile).
-
-    Returns a list of optimizers; every param group carries ``initial_lr`` for the schedule.
-
-    Raises:
-        ConfigError: a parameter without an optimizer group (named, with the fix).
-    """
+    """Aurora/Muon (or AdamW) on the "matrix" parameters, Adam on the rest, by their ``route`` tags; every group
+    keeps its ``initial_lr`` for the schedule. An untagged parameter is a ConfigError naming it."""
     if cfg.optimizer in ("normuon", "aurora_normuon"):
         return build_record89_optimizers(model, cfg, compile)
     cuda = next(model.parameters()).is_cuda
@@ -1682,22 +1506,13 @@ def build_optimizers(model, cfg, compile=False):
     else:
         opts.append(torch.optim.AdamW([p for _, p in matrices], lr=cfg.adamw_lr, betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=cfg.adamw_wd, fused=cuda))
-    for opt in opts:
-        for g in opt.param_groups:
-            g["initial_lr"] = g["lr"]
-    return opts
+    return with_initial_lr(opts)
 
 
 def build_record89_optimizers(model, cfg, compile=False):
-    """Record #89's optimizers (docs/METHODS.md §3): NorMuon on the block matrices, CautiousAdam
-    (every other step, HEAD's per-role betas, lr and wd multipliers) on the rest.
-
-    NorMuon (records #41-#43, #48, #78, #80): --matrix-lr, --matrix-wd (cautious), --momentum;
-    Q and K orthogonalized per head pair, x2 on the MLP output (``record89_matrix_groups``).
-    ``--optimizer aurora_normuon``: Aurora's row-equalized polar (--pp-iterations) on the MLP
-    matrices, the normalization kept. Adam: base lr 0.008, wd 0.005 (HEAD), roles embed, lm_head,
-    value_embeds, scalars (``record89_adam_groups``); --embed-lr / --head-lr / --scalar-lr are not used.
-    """
+    """Record #89's optimizers (docs/METHODS.md §3): NorMuon (records #41-#43, #48, #78, #80; with Aurora's polar
+    on the MLP matrices for aurora_normuon) on the block matrices, CautiousAdam (HEAD's roles, every other
+    step; --embed-lr, --head-lr, --scalar-lr unused) on the rest."""
     named = dict(model.blocks.named_parameters())
     pick = lambda *ends: [(f"blocks.{n}", p) for n, p in named.items() if n.endswith(ends)]  # noqa: E731
     groups = record89_matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
@@ -1722,16 +1537,12 @@ def build_record89_optimizers(model, cfg, compile=False):
         raise ConfigError(f"--optimizer {cfg.optimizer}: parameter {missing[0]} has no optimizer role; tag it "
                           f"with route(param, group, role)")
     opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
-    for opt in opts:
-        for g in opt.param_groups:
-            g["initial_lr"] = g["lr"]
-    return opts
+    return with_initial_lr(opts)
 
 
 @torch.no_grad()
 def untie(model, adam):
-    """End the tie of ``--tied-embed`` (records #51, #53; HEAD's split step): the embedding becomes a
-    copy of the head's weight and takes a copy of its Adam state (moments, step count, gradient sum)."""
+    """End ``--tied-embed`` (records #51, #53, HEAD's split): the embedding takes the head's weight, Adam state."""
     model.embed.weight.copy_(model.lm_head.weight)
     head, embed = adam.state[model.lm_head.weight], adam.state[model.embed.weight]
     for key, value in head.items():
@@ -1740,8 +1551,7 @@ def untie(model, adam):
 
 
 def split_step(cfg):
-    """The step after which ``--tied-embed`` unties: the start of record #89's stage 3, made odd (an
-    Adam step, HEAD's ``boundaries[2][0] | 1``); None without the flag."""
+    """The step after which ``--tied-embed`` unties: record #89's stage 3 start, made odd (an Adam step, as HEAD)."""
     if not cfg.tied_embed:
         return None
     return record89_stages(cfg)[2].start | 1
@@ -1770,12 +1580,8 @@ def all_reduce_sum(t, rt):
 
 
 class Objectives:
-    """Next-token training steps with the stage table's multi-token and prefix columns (``--objectives``).
-
-    Holds the prefix-token table and every step's column weights ``[N + 1, 4]`` float32 on the
-    device; a step copies its row into ``weights`` (device to device: no host sync, and a weight
-    schedule changes no compiled graph).
-    """
+    """The stage table's multi-token and prefix columns (``--objectives``): every step's weights float32
+    ``[N + 1, 4]`` on the device, copied into ``weights`` per step (no host sync, no new graph)."""
 
     def __init__(self, schedule, vocab_size, device):
         self.table = prefix_token_table(vocab_size).to(device)
@@ -1784,8 +1590,7 @@ class Objectives:
         self.weights = torch.empty(4, dtype=torch.float32, device=device)
 
     def batches(self, micro, row, step):
-        """``(micro, weights)`` of a step: next-token rows with an objective get target columns
-        ``[b, L, 4]`` (``objective_targets``) and the step's weights; others are returned as they are."""
+        """``(micro, weights)``: next-token rows with an objective get targets ``[b, L, 4]`` and the step's weights."""
         if row.stage.phase == 1 or not row.objective:
             return micro, None
         self.weights.copy_(self.per_step[step])
@@ -1793,25 +1598,11 @@ class Objectives:
 
 
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
+    """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 step loss.
 
-    """Forward/backward over a step's micro-batches; gradients of the step's mean loss.
-
-    Args:
-        model: callable ``(inputs, targets) -> loss sum`` (the GPT, possibly compiled).
-        micro_batches: list of ``(inputs [b, L, k], targets [b, L, j])`` of this process.
-        rt: Runtime (device, process group).
-        weights: float32 ``[J]`` column weights (``Objectives``), or None (the MCE).
-        stop: the signal flag (``harness.should_stop``), checked between micro-batches.
-
-    Returns:
-        float32 scalar tensor: the step loss, the mean over *every* valid (position, label)
-        pair of the global batch (all micro-batches, all ranks) -- not a mean of per-micro-
-        batch means; with ``weights``, the weighted sum over the columns divided by the
-        number of valid column-0 (next-token) labels. The gradient in ``.grad`` is that
-        loss's gradient, summed over ranks: across processes, in buckets started during the
-        last micro-batch's backward (``GradBuckets``); the earlier micro-batches only
-        accumulate locally.
-    """
+    The loss is the sum over every valid label of the global batch (weighted columns with ``weights``
+    ``[J]``) over the count of valid next-token labels: not a mean of micro-batch means. Gradients are
+    all-reduced in buckets started during the last micro-batch's backward (``GradBuckets``)."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
@@ -1838,11 +1629,7 @@ def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
 # Eval: the metric is next-token cross-entropy over the first --val-tokens tokens of the val shards
 
 class ValData:
-    """The first ``n_tokens`` tokens of the val shards (+1 for the last label), held in memory.
-
-    Raises:
-        DataError: the val shards hold fewer than ``n_tokens + 1`` tokens.
-    """
+    """The first ``n_tokens`` tokens of the val shards (+1 for the last label), in memory."""
 
     def __init__(self, stream, n_tokens):
         if stream.total < n_tokens + 1:
@@ -1853,11 +1640,8 @@ class ValData:
         self.tokens = torch.from_numpy(stream.read(0, n_tokens + 1))
 
     def batches(self, mode, bag_size, seq_len, batch_seqs, rt):
-        """This rank's val batches for a phase objective, all ``[batch_seqs, ...]`` (fixed shapes).
-
-        Label positions past token ``n_tokens`` (and padding sequences) get -100, so the mean
-        over valid labels is exactly the mean over the first ``n_tokens`` next-token labels.
-        """
+        """This rank's ``[batch_seqs, ...]`` val batches of a phase objective (fixed shapes); labels past
+        ``n_tokens`` are ignored, so the mean is exactly over the first ``n_tokens`` labels."""
         seq_tokens, advance = sequence_layout(mode, bag_size, seq_len)
         n_seqs = -(-self.n_tokens // advance)
         per_rank = -(-n_seqs // (rt.world * batch_seqs)) * batch_seqs
@@ -1879,7 +1663,7 @@ def val_batch_seqs(cfg):
 
 @contextmanager
 def eval_mode(model):
-    """``model`` in eval mode (no gradients) inside the block, back in its previous mode after."""
+    """``model`` in eval mode without gradients inside the block, back in its previous mode after."""
     was_training = model.training
     model.eval()
     try:
@@ -1891,11 +1675,8 @@ def eval_mode(model):
 
 @torch.no_grad()
 def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
-    """Mean loss over the val tokens for a phase objective (s = 1: the next-token val loss metric).
-
-    The model runs in eval mode: training-only loss terms (``GPT.train_only_loss``) are left out.
-    A signal (``stop``) ends the loop between batches (a partial mean: the caller drops it).
-    """
+    """Mean loss over the val tokens for a phase objective (s = 1: the metric), in eval mode (no training-only
+    terms); a signal ends it between batches (a partial mean the caller drops)."""
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
     with eval_mode(model):
@@ -1957,10 +1738,7 @@ def count_step(progress, row, raw_tokens):
 
 
 def validate(run, step):
-    """Log the val loss at ``step`` (and the TST objective while in phase 1).
-
-    Returns False when a signal cut it short (nothing logged; every rank agrees), else True.
-    """
+    """Log the val loss at ``step`` (and the TST objective in phase 1); False when a signal cut it short."""
     cfg, rt = run.cfg, run.rt
     stage = run.schedule[max(step - 1, 0)].stage  # the stage that trained the model so far
     run.model.set_window(run.schedule[step].window, run.schedule[step].yarn)  # (the full window at the end)
@@ -1969,53 +1747,17 @@ def validate(run, step):
         return False
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower the lr ({run.guard.lr_flags})")
-    extra = {"phase": stage.phase}
+    loss_tst = None
     if stage.phase == 1:
         loss_tst = evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt, run.stop)
         if harness.stop_requested(run):
             return False
-        extra["val_loss_tst"] = f"{loss_tst:.4f}"
-    p = run.progress
-    extra.update(tokens=p.raw_tokens, positions=p.positions, flops=f"{p.flops:.3e}")
-    run.log.line(step_line(step, cfg, "val_loss", loss, p.train_time_ms, extra))
-    run.log.update(final_val_loss=loss, val_step=step)
+    harness.log_val_line(run, step, loss, stage.phase, loss_tst)
     return True
 
 
-def log_train_line(run, step, loss, scale):
-    run.guard.check()
-    value, p = loss.item(), run.progress
-    run.log.summary.setdefault("train_losses", []).append([step, value])
-    run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
-        phase=run.phase_at(step - 1), tokens=p.raw_tokens, positions=p.positions,
-        flops=f"{p.flops:.3e}", lr_scale=f"{scale:.4f}")))
-
-
-def log_stage(run, step):
-    """The line at the first step of a stage: ``tst_switch`` when TST ends, else ``stage``."""
-    was, now = run.schedule[step - 1].stage, run.schedule[step].stage
-    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
-    into = "next-token" if now.phase == 2 else now.mode
-    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
-                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
-                 f"tokens:{run.progress.raw_tokens}")
-
-
-def log_model_line(run):
-    cfg, rt = run.cfg, run.rt
-    n_params = sum(p.numel() for p in run.model.parameters())
-    tst = ", ".join(f"{st.mode} s={st.bag_size} for steps [{st.start}, {st.end})"
-                    for st in run.schedule.stages if st.phase == 1) or "off"
-    run.log.line(f"model: {n_params:,} parameters, {run.schedule[0].flops_per_position:,.0f} FLOPs per latent "
-                 f"position at step 0; "
-                 f"grad accumulation {rt.accum} x {cfg.micro_batch_seqs} seqs x {rt.world} processes; TST {tst}")
-
-
 def warm_up(run):
-    """Compile every graph the stage table implies (one per distinct objective, train and val) before the clock.
-
-    Returns the warm-up time in ms (0 without --compile); reported, not counted in train_time.
-    """
+    """Compile every graph the stage table implies (one per objective, train and val) before the clock; returns ms."""
     cfg, rt = run.cfg, run.rt
     if not rt.compile:
         return 0.0
@@ -2049,10 +1791,7 @@ def warm_up(run):
 
 
 def training_loop(run, start_step, end_step):
-    """The speedrun itself: one optimizer step per iteration.
-
-    Returns None, or the number of steps done when a signal stopped the run after a checkpoint.
-    """
+    """The speedrun itself, one optimizer step per iteration; returns the steps done if a signal stopped it."""
     cfg, rt, clock = run.cfg, run.rt, Clock(run.rt, run.progress)
     if start_step == 0 and not validate(run, 0):
         raise harness.StopRequested(f"interrupted by {run.stop['signal']} during the step-0 validation")
@@ -2060,7 +1799,7 @@ def training_loop(run, start_step, end_step):
     for step in range(start_step, end_step):
         row = run.schedule[step]  # every per-step quantity comes from the stage table
         if step == row.stage.start > 0:
-            log_stage(run, step)
+            harness.log_stage(run, step)
         micro, raw_tokens = next_micro_batches(run.loader, row.stage, cfg.seq_len, rt, cfg.micro_batch_seqs)
         if run.loader.wrapped:
             log_wrap(run, step + 1)
@@ -2082,7 +1821,7 @@ def training_loop(run, start_step, end_step):
         last, stopping = done == end_step, harness.stop_requested(run)
         if done % cfg.log_every == 0 or last or stopping:
             with clock.paused():
-                log_train_line(run, done, loss, scale)
+                harness.log_train_line(run, done, loss, scale)
         val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
         save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
         if val_now or save_now or (stopping and not last):
@@ -2098,11 +1837,7 @@ def training_loop(run, start_step, end_step):
 
 
 def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
-    """The whole run after the start-up checks: data, model, warm-up, the loop, the summary.
-
-    ``data`` is ``find_data``'s file list, ``resume`` ``prepare_resume``'s ``(state, path, diffs)``,
-    ``stop`` the dict the signal handler fills (``{"signal": name}``). Returns ``(status, reason)``.
-    """
+    """The run after the start-up checks (``harness.main``): data, model, warm-up, the loop; ``(status, reason)``."""
     train_stream, val_stream = open_data(cfg, data)
     harness.log_run_header(log, cfg, rt, preset, resume, data, (train_stream, val_stream))
     if cfg.fp8 and (why := fp8_unavailable_reason(rt.device)):  # e.g. a CPU or a GPU before sm_89
@@ -2122,46 +1857,20 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     start_step = harness.restore(run, *resume[:2]) if resume else 0
     if run.split_step is not None:  # a resumed run past the split step is untied (weights and state restored)
         model.tied = start_step <= run.split_step
-    log_model_line(run)
+    harness.log_model_line(run)
     compile_ms = warm_up(run)
     log.update(compile_time_ms=round(compile_ms))
     end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
     graphs_before = compiled_graphs() if rt.compile else 0
     stopped_at = training_loop(run, start_step, end_step)
-    if stopped_at is not None:
-        log.update(**dataclasses.asdict(run.progress), steps=stopped_at)
-        return "interrupted", harness.interrupt_reason(run, stopped_at)
-    if rt.compile:
-        log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
-    harness.log_summary(run, end_step, compile_ms)
-    if end_step < cfg.num_iterations:
-        return "stopped_early", f"--max-steps {cfg.max_steps}"
-    return "complete", None
+    return harness.run_outcome(run, end_step, stopped_at, compile_ms, graphs_before)
 
 
 def plan(cfg):
-    """What a run would do, for ``--describe`` (``harness.Trainer.plan``): no data, no device.
-
-    Lines for the parameter count (the model built on the meta device) and, per stage, its
-    steps, latent positions, raw tokens (text read) and FLOPs per step; ``flops_total`` (model
-    FLOPs of all N steps), ``tokens_total`` (raw train tokens read), ``steps``: all from the stage table.
-    """
+    """``(parameter count, Schedule)`` of a config for ``--describe``: the model on the meta device, no data."""
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    table, N, L = Schedule(cfg), cfg.num_iterations, cfg.seq_len
-    flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
-    lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
-             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
-    for st in table.stages:
-        what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
-        recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
-                  if cfg.stages != "flags" else "")
-        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
-                     f"{st.raw_tokens(L):,} raw tokens per step{recipe}, "
-                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
-    tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
-    positions = sum(row.stage.batch_tokens for row in table.rows[:N])
-    return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
+    return n_params, Schedule(cfg)
 
 
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
@@ -2170,18 +1879,15 @@ TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONA
 RUN_DEFINING = TRAINER.run_defining
 
 
-def parse_config(argv=None):
-    """``(Config, preset)`` from command-line words (``harness.parse_config``). Raises ConfigError."""
+def parse_config(argv=None):  # (Config, preset) from command-line words
     return harness.parse_config(argv, TRAINER)
 
 
-def config_to_argv(config):
-    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
+def config_to_argv(config):  # the words that reproduce a Config (or a logged config dict)
     return harness.config_to_argv(config, Config)
 
 
 def main(argv=None):
-    """Run from command-line words (``harness.main``); returns the exit status."""
     return harness.main(argv, TRAINER)
 
 

@@ -36,9 +36,9 @@ import traceback
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from _paths import REPO  # noqa: E402
 TRAINER = os.path.join(REPO, "train_gpt.py")
-sys.path.insert(0, REPO)
 from data.shard_format import EOT_TOKEN, write_shard  # noqa: E402 -- the one shard writer
 from records.compare import parse_step_line  # noqa: E402 -- the one step-line parser
 try:  # a broken trainer must not stop the environment and device checks from reporting

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from aurora_opt import NorMuon  # noqa: E402
 
 PROBLEMS = ("mlp", "mlp8", "lsq")

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from aurora_opt import NS_COEFFICIENTS, Aurora, ns_dtype_on  # noqa: E402
 
 

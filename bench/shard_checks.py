@@ -21,7 +21,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import _paths  # noqa: E402,F401  (data/ on the path)
 from shard_format import EOT_TOKEN, check_shard, max_token_id, read_tokens, write_shard  # noqa: E402
 
 RECORD_SHARDS = 14  # train shards of 100M tokens read by the record run

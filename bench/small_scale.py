@@ -36,10 +36,9 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (REPO, os.path.join(REPO, "records"), os.path.join(REPO, "bench"), os.path.join(REPO, "data")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from _paths import BENCH, RECORDS, REPO, use  # noqa: E402
+use(RECORDS, BENCH)  # records/compare.py and bench's modules, by name
 import compare  # noqa: E402  (records/compare.py: the reader of trainer logs, defined once)
 import harness  # noqa: E402  (its SOURCE_FILES: what a log snapshots)
 import shard_format  # noqa: E402  (data/shard_format.py)
@@ -975,8 +974,6 @@ def report(spec, sweep, stats, rows, rec, corpus, timing, plots, compare_text):
 
 def trainer_module():
     """The working tree's train_gpt, imported once (its config parser and FLOP count)."""
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
     import train_gpt
     return train_gpt
 
@@ -1053,19 +1050,14 @@ def check_commands(spec):
 
 
 def machine_line():
+    """``N-core CPU (model), torch X, Python Y`` for the report (the CPU model: ``harness.cpu_model``)."""
     import platform
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
     try:
         import torch
         tv = torch.__version__
     except ImportError:
         tv = "?"
-    return f"{os.cpu_count()}-core CPU ({cpu or platform.machine()}), torch {tv}, Python {platform.python_version()}"
+    return f"{os.cpu_count()}-core CPU ({harness.cpu_model()}), torch {tv}, Python {platform.python_version()}"
 
 
 def parse_args(argv=None):

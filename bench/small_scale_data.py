@@ -27,7 +27,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import _paths  # noqa: E402,F401  (data/ on the path)
 import shard_format  # noqa: E402  (data/shard_format.py: the shard format, defined once)
 
 KINDS = ("mix", "docs")

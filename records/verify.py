@@ -72,7 +72,6 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 from compare import SEPARATOR, has_line_end, parse_lines, parse_log, read_log_lines, split_snapshot  # noqa: E402
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import harness
 import kernels
 import train_gpt as T
 from conftest import REPO
@@ -192,7 +193,7 @@ def test_multi_token_targets_match_a_loop(n_predict):
 
 @pytest.fixture(scope="module")
 def vocab():
-    return T.gpt2_token_bytes()
+    return harness.gpt2_token_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +235,16 @@ def test_a_missing_encoder_json_is_one_clear_error(tmp_path):
         T.prefix_token_table(50304, path=str(tmp_path / "encoder.json"))
 
 
+def objective_weights(stage, progress, steps=100):
+    """The weights of recipe stage ``stage`` (0-based) at ``progress`` in [0, 1] of it (``stage_objective``)."""
+    rows = T.OBJECTIVE_WEIGHTS[min(stage, len(T.OBJECTIVE_WEIGHTS) - 1)]
+    st = T.Stage(0, steps, 2, 1, "full", 1024, objective=rows, ramp=(0, steps))
+    return list(T.stage_objective(round(progress * steps), st))
+
+
 def test_objective_weights_follow_the_stages():
     """HEAD's stage table: MTP [1, .5, .25 -> 0], [1, .5 -> 0], [1]; prefix .25, .25 -> 0, 0."""
-    at = lambda stage, t: pytest.approx(T.objective_weights(stage, t))  # noqa: E731
+    at = lambda stage, t: pytest.approx(objective_weights(stage, t))  # noqa: E731
     assert [1.0, 0.5, 0.25, 0.25] == at(0, 0.0)
     assert [1.0, 0.5, 0.125, 0.25] == at(0, 0.5)
     assert [1.0, 0.5, 0.0, 0.25] == at(0, 1.0)
@@ -253,7 +261,7 @@ def test_next_token_training_objective_matches_a_loop(table):
     targets = torch.randint(0, 50257, (2, L), generator=g)
     targets[0, 3] = -100
     x = 4 * torch.randn(2, L, V, dtype=torch.float64, generator=g)
-    w = torch.tensor(T.objective_weights(0, 0.4), dtype=torch.float64)
+    w = torch.tensor(objective_weights(0, 0.4), dtype=torch.float64)
     cols = T.objective_targets(targets, table)
     assert cols.shape == (2, L, 4)
     loss = kernels.multi_target_loss(x, cols, w, cap="sigmoid")

@@ -572,7 +572,7 @@ def test_verify_says_truncated_not_edited(fresh, tmp_path):
         assert "edited after the run" not in proc.stdout
         assert f"FAIL snapshot: the log is truncated: the header of aurora_opt.py (log line {start + 1}) " \
                f"{promised}" in proc.stdout, proc.stdout
-        assert "train_gpt.py equal to the log's snapshot" in proc.stdout  # the complete file is still checked
+        assert "train_gpt.py, kernels.py equal to the log's snapshot" in proc.stdout  # the complete files: checked
         assert "aurora_opt.py line" not in proc.stdout  # the cut copy is not diffed against the tree
     # cut right after the snapshot: no separator and no run
     write_text(tmp_path / "no_run.txt", "".join(lines[:start + 1 + n]))
@@ -1353,3 +1353,19 @@ def test_runs_of_other_code_are_not_pooled(tmp_path):
     write_text(alone / "b.txt", "".join(lines[:start] + lines[start + 1 + n:]))
     groups = {r.name: r.group for r in compare.collect([str(alone)], warn=warnings.append)}
     assert groups["b"] == "alone [code aurora_opt.py <missing>]" and "differ in code aurora_opt.py" in warnings[-1]
+
+
+def test_tools_find_the_repository_one_way():
+    """Every tool's sys.path set-up is the root line (then ``_paths`` for data/, records/, bench/), nothing else."""
+    root_line = "sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))"
+    tools = glob.glob(os.path.join(REPO, "bench", "*.py")) + glob.glob(os.path.join(RECORDS, "*.py"))
+    setups = {}
+    for path in tools + [os.path.join(REPO, "sample.py")]:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if re.search(r"sys\.path\.(insert|append)|sys\.path\[", line) and "sys.argv" not in line:
+                    setups.setdefault(os.path.relpath(path, REPO), []).append(line.split("#")[0].strip())
+    assert setups, "no tool sets up sys.path: the scan is broken"
+    odd = {p: lines for p, lines in setups.items()
+           if any(line not in (root_line, "sys.path.insert(0, root)") for line in lines)}
+    assert not odd, odd

@@ -99,7 +99,7 @@ def test_every_column_at_every_boundary_matches_head(step):
 
 
 def test_positions_total_and_steps_of_the_baseline():
-    plan = T.plan(record89())
+    plan = H.plan_summary(record89(), *T.plan(record89()))
     assert plan["steps"] == TOTAL
     assert plan["positions_total"] == 423 * 131072 + 424 * 262144 + 438 * 393216 == 338821120
     assert T.train_tokens_needed(record89()) >= plan["positions_total"]

@@ -43,7 +43,31 @@ def test_record_presets_share_global_batch_and_dynamics():
     assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 16384)
     assert (h200.batch_tokens, h200.num_iterations, h200.stages) == (393_216, 1285, "record89")
     assert (h200.tst_bag_size, h200.tst_frac, h200.optimizer) == (4, 0.3, "aurora_normuon")
-    assert h200.batch_tokens // h200.seq_len // h200.micro_batch_seqs == 24  # accumulation on 1 GPU
+
+# Each preset dict and the dict it is built on (None: Config's defaults alone).
+PRESET_PARENTS = [(T.ARCHITECTURE, None), (T.RECORD, T.ARCHITECTURE), (T.RECORD89, T.RECORD),
+                  (T.RECORD89_OURS, T.RECORD89), (T.PRESETS["cpu_smoke_r21"], T.ARCHITECTURE),
+                  (T.PRESETS["cpu_smoke"], T.RECORD89_OURS)]
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(T.Config)}
+
+
+def restated_defaults(child, parent):
+    """Keys ``child`` adds to ``parent`` at their Config default (the same type too: 1 is not True)."""
+    return [k for k in child if k not in (parent or {})
+            and type(child[k]) is type(DEFAULTS[k]) and child[k] == DEFAULTS[k]]
+
+
+def test_presets_list_only_what_differs_from_the_defaults():
+    """A key a preset adds must change Config's default; one it shares with its parent may only reset it."""
+    assert {id(p) for p in T.PRESETS.values()} <= {id(child) for child, _ in PRESET_PARENTS}
+    for child, parent in PRESET_PARENTS:
+        assert set(parent or {}) <= set(child)
+        assert restated_defaults(child, parent) == []
+
+
+def test_the_preset_check_catches_a_restated_default():
+    assert restated_defaults(dict(T.RECORD, pp_beta=DEFAULTS["pp_beta"], head_lr=0.5), T.ARCHITECTURE) == ["pp_beta"]
+    assert restated_defaults(dict(T.RECORD89, seq_len=1024), T.RECORD) == []  # a reset of the parent's value
 
 
 def test_unquoted_glob_gets_a_hint(tmp_path):

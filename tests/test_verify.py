@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import harness as H
 from conftest import REPO, loss_lines, subprocess_env, tiny_args
 
 sys.path.insert(0, os.path.join(REPO, "records"))
