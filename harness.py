@@ -1098,11 +1098,26 @@ def should_stop(stop, can_save=True):
     return True
 
 
-def stop_requested(run):
+# Under torchrun the ranks agree on a signal (an all-reduce and a host sync) at most this often.
+STOP_CHECK_STEPS = 10
+
+
+def stop_check_every(cfg):
+    """Steps between the ranks' agreements on a signal under torchrun with --save-on-interrupt: the
+    first multiple of --log-every that is >= STOP_CHECK_STEPS, so that each falls on a train-loss
+    line (which waits for the device anyway) and no step in between pays a collective."""
+    return cfg.log_every * -(-STOP_CHECK_STEPS // cfg.log_every)
+
+
+def stop_requested(run, step=None):
     """True once a signal asked to stop after this step (--save-on-interrupt); with torchrun, once any
-    rank got one. Without --save-on-interrupt a signal raises StopRequested here (``should_stop``)."""
+    rank got one, checked after the steps ``stop_check_every`` names (``step``: steps done so far;
+    None at a validation, where the ranks always agree). Without --save-on-interrupt a signal raises
+    StopRequested here (``should_stop``)."""
     local = should_stop(run.stop)
     if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
+        if step is not None and step % stop_check_every(run.cfg):
+            return False  # a signal seen here waits for the next check (the step is finished either way)
         flag = torch.tensor(float(local), device=run.rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and not local:

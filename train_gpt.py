@@ -1734,7 +1734,7 @@ def training_loop(run, start_step, end_step):
         count_step(run.progress, row, raw_tokens)
 
         done = step + 1
-        last, stopping = done == end_step, harness.stop_requested(run)
+        last, stopping = done == end_step, harness.stop_requested(run, done)
         if done % cfg.log_every == 0 or last or stopping:
             with clock.paused():
                 log_train_line(run, done, loss, scale)
