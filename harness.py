@@ -187,6 +187,8 @@ class Trainer:
         plan: ``plan(cfg) -> dict(lines, flops_total, tokens_total, positions_total, steps)``: what a run would do,
             for ``--describe`` (no data, no device).
         name: the program's name in messages.
+        flex_attention: ``flex_attention(cfg) -> bool``: whether the model attends through
+            FlexAttention on CUDA (``check_eager_attention``); None: it never does.
     """
     config: type
     presets: dict
@@ -195,6 +197,7 @@ class Trainer:
     train: Callable
     plan: Callable
     name: str = "train_gpt.py"
+    flex_attention: Callable = None
 
     @property
     def run_defining(self):
@@ -390,6 +393,41 @@ def layer_set(text):
     if len(layers) != len(entries):
         raise ValueError("a layer is given twice")
     return layers
+
+
+# Eager FlexAttention (torch's reference implementation, what runs without --compile) builds fp32
+# scores [B, n_head, T, T] per layer: its backward holds four such buffers at once (the scores, the
+# masked scores, their softmax and its gradient: torch's sdpa_dense_backward), a forward without
+# gradients two (the scores and the masked scores: math_attention).
+EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
+
+
+def eager_attention_bytes(cfg):
+    """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
+    (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
+    each ``B * n_head * seq_len**2 * 4`` bytes."""
+    scores = cfg.n_head * cfg.seq_len ** 2 * 4
+    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * scores,
+               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * scores)
+
+
+def check_eager_attention(cfg, use_compile, flex, device_bytes):
+    """Refuse an eager (--no-compile) run whose FlexAttention cannot fit on the GPU.
+
+    Args:
+        cfg: the Config. use_compile: whether the run compiles. flex: whether the model attends
+            through FlexAttention (document masks or windows on CUDA). device_bytes: the GPU's memory.
+
+    Raises:
+        ConfigError: one layer's eager scores (``eager_attention_bytes``) alone exceed ``device_bytes``;
+            the message names --compile, whose fused kernel never builds them.
+    """
+    need = eager_attention_bytes(cfg)
+    if flex and not use_compile and need > device_bytes:
+        raise ConfigError(f"--no-compile: eager FlexAttention needs at least {need / 2**30:,.0f} GiB for one layer's "
+                          f"fp32 attention scores (--seq-len {cfg.seq_len} squared x {cfg.n_head} heads per sequence), "
+                          f"more than the GPU's {device_bytes / 2**30:,.0f} GiB; run with --compile (its fused kernel "
+                          f"never builds them)")
 
 
 def grad_accum_steps(cfg, world):
@@ -1216,6 +1254,9 @@ def start(cfg, trainer):
     """Everything that can be refused before a file is written: runtime, data files, resume, run id,
     folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
     rt = setup_runtime(cfg)
+    if rt.device.type == "cuda" and trainer.flex_attention is not None:
+        check_eager_attention(cfg, rt.compile, trainer.flex_attention(cfg),
+                              torch.cuda.get_device_properties(rt.device).total_memory)
     data = find_data(cfg)
     # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
     lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None

@@ -1821,7 +1821,7 @@ def plan(cfg):
 
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
-                          train=train, plan=plan)
+                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
 RUN_DEFINING = TRAINER.run_defining
 
 

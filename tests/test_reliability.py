@@ -344,6 +344,29 @@ def test_the_ranks_agree_on_a_signal_at_train_loss_lines_at_least_10_steps_apart
     assert every == {1: 10, 3: 12, 4: 12, 10: 10, 25: 25}
 
 
+def test_an_eager_flex_attention_run_that_cannot_fit_the_gpu_is_refused_naming_compile():
+    h200 = 150_000_000_000  # bytes (141 GiB): the check takes the device's memory as an argument
+    r21, _ = T.parse_config(["--preset", "record21_h200"])  # 1 sequence of 49,152 positions, 6 heads
+    assert T.TRAINER.flex_attention(r21) and not T.TRAINER.flex_attention(T.parse_config(["--no-doc-mask"])[0])
+    assert H.eager_attention_bytes(r21) == 4 * 1 * 6 * 49152 ** 2 * 4  # the backward's four fp32 [B, H, T, T]
+    with pytest.raises(H.ConfigError) as e:
+        H.check_eager_attention(r21, False, True, h200)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--no-compile: ") and "run with --compile" in msg and "216 GiB" in msg
+    H.check_eager_attention(r21, True, True, h200)  # compiled: the fused kernel builds no scores
+    H.check_eager_attention(r21, False, False, h200)  # no FlexAttention (plain causal SDPA)
+    base, _ = T.parse_config(["--preset", "baseline_h200"])  # sequences of 16,384: 24 GiB, it fits
+    H.check_eager_attention(base, False, True, h200)
+    for val_seqs, refused in ((8, False), (16, True)):  # a validation forward holds two buffers per sequence
+        cfg = T.parse_config(["--preset", "baseline_h200", "--val-batch-seqs", str(val_seqs)])[0]
+        assert H.eager_attention_bytes(cfg) == max(4, 2 * val_seqs) * 6 * 16384 ** 2 * 4
+        if refused:
+            with pytest.raises(H.ConfigError, match="--compile"):
+                H.check_eager_attention(cfg, False, True, h200)
+        else:
+            H.check_eager_attention(cfg, False, True, h200)
+
+
 # ---------------------------------------------------------------------------------------------
 # one run at a time per run id
 
