@@ -233,6 +233,9 @@ def build_parser(trainer):
     p.add_argument("--describe", action="store_true",
                    help="print what the run would do (config, parameters, FLOPs, tokens, projected time) and exit; "
                         "needs no data and no GPU")
+    p.add_argument("--gpu-check", default=None,
+                   help="with --describe: project also at the utilization this bench/gpu_check.py report "
+                        "(its gpu_check.json) measured (default: the newest under bench/out/, if any)")
     for f in fields(trainer.config):
         flag = flag_of(f.name)
         kw = dict(default=f.default, help=f.metadata["help"])
@@ -449,22 +452,85 @@ def grad_accum_steps(cfg, world):
                       f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
 
 
-# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets), for --describe's projections.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "B200": 2250.0}
+# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets, SXM parts), for --describe's projections.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
+
+# The utilization modded-nanogpt's records reach: record #21 (2025-01-26; 2.933 min = 175.98 s on
+# 8 x H100, the README's record table) trained record21_h200's model for 1,770 steps of 393,216
+# positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
+# --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
+# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe,
+# 2.68e17 FLOPs on a model short of its own, would be 46%.)
+RECORD_MFU = 0.396
+GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 
 
 def _duration(seconds):
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.2g} s"
 
 
-def describe(cfg, preset, trainer):
+def measured_mfu(report):
+    """The utilization a ``bench/gpu_check.py`` report (its JSON, a dict) measured, or None.
+
+    Returns ``(mfu, gpu, preset)``: the timing run's model FLOPs over its time, both TST phases
+    (their kept steps), over the GPU's datasheet peak (``env.nominal_bf16_tflops``); None for a
+    dry run, a report without a timed phase, or a GPU without a datasheet figure.
+    """
+    timing, env = report.get("timing") or {}, report.get("env") or {}
+    phases = [p for p in (timing.get("phase1"), timing.get("phase2")) if p and p.get("flops_per_step")]
+    peak = env.get("nominal_bf16_tflops")
+    if report.get("mode") != "cuda" or not phases or not peak:
+        return None
+    flops = sum(p["flops_per_step"] * p["steps_used"] for p in phases)
+    seconds = sum(p["ms_per_step"] * p["steps_used"] for p in phases) / 1e3
+    return flops / seconds / (peak * 1e12), env.get("gpu"), timing.get("preset")
+
+
+def find_gpu_check(path=None):
+    """``(path, report)`` of the gpu_check report ``--describe`` projects from, or None.
+
+    Args:
+        path: a report given with --gpu-check, or None: the newest of ``GPU_CHECK_REPORTS`` that
+            measured a utilization (``measured_mfu``).
+
+    Raises:
+        ConfigError: ``path`` cannot be read as a JSON report, or measured nothing.
+    """
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--gpu-check {path}: cannot read it as a gpu_check JSON report ({e})") from None
+        if measured_mfu(report) is None:
+            raise ConfigError(f"--gpu-check {path}: the report has no timed CUDA phase (a dry run, or the run failed)")
+        return path, report
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted((p for pattern in GPU_CHECK_REPORTS for p in glob.glob(os.path.join(here, pattern))),
+                   key=os.path.getmtime, reverse=True)
+    for p in found:
+        try:
+            with open(p, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if measured_mfu(report) is not None:
+            return p, report
+    return None
+
+
+def describe(cfg, preset, trainer, gpu_check=None):
     """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
 
     The resolved config; the trainer's plan (``Trainer.plan``: the model, the stages, then
     ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw train tokens
     read), ``positions_total`` (int, latent positions trained), ``steps`` (int)); then the train
-    time projected from ``flops_total`` at 40% and 60% of each GPU's dense bf16 peak
-    (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
+    time projected from ``flops_total`` at the records' utilization (``RECORD_MFU`` of each GPU's
+    dense bf16 peak, ``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs, and at the utilization gpu_check
+    measured (``find_gpu_check(gpu_check)``) when a report exists.
+
+    Raises:
+        ConfigError: a ``gpu_check`` path that holds no measured report.
     """
     plan = trainer.plan(cfg)
     total = plan["flops_total"]
@@ -474,9 +540,16 @@ def describe(cfg, preset, trainer):
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}"]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
-            t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))
-            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): "
-                         f"{_duration(t40)} at 40% of peak, {_duration(t60)} at 60%")
+            t = total / (n_gpus * RECORD_MFU * tflops * 1e12)
+            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): {_duration(t)} "
+                         f"at {100 * RECORD_MFU:.1f}% of peak (modded-nanogpt record #21's utilization)")
+    found = find_gpu_check(gpu_check)
+    if found:
+        path, report = found
+        mfu, gpu, measured_preset = measured_mfu(report)
+        peak = report["env"]["nominal_bf16_tflops"]
+        lines.append(f"projected_train_time_measured: 1 x {gpu}: {_duration(total / (mfu * peak * 1e12))} at "
+                     f"{100 * mfu:.1f}% of peak (measured by gpu_check on preset {measured_preset}: {path})")
     return lines
 
 
@@ -1286,8 +1359,9 @@ def main(argv, trainer):
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv, trainer)
-        if build_parser(trainer).parse_known_args(argv)[0].describe:
-            print("\n".join(describe(cfg, preset, trainer)))
+        known = build_parser(trainer).parse_known_args(argv)[0]
+        if known.describe:
+            print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
             return 0
         stop["save"] = cfg.save_on_interrupt
         handlers = install_stop_handlers(stop)
