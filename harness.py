@@ -472,18 +472,22 @@ def _duration(seconds):
 def measured_mfu(report):
     """The utilization a ``bench/gpu_check.py`` report (its JSON, a dict) measured, or None.
 
-    Returns ``(mfu, gpu, preset)``: the timing run's model FLOPs over its time, both TST phases
-    (their kept steps), over the GPU's datasheet peak (``env.nominal_bf16_tflops``); None for a
-    dry run, a report without a timed phase, or a GPU without a datasheet figure.
+    Returns ``(mfu, gpu, presets)``: the timing runs' model FLOPs over their time (every timed
+    stage of every preset, their kept steps) over the GPU's datasheet peak
+    (``env.nominal_bf16_tflops``), and the presets timed; None for a dry run, a report without a
+    timed stage, or a GPU without a datasheet figure.
     """
-    timing, env = report.get("timing") or {}, report.get("env") or {}
-    phases = [p for p in (timing.get("phase1"), timing.get("phase2")) if p and p.get("flops_per_step")]
+    env, timings = report.get("env") or {}, report.get("timing") or {}
+    stages = {preset: [p for p in ((t or {}).get("stages") or {}).values() if p and p.get("flops_per_step")]
+              for preset, t in timings.items()}
+    stages = {preset: timed for preset, timed in stages.items() if timed}
     peak = env.get("nominal_bf16_tflops")
-    if report.get("mode") != "cuda" or not phases or not peak:
+    if report.get("mode") != "cuda" or not stages or not peak:
         return None
-    flops = sum(p["flops_per_step"] * p["steps_used"] for p in phases)
-    seconds = sum(p["ms_per_step"] * p["steps_used"] for p in phases) / 1e3
-    return flops / seconds / (peak * 1e12), env.get("gpu"), timing.get("preset")
+    timed = [p for ps in stages.values() for p in ps]
+    flops = sum(p["flops_per_step"] * p["steps_used"] for p in timed)
+    seconds = sum(p["ms_per_step"] * p["steps_used"] for p in timed) / 1e3
+    return flops / seconds / (peak * 1e12), env.get("gpu"), ", ".join(stages)
 
 
 def find_gpu_check(path=None):
@@ -546,10 +550,10 @@ def describe(cfg, preset, trainer, gpu_check=None):
     found = find_gpu_check(gpu_check)
     if found:
         path, report = found
-        mfu, gpu, measured_preset = measured_mfu(report)
+        mfu, gpu, presets = measured_mfu(report)
         peak = report["env"]["nominal_bf16_tflops"]
         lines.append(f"projected_train_time_measured: 1 x {gpu}: {_duration(total / (mfu * peak * 1e12))} at "
-                     f"{100 * mfu:.1f}% of peak (measured by gpu_check on preset {measured_preset}: {path})")
+                     f"{100 * mfu:.1f}% of peak (measured by gpu_check on {presets}: {path})")
     return lines
 
 

@@ -16,21 +16,21 @@ def test_the_records_utilization_is_record_21s_time_over_its_flops():
     assert abs(flops / (2.933 * 60 * 8 * 989e12) - H.RECORD_MFU) < 5e-4  # 2.933 min on 8 x H100 (989 TFLOP/s)
 
 
-def report(mode="cuda", nominal=989.0):
-    # phase 1: 3 kept steps of 1e14 FLOPs in 400 ms; phase 2: 5 of 3e14 in 1,000 ms
+def report(mode="cuda", nominal=979.0):
+    # record_h200: stage A, 3 kept steps of 1e14 FLOPs in 400 ms; stage B, 5 of 3e14 in 1,000 ms
+    stage = lambda flops, steps, ms: dict(flops_per_step=flops, steps_used=steps, ms_per_step=ms)  # noqa: E731
     return dict(mode=mode, env=dict(gpu="NVIDIA H200", nominal_bf16_tflops=nominal),
-                timing=dict(preset="record_h200",
-                            phase1=dict(flops_per_step=1e14, steps_used=3, ms_per_step=400.0),
-                            phase2=dict(flops_per_step=3e14, steps_used=5, ms_per_step=1000.0)))
+                timing=dict(record_h200=dict(stages={"A": stage(1e14, 3, 400.0), "B": stage(3e14, 5, 1000.0)}),
+                            baseline_h200=None))  # a preset whose timing run did not run
 
 
 def test_measured_utilization_is_the_timed_flops_over_the_timed_seconds_over_the_peak():
-    mfu, gpu, preset = H.measured_mfu(report())
-    assert mfu == pytest.approx((3e14 + 15e14) / (1.2 + 5.0) / 989e12, rel=1e-12)
-    assert (gpu, preset) == ("NVIDIA H200", "record_h200")
+    mfu, gpu, presets = H.measured_mfu(report())
+    assert mfu == pytest.approx((3e14 + 15e14) / (1.2 + 5.0) / 979e12, rel=1e-12)
+    assert (gpu, presets) == ("NVIDIA H200", "record_h200")
     assert H.measured_mfu(report(mode="dry-run (cpu)")) is None  # CPU step times say nothing of a GPU
     assert H.measured_mfu(report(nominal=None)) is None
-    assert H.measured_mfu(dict(report(), timing=dict(phase1=None, phase2=None))) is None  # the timing run failed
+    assert H.measured_mfu(dict(report(), timing=dict(record_h200=dict(stages={"A": None})))) is None  # not timed
 
 
 def test_describe_projects_at_the_records_and_the_measured_utilization(tmp_path, monkeypatch):
@@ -51,8 +51,8 @@ def test_describe_projects_at_the_records_and_the_measured_utilization(tmp_path,
         path.write_text(json.dumps(r))
     os.utime(old, (1, 1))  # the newer one is a dry run: skipped
     mfu = H.measured_mfu(report())[0]
-    want = (f"projected_train_time_measured: 1 x NVIDIA H200: {total / (mfu * 989e12) / 60:.1f} min at "
-            f"{100 * mfu:.1f}% of peak (measured by gpu_check on preset record_h200: {old})")
+    want = (f"projected_train_time_measured: 1 x NVIDIA H200: {total / (mfu * 979e12) / 60:.1f} min at "
+            f"{100 * mfu:.1f}% of peak (measured by gpu_check on record_h200: {old})")
     assert H.describe(cfg, "baseline_h200", trainer)[-1] == want
     assert H.describe(cfg, "baseline_h200", trainer, str(old))[-1] == want  # --gpu-check PATH
     for bad in (new, tmp_path / "missing.json"):
@@ -64,4 +64,4 @@ def test_describe_flag_reads_the_report_named_by_gpu_check(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report()))
     assert T.main(["--preset", "baseline_h200", "--describe", "--gpu-check", str(path)]) == 0
-    assert f"on preset record_h200: {path})" in capsys.readouterr().out
+    assert f"on record_h200: {path})" in capsys.readouterr().out
