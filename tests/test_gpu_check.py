@@ -22,7 +22,8 @@ import train_gpt as T  # noqa: E402
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--budget-s", "600"],  # the default 240 s fits an idle machine; CI may be loaded
+                           # the default 240 s (and 180 s for the agreement runs) fit an idle machine; CI may be loaded
+                           "--budget-s", "600", "--correct-timeout-s", "450"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=700)
     with open(out / "gpu_check.json", encoding="utf-8") as f:
         result = json.load(f)
