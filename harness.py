@@ -219,6 +219,8 @@ class Trainer:
         plan: ``plan(cfg) -> (parameter count, stage table)``: what a run would do, for ``--describe``
             (no data, no device); ``plan_summary`` reads the table.
         name: the program's name in messages.
+        flex_attention: ``flex_attention(cfg) -> bool``: whether the model attends through
+            FlexAttention on CUDA (``check_eager_attention``); None: it never does.
     """
     config: type
     presets: dict
@@ -227,6 +229,7 @@ class Trainer:
     train: Callable
     plan: Callable
     name: str = "train_gpt.py"
+    flex_attention: Callable = None
 
     @property
     def run_defining(self):
@@ -262,6 +265,9 @@ def build_parser(trainer):
     p.add_argument("--describe", action="store_true",
                    help="print what the run would do (config, parameters, FLOPs, tokens, projected time) and exit; "
                         "needs no data and no GPU")
+    p.add_argument("--gpu-check", default=None,
+                   help="with --describe: project also at the utilization this bench/gpu_check.py report "
+                        "(its gpu_check.json) measured (default: the newest under bench/out/, if any)")
     for f in fields(trainer.config):
         flag = flag_of(f.name)
         kw = dict(default=f.default, help=f.metadata["help"])
@@ -478,6 +484,41 @@ def layer_set(text):
     return layers
 
 
+# Eager FlexAttention (torch's reference implementation, what runs without --compile) builds fp32
+# scores [B, n_head, T, T] per layer: its backward holds four such buffers at once (the scores, the
+# masked scores, their softmax and its gradient: torch's sdpa_dense_backward), a forward without
+# gradients two (the scores and the masked scores: math_attention).
+EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
+
+
+def eager_attention_bytes(cfg):
+    """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
+    (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
+    each ``B * n_head * seq_len**2 * 4`` bytes."""
+    scores = cfg.n_head * cfg.seq_len ** 2 * 4
+    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * scores,
+               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * scores)
+
+
+def check_eager_attention(cfg, use_compile, flex, device_bytes):
+    """Refuse an eager (--no-compile) run whose FlexAttention cannot fit on the GPU.
+
+    Args:
+        cfg: the Config. use_compile: whether the run compiles. flex: whether the model attends
+            through FlexAttention (document masks or windows on CUDA). device_bytes: the GPU's memory.
+
+    Raises:
+        ConfigError: one layer's eager scores (``eager_attention_bytes``) alone exceed ``device_bytes``;
+            the message names --compile, whose fused kernel never builds them.
+    """
+    need = eager_attention_bytes(cfg)
+    if flex and not use_compile and need > device_bytes:
+        raise ConfigError(f"--no-compile: eager FlexAttention needs at least {need / 2**30:,.0f} GiB for one layer's "
+                          f"fp32 attention scores (--seq-len {cfg.seq_len} squared x {cfg.n_head} heads per sequence), "
+                          f"more than the GPU's {device_bytes / 2**30:,.0f} GiB; run with --compile (its fused kernel "
+                          f"never builds them)")
+
+
 def grad_accum_steps(cfg, world):
     """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
 
@@ -497,8 +538,17 @@ def grad_accum_steps(cfg, world):
                       f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
 
 
-# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets), for --describe's projections.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "B200": 2250.0}
+# Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets, SXM parts), for --describe's projections.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
+
+# The utilization modded-nanogpt's records reach: record #21 (2025-01-26; 2.933 min = 175.98 s on
+# 8 x H100, the README's record table) trained record21_h200's model for 1,770 steps of 393,216
+# positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
+# --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
+# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe,
+# 2.68e17 FLOPs on a model short of its own, would be 46%.)
+RECORD_MFU = 0.396
+GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 
 
 def _duration(seconds):
@@ -536,14 +586,72 @@ def plan_summary(cfg, n_params, table):
     return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
 
 
-def describe(cfg, preset, trainer):
+def measured_mfu(report):
+    """The utilization a ``bench/gpu_check.py`` report (its JSON, a dict) measured, or None.
+
+    Returns ``(mfu, gpu, presets)``: the timing runs' model FLOPs over their time (every timed
+    stage of every preset, their kept steps) over the GPU's datasheet peak
+    (``env.nominal_bf16_tflops``), and the presets timed; None for a dry run, a report without a
+    timed stage, or a GPU without a datasheet figure.
+    """
+    env, timings = report.get("env") or {}, report.get("timing") or {}
+    stages = {preset: [p for p in ((t or {}).get("stages") or {}).values() if p and p.get("flops_per_step")]
+              for preset, t in timings.items()}
+    stages = {preset: timed for preset, timed in stages.items() if timed}
+    peak = env.get("nominal_bf16_tflops")
+    if report.get("mode") != "cuda" or not stages or not peak:
+        return None
+    timed = [p for ps in stages.values() for p in ps]
+    flops = sum(p["flops_per_step"] * p["steps_used"] for p in timed)
+    seconds = sum(p["ms_per_step"] * p["steps_used"] for p in timed) / 1e3
+    return flops / seconds / (peak * 1e12), env.get("gpu"), ", ".join(stages)
+
+
+def find_gpu_check(path=None):
+    """``(path, report)`` of the gpu_check report ``--describe`` projects from, or None.
+
+    Args:
+        path: a report given with --gpu-check, or None: the newest of ``GPU_CHECK_REPORTS`` that
+            measured a utilization (``measured_mfu``).
+
+    Raises:
+        ConfigError: ``path`` cannot be read as a JSON report, or measured nothing.
+    """
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--gpu-check {path}: cannot read it as a gpu_check JSON report ({e})") from None
+        if measured_mfu(report) is None:
+            raise ConfigError(f"--gpu-check {path}: the report has no timed CUDA phase (a dry run, or the run failed)")
+        return path, report
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted((p for pattern in GPU_CHECK_REPORTS for p in glob.glob(os.path.join(here, pattern))),
+                   key=os.path.getmtime, reverse=True)
+    for p in found:
+        try:
+            with open(p, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if measured_mfu(report) is not None:
+            return p, report
+    return None
+
+
+def describe(cfg, preset, trainer, gpu_check=None):
     """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
 
     The resolved config; the trainer's plan (``plan_summary``: the model, the stages, then
     ``flops_total`` (float, model FLOPs of all N steps), ``tokens_total`` (int, raw train tokens
     read), ``positions_total`` (int, latent positions trained), ``steps`` (int)); then the train
-    time projected from ``flops_total`` at 40% and 60% of each GPU's dense bf16 peak
-    (``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs.
+    time projected from ``flops_total`` at the records' utilization (``RECORD_MFU`` of each GPU's
+    dense bf16 peak, ``PEAK_BF16_TFLOPS``) on 1 and 8 GPUs, and at the utilization gpu_check
+    measured (``find_gpu_check(gpu_check)``) when a report exists.
+
+    Raises:
+        ConfigError: a ``gpu_check`` path that holds no measured report.
     """
     plan = plan_summary(cfg, *trainer.plan(cfg))
     total = plan["flops_total"]
@@ -553,9 +661,16 @@ def describe(cfg, preset, trainer):
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}"]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
-            t40, t60 = (total / (n_gpus * mfu * tflops * 1e12) for mfu in (0.4, 0.6))
-            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): "
-                         f"{_duration(t40)} at 40% of peak, {_duration(t60)} at 60%")
+            t = total / (n_gpus * RECORD_MFU * tflops * 1e12)
+            lines.append(f"projected_train_time: {n_gpus} x {gpu} ({tflops:g} TFLOP/s bf16 dense each): {_duration(t)} "
+                         f"at {100 * RECORD_MFU:.1f}% of peak (modded-nanogpt record #21's utilization)")
+    found = find_gpu_check(gpu_check)
+    if found:
+        path, report = found
+        mfu, gpu, presets = measured_mfu(report)
+        peak = report["env"]["nominal_bf16_tflops"]
+        lines.append(f"projected_train_time_measured: 1 x {gpu}: {_duration(total / (mfu * peak * 1e12))} at "
+                     f"{100 * mfu:.1f}% of peak (measured by gpu_check on {presets}: {path})")
     return lines
 
 
@@ -1309,11 +1424,26 @@ def should_stop(stop, can_save=True):
     return True
 
 
-def stop_requested(run):
+# Under torchrun the ranks agree on a signal (an all-reduce and a host sync) at most this often.
+STOP_CHECK_STEPS = 10
+
+
+def stop_check_every(cfg):
+    """Steps between the ranks' agreements on a signal under torchrun with --save-on-interrupt: the
+    first multiple of --log-every that is >= STOP_CHECK_STEPS, so that each falls on a train-loss
+    line (which waits for the device anyway) and no step in between pays a collective."""
+    return cfg.log_every * -(-STOP_CHECK_STEPS // cfg.log_every)
+
+
+def stop_requested(run, step=None):
     """True once a signal asked to stop after this step (--save-on-interrupt); with torchrun, once any
-    rank got one. Without --save-on-interrupt a signal raises StopRequested here (``should_stop``)."""
+    rank got one, checked after the steps ``stop_check_every`` names (``step``: steps done so far;
+    None at a validation, where the ranks always agree). Without --save-on-interrupt a signal raises
+    StopRequested here (``should_stop``)."""
     local = should_stop(run.stop)
     if run.cfg.save_on_interrupt and run.rt.distributed:  # every rank stops after the same step
+        if step is not None and step % stop_check_every(run.cfg):
+            return False  # a signal seen here waits for the next check (the step is finished either way)
         flag = torch.tensor(float(local), device=run.rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and not local:
@@ -1412,6 +1542,9 @@ def start(cfg, trainer):
     """Everything that can be refused before a file is written: runtime, data files, resume, run id,
     folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
     rt = setup_runtime(cfg)
+    if rt.device.type == "cuda" and trainer.flex_attention is not None:
+        check_eager_attention(cfg, rt.compile, trainer.flex_attention(cfg),
+                              torch.cuda.get_device_properties(rt.device).total_memory)
     data = find_data(cfg)
     # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
     lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
@@ -1441,8 +1574,9 @@ def main(argv, trainer):
     status, reason, code = "incomplete", None, 1
     try:
         cfg, preset = parse_config(argv, trainer)
-        if build_parser(trainer).parse_known_args(argv)[0].describe:
-            print("\n".join(describe(cfg, preset, trainer)))
+        known = build_parser(trainer).parse_known_args(argv)[0]
+        if known.describe:
+            print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
             return 0
         stop["save"] = cfg.save_on_interrupt
         handlers = install_stop_handlers(stop)

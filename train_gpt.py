@@ -1818,7 +1818,7 @@ def training_loop(run, start_step, end_step):
         count_step(run.progress, row, raw_tokens)
 
         done = step + 1
-        last, stopping = done == end_step, harness.stop_requested(run)
+        last, stopping = done == end_step, harness.stop_requested(run, done)
         if done % cfg.log_every == 0 or last or stopping:
             with clock.paused():
                 harness.log_train_line(run, done, loss, scale)
@@ -1875,7 +1875,7 @@ def plan(cfg):
 
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
-                          train=train, plan=plan)
+                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
 RUN_DEFINING = TRAINER.run_defining
 
 

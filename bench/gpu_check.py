@@ -5,8 +5,9 @@
 
 Sections, in this order (each starts only while the budget leaves it room):
 1. environment and micro-benchmarks (matmul TFLOP/s, copy GB/s, SDPA backends);
-2. the timing run: the preset compiled, N = --steps steps covering both TST phases and the
-   whole stage table; ms/step, tokens/s, MFU, peak memory, projected full-run time;
+2. the timing runs: each preset (--preset; record_h200, then baseline_h200) compiled, N = --steps
+   steps covering every stage of its stage table and both TST phases; ms/step, tokens/s and MFU
+   per phase and per stage, peak memory, the full run's time projected stage by stage;
 3. kernel agreement (in-process, float32, random inputs): FlexAttention vs masked SDPA
    (forward, and gradients on CUDA), compiled vs eager model (CUDA), fused loss vs float64;
 4. a one-step torch.profiler breakdown and max_memory_reserved;
@@ -64,6 +65,11 @@ TINY_MODEL = ["--preset", "cpu_smoke_r21", "--n-layer", "4", "--model-dim", "64"
 # ~2.5 nats in 5 steps on the Zipf-distributed check data (a run that learns shows differences).
 CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "1024", "--val-every", "0", "--log-every", "1",
                "--seed", "0", "--head-lr", "0.05", "--embed-lr", "0.6"]
+# --dry-run's timing runs of the record presets (stage tables): the recipe at a small shape, 1 -> 2 -> 3
+# sequences of 128 positions a step (one per micro-batch), windows in blocks of 16.
+DRY_RECIPE = ["--n-layer", "2", "--model-dim", "64", "--n-head", "2", "--seq-len", "128", "--batch-tokens", "384",
+              "--micro-batch-seqs", "1", "--window-block", "16", "--value-embeds", "1", "--short-window-layers", "1",
+              "--no-attn-layers", ""]
 CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
 TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
@@ -345,7 +351,7 @@ def bench_matmul(device, n, dtype, warmup=3, iters=10, trials=5):
     rate = lambda m: 2 * n ** 3 / (m / 1e3) / 1e12  # noqa: E731
     del a, b, c
     return dict(n=n, dtype=str(dtype).replace("torch.", ""), ms_per_matmul=round(statistics.median(ms), 4),
-                tflops=round(rate(statistics.median(ms)), 2), tflops_best=round(rate(ms[0]), 2))
+                tflops=float(f"{rate(statistics.median(ms)):.4g}"), tflops_best=float(f"{rate(ms[0]):.4g}"))
 
 
 def bench_copy(device, nbytes, iters=10):
@@ -476,8 +482,8 @@ def data_args(args, out_dir):
         return ["--train-files", args.train_files, "--val-files", args.val_files], check, dirs
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
-    # enough tokens for the whole timing run, so no read wraps around (nor trips a check for it)
-    need = T.train_tokens_needed(T.parse_config(timing_argv(args, [], "cpu", "")[1])[0])
+    # enough tokens for every timing run, so no read wraps around (nor trips a check for it)
+    need = max(T.train_tokens_needed(T.parse_config(timing_argv(args, p, [], "cpu", "")[1])[0]) for p in args.presets)
     per_shard = max(100_000, -(-int(1.1 * need) // 2))
     d = os.path.join(out_dir, "synthetic_data")
     timing_data = write_synthetic(d, per_shard, max(args.val_tokens, 4096) + 1024, TIMING_MEAN_DOC)
@@ -599,14 +605,14 @@ def step_times(train, flops_at=None):
     return rows
 
 
-def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
-    """ms/step (mean over kept steps; median too), tokens/s, positions/s, FLOPs, TFLOP/s and MFU of a phase.
+def group_stats(rs, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
+    """ms/step (mean over kept steps; median too), tokens/s, positions/s, FLOPs, TFLOP/s and MFU of rows ``rs``
+    (``step_times``' rows of one phase or one stage). None when ``rs`` is empty.
 
-    The phase's first step is dropped when it is > ``warmup_ratio`` x the median of the others.
-    FLOPs per step are the mean of the kept rows' ``flops`` (the windows grow, so steps differ);
-    achieved TFLOP/s = their FLOPs / their time. Returns None when no row is of this phase.
+    The first row is dropped when it is > ``warmup_ratio`` x the median of the others. FLOPs per
+    step are the mean of the kept rows' ``flops`` (windows and batches differ between steps);
+    achieved TFLOP/s = their FLOPs / their time.
     """
-    rs = [r for r in rows if r["phase"] == phase]
     if not rs:
         return None
     ms = [r["ms"] for r in rs]
@@ -614,7 +620,8 @@ def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
     kept_rows = rs[1:] if drop else rs
     kept = [r["ms"] for r in kept_rows]
     mean = sum(kept) / len(kept)
-    tokens, positions = rs[-1]["tokens"], rs[-1]["positions"]  # per step; constant within a phase
+    tokens = sum(r["tokens"] for r in kept_rows) / len(kept_rows)
+    positions = sum(r["positions"] for r in kept_rows) / len(kept_rows)
     flops = sum(r.get("flops", 0) for r in kept_rows) / len(kept_rows)
     achieved = flops / (mean / 1e3) / 1e12 if flops else None
     out = dict(steps_logged=len(ms), steps_used=len(kept), first_step=rs[0]["step"], last_step=rs[-1]["step"],
@@ -630,47 +637,77 @@ def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
     return out
 
 
-def timing_argv(args, data, device_kind, out_dir):
-    """Preset (+ --dry-run's tiny model) + data + --trainer-args, then the timing flags (which win).
+def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
+    """``group_stats`` of the rows of TST ``phase`` (1 or 2); None when no row is of this phase."""
+    return group_stats([r for r in rows if r["phase"] == phase], matmul_tflops, nominal_tflops, warmup_ratio)
 
-    The timing run is the preset with N = --steps: its TST split (round(r N)) and window
-    schedule (grown over N) are the full run's, compressed.
+
+def stage_key(stage):
+    """What makes two stage-table rows (``train_gpt.Stage``) time alike, as a label: TST phase, bag size,
+    positions per step, window blocks and document cap (a timing run's stage stands for the full run's)."""
+    blocks = f", blocks {stage.blocks}" if stage.blocks else ""
+    cap = f", cap {stage.doc_cap}" if stage.doc_cap else ""
+    return f"phase {stage.phase} s={stage.bag_size}: {stage.batch_tokens} positions{blocks}{cap}"
+
+
+def timing_argv(args, preset, data, device_kind, out_dir):
+    """``(base, argv)``: the preset (+ --dry-run's small shape) + data + --trainer-args, then the timing flags.
+
+    The timing run is the preset with N = --steps and its extension steps scaled to N (at least 1
+    when it has some): the same stage table, TST phases and window blocks, compressed.
     """
-    base = ["--preset", args.preset] + (TINY_MODEL[2:] if args.dry_run else []) + data + shlex.split(args.trainer_args)
+    full, _ = T.parse_config(["--preset", preset])
+    shape = (DRY_RECIPE if full.stages != "flags" else TINY_MODEL[2:]) if args.dry_run else []
+    base = ["--preset", preset] + shape + data + shlex.split(args.trainer_args)
+    cfg, _ = T.parse_config(base)
     window = ["--num-iterations", str(args.steps), "--max-steps", "0",
               "--val-every", "0", "--val-tokens", str(args.val_tokens), "--log-every", "1",
-              "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", "timing"]
+              "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", f"timing_{preset}"]
+    if cfg.extension_steps:
+        window += ["--extension-steps", str(max(1, round(cfg.extension_steps * args.steps / cfg.num_iterations)))]
     if args.compile is not None:
         window.append("--compile" if args.compile else "--no-compile")
     return base, base + window
 
 
-def projection(args, base_argv, p1, p2):
-    """Train time of the full preset run (its own N, r and windows; timing flags not applied), ms.
+def projection(preset, base_argv, stages):
+    """Train time of the full preset run (its own stage table; timing flags not applied), ms.
 
-    Each phase: its FLOPs over the full run's steps / the phase's measured FLOP rate (FLOPs-
-    weighted), and, for comparison, its steps x the measured mean ms/step (unweighted).
+    Args:
+        preset: its name. base_argv: ``timing_argv``'s base words (the full run's flags).
+        stages: ``{stage_key: group_stats}`` of the timing run.
+
+    Each stage of the full run: its FLOPs / the FLOP rate of the timed stage of the same key (else of
+    the same recipe stage in the other TST phase, with a note in ``untimed``), summed (FLOPs-weighted);
+    and, for comparison, its steps x that stage's mean ms/step (unweighted). The projection is None
+    when a stage has no timed counterpart (``missing``).
     """
-    if T is None:
-        raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = T.parse_config(base_argv)
-    switch = T.tst_switch_step(cfg)
-    out = dict(preset=args.preset, num_iterations=cfg.num_iterations, tst_frac=cfg.tst_frac, switch_step=switch,
-               phase1_steps=switch, phase2_steps=cfg.num_iterations - switch, projected_train_time_ms=None,
-               projected_train_time_min=None, unweighted_train_time_ms=None)
+    table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
+    out = dict(preset=preset, num_iterations=cfg.num_iterations, tst_frac=cfg.tst_frac, switch_step=switch,
+               phase1_steps=switch, phase2_steps=cfg.num_iterations - switch, phase1_flops=0, phase2_flops=0,
+               stages=[], untimed=[], missing=[], projected_train_time_ms=None, projected_train_time_min=None,
+               unweighted_train_time_ms=None)
     total = unweighted = 0.0
-    for name, steps, p in (("phase1", range(0, switch), p1), ("phase2", range(switch, cfg.num_iterations), p2)):
-        if not steps:
+    for st in table.stages:
+        key = stage_key(st)
+        flops = sum(table[s].flops_per_position for s in range(st.start, st.end)) * st.batch_tokens
+        out[f"phase{st.phase}_flops"] += flops
+        same_recipe = key.split(": ", 1)[1]
+        timed = key if stages.get(key) else next((k for k, p in stages.items() if p and k.split(": ", 1)[1] == same_recipe), None)
+        out["stages"].append(dict(stage=key, steps=st.end - st.start, flops=flops, timed_as=timed,
+                                  windows=[table[st.start].window, table[st.end - 1].window]))
+        if timed is None or not stages[timed]["flops_per_step"]:
+            out["missing"].append(key)
             continue
-        flops = sum(T.model_flops_per_position(cfg, s) for s in steps) * cfg.batch_tokens
-        out[name + "_flops"] = flops
-        out[name + "_windows"] = [T.window_at(steps[0], cfg), T.window_at(steps[-1], cfg)]
-        if p is None or not p["flops_per_step"]:
-            return out  # a phase the full run needs was not measured
+        if timed != key:
+            out["untimed"].append(f"{key} (projected at the rate of {timed})")
+        p = stages[timed]
         total += flops * p["ms_per_step"] / p["flops_per_step"]
-        unweighted += len(steps) * p["ms_per_step"]
-    out.update(projected_train_time_ms=round(total), projected_train_time_min=round(total / 60e3, 2),
-               unweighted_train_time_ms=round(unweighted))
+        unweighted += (st.end - st.start) * p["ms_per_step"]
+    if not out["missing"]:
+        out.update(projected_train_time_ms=round(total), projected_train_time_min=round(total / 60e3, 2),
+                   unweighted_train_time_ms=round(unweighted))
     return out
 
 
@@ -684,7 +721,8 @@ def timing_problems(res, p1, p2, pj):
             problems.append(f"no {name} step was logged" + (" (raise --steps: the timing run's phase 1 is "
                                                             "round(r x --steps) steps)" if name == "phase 1" else ""))
     if pj["projected_train_time_ms"] is None:
-        problems.append("no projection (a phase is missing)")
+        problems.append("no projection (stages not timed: " + "; ".join(pj["missing"]) + ")")
+    warnings += [f"stage {u} was not in the timing run" for u in pj["untimed"]]
     if res.get("graphs_compiled"):
         warnings.append(f"{res['graphs_compiled']} graph(s) compiled inside the timed window "
                         f"(recompilation: the step times include compile time)")
@@ -694,31 +732,33 @@ def timing_problems(res, p1, p2, pj):
     return problems, warnings
 
 
-def timing(device, data, args, out_dir, deadline, micro, env):
-    """The preset with N = --steps (both TST phases, the whole window schedule); speed and projection."""
-    base, argv = timing_argv(args, data, device.type, out_dir)
+def timing(device, data, args, preset, out_dir, deadline, micro, env):
+    """``preset`` with N = --steps (every stage of its table, both TST phases); speed per phase and stage, projection."""
+    base, argv = timing_argv(args, preset, data, device.type, out_dir)
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = T.parse_config(argv)
-    run = TrainerRun("timing", argv, out_dir)
+    table = T.Schedule(cfg)
+    run = TrainerRun(f"timing_{preset}", argv, out_dir)
     res = run.start().wait(deadline - 25)  # leave time to stop it (SIGTERM, 20 s, SIGKILL) and summarize
     matmul = (micro or {}).get("matmul", {}).get("tflops")
     nominal = env.get("nominal_bf16_tflops") if env else None
-    rows = step_times(res["train"], lambda i: T.model_flops_per_position(cfg, i) * cfg.batch_tokens)
+    rows = step_times(res["train"], lambda i: table[i].flops_per_position * table[i].stage.batch_tokens)
     for r in rows:
-        r["window"] = list(T.window_at(r["step"] - 1, cfg))
+        r["window"], r["stage"] = list(table[r["step"] - 1].window), stage_key(table[r["step"] - 1].stage)
     p1, p2 = (phase_stats(rows, p, matmul, nominal) for p in (1, 2))
+    stages = {stage_key(st): group_stats([r for r in rows if r["stage"] == stage_key(st)], matmul, nominal)
+              for st in table.stages}
     s = res["summary"] or {}
     out = dict(run=dict((k, res[k]) for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")),
-               preset=args.preset, steps_requested=args.steps, steps_logged=len(rows),
+               preset=preset, steps_requested=args.steps, steps_logged=len(rows),
                switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
                compiled_phases=res["n_compiled_phases"],
                graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
                peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
-               flops_per_position_step0=T.model_flops_per_position(cfg, 0),
-               batch_positions=cfg.batch_tokens, micro_batch_seqs=cfg.micro_batch_seqs,
-               phase1=p1, phase2=p2, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows])
-    out["projection"] = projection(args, base, p1, p2)
+               flops_per_position_step0=table[0].flops_per_position, micro_batch_seqs=cfg.micro_batch_seqs,
+               phase1=p1, phase2=p2, stages=stages, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows])
+    out["projection"] = projection(preset, base, stages)
     out["problems"], out["warnings"] = timing_problems(
         dict(res, graphs_compiled=out["graphs_compiled_during_training"]), p1, p2, out["projection"])
     return out
@@ -770,24 +810,11 @@ def check_rows(res):
     return rows
 
 
-def summary_rows(res):
-    """(section, item, value, unit) rows of the final table."""
-    env, mb, tm = res.get("env") or {}, res.get("microbench") or {}, res.get("timing") or {}
-    rows = [("env", "device", env.get("gpu") or env.get("cpu") or env.get("device"), ""),
-            ("env", "gpu memory", env.get("gpu_memory_gib"), "GiB"),
-            ("env", "driver (its CUDA) / torch CUDA / cuDNN",
-             f"{env.get('driver')} ({env.get('driver_cuda')}) / {env.get('torch_cuda')} / {env.get('cudnn')}", ""),
-            ("env", "torch / triton / python", slash(env.get("torch"), env.get("triton"), env.get("python")), ""),
-            ("env", "compile", "on" if str(env.get("compile", "")).startswith("on") else "off", ""),
-            ("env", "inductor cache warm before", env.get("inductor_cache_warm"), "")]
-    m = mb.get("matmul") or {}
-    rows += [("micro", f"matmul {m.get('n')}^3 {m.get('dtype')} (median / best)",
-              slash(m.get("tflops"), m.get("tflops_best")), "TFLOP/s"),
-             ("micro", "device copy (read + write)", (mb.get("copy") or {}).get("gbps"), "GB/s"),
-             ("micro", "pinned host -> device", (mb.get("h2d") or {}).get("gbps"), "GB/s")]
-    rows += [("timing", "preset / steps logged", slash(tm.get("preset"), tm.get("steps_logged")), ""),
-             ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
-             ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
+def timing_rows(preset, tm, dry_run):
+    """Summary rows of one preset's timing run (``timing``'s result, {} if it did not run): per TST phase, per stage, projection."""
+    rows = [("timing", "preset / steps logged", slash(preset, tm.get("steps_logged")), ""),
+            ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
+            ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
     for name in ("phase1", "phase2"):
         p = tm.get(name) or {}
         rows += [(name, "ms/step (mean / median)", slash(p.get("ms_per_step"), p.get("ms_median")), "ms"),
@@ -801,15 +828,38 @@ def summary_rows(res):
                  (name, "achieved", p.get("achieved_tflops"), "TFLOP/s"),
                  (name, "MFU vs measured matmul (vs datasheet peak)",
                   f"{pct(p.get('mfu_measured'))} ({pct(p.get('mfu_nominal'))})", "%")]
+    for key, p in (tm.get("stages") or {}).items():
+        p = p or {}
+        rows.append(("stage", f"{key}: ms/step, MFU vs matmul", f"{fmt(p.get('ms_per_step'))}, {pct(p.get('mfu_measured'))}%", ""))
     pj = tm.get("projection") or {}
     rows += [("timing", "peak memory", tm.get("peak_memory_mib"), "MiB"),
-             ("project", f"full {pj.get('preset') or res['args']['preset']}: N / phase 1 / phase 2 steps",
+             ("project", f"full {preset}: N / phase 1 / phase 2 steps",
               slash(pj.get("num_iterations"), pj.get("phase1_steps"), pj.get("phase2_steps")), "steps"),
-             ("project", "projected train time, FLOPs-weighted" + (" (dry run: the tiny model's step times)"
-                                                                  if res["args"].get("dry_run") else ""),
+             ("project", "projected train time, FLOPs-weighted" + (" (dry run: the small model's step times)"
+                                                                  if dry_run else ""),
               f"{fmt(pj.get('projected_train_time_ms'))} "
               f"({fmt(pj.get('projected_train_time_min'))} min)", "ms"),
              ("project", "  unweighted (steps x measured ms/step)", pj.get("unweighted_train_time_ms"), "ms")]
+    return rows
+
+
+def summary_rows(res):
+    """(section, item, value, unit) rows of the final table."""
+    env, mb = res.get("env") or {}, res.get("microbench") or {}
+    rows = [("env", "device", env.get("gpu") or env.get("cpu") or env.get("device"), ""),
+            ("env", "gpu memory", env.get("gpu_memory_gib"), "GiB"),
+            ("env", "driver (its CUDA) / torch CUDA / cuDNN",
+             f"{env.get('driver')} ({env.get('driver_cuda')}) / {env.get('torch_cuda')} / {env.get('cudnn')}", ""),
+            ("env", "torch / triton / python", slash(env.get("torch"), env.get("triton"), env.get("python")), ""),
+            ("env", "compile", "on" if str(env.get("compile", "")).startswith("on") else "off", ""),
+            ("env", "inductor cache warm before", env.get("inductor_cache_warm"), "")]
+    m = mb.get("matmul") or {}
+    rows += [("micro", f"matmul {m.get('n')}^3 {m.get('dtype')} (median / best)",
+              slash(m.get("tflops"), m.get("tflops_best")), "TFLOP/s"),
+             ("micro", "device copy (read + write)", (mb.get("copy") or {}).get("gbps"), "GB/s"),
+             ("micro", "pinned host -> device", (mb.get("h2d") or {}).get("gbps"), "GB/s")]
+    for preset in res["args"]["presets"]:
+        rows += timing_rows(preset, (res.get("timing") or {}).get(preset) or {}, res["args"].get("dry_run"))
     rows += check_rows(res)
     rows += [("result", "status / exit code", slash(res.get("status"), res.get("exit_code")), ""),
              ("result", "wall time of this check / budget", slash(res.get("wall_s"), res["args"].get("budget_s")), "s"),
@@ -880,7 +930,7 @@ def kernels_and_profile(device, args, out_dir, deadline):
     path = os.path.join(out_dir, "kernels.json")
     if os.path.exists(path):
         os.remove(path)
-    cmd = [sys.executable, "-u", KERNELS, "--device", str(device), "--json", path, "--preset", args.preset]
+    cmd = [sys.executable, "-u", KERNELS, "--device", str(device), "--json", path, "--preset", args.presets[0]]
     proc = subprocess.Popen(cmd + (["--dry-run"] if args.dry_run else []), cwd=REPO, env=child_env(),
                             start_new_session=True)
     try:
@@ -903,7 +953,7 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
 
     Args:
         section: ``section(title, fn, *args)`` runs ``fn`` and records its time and errors (``main``).
-        res: the report dict, filled in (``timing``, ``kernels``, ``profile``, ``correctness``,
+        res: the report dict, filled in (``timing``: ``{preset: timing result}``, ``kernels``, ``profile``, ``correctness``,
             ``skipped``: the sections the budget left out, with the seconds that were left).
         device, args, data, check_data, out_dir: the device, arguments, data flags of the timing
             run and of the checks, output folder.
@@ -918,11 +968,12 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
             print(f"skipping {name}: {left:.0f} s of the budget left", flush=True)
             return False
         return True
-    res["timing"] = section(f"timing run of {args.preset}", timing, device, data, args, out_dir,
-                            deadline - TIMING_RESERVE_S[cuda], res["microbench"], res["env"])
-    if res["timing"]:
-        res["errors"] += [f"timing: {p}" for p in res["timing"]["problems"]]
-        res["warnings"] += res["timing"]["warnings"]
+    for preset in args.presets:  # one after the other, each until the timing deadline
+        tm = res["timing"][preset] = section(f"timing run of {preset}", timing, device, data, args, preset, out_dir,
+                                             deadline - TIMING_RESERVE_S[cuda], res["microbench"], res["env"])
+        if tm:
+            res["errors"] += [f"timing {preset}: {p}" for p in tm["problems"]]
+            res["warnings"] += [f"timing {preset}: {w}" for w in tm["warnings"]]
     if room("kernels"):
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
@@ -943,11 +994,12 @@ def parse_args(argv):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
-    p.add_argument("--preset", default=None, help="trainer preset timed (default record21_h200; cpu_smoke_r21 "
-                                                  "with --dry-run: the tool does not yet read stage tables)")
+    p.add_argument("--preset", default="record_h200,baseline_h200",
+                   help="trainer presets timed, comma-separated, in this order (--dry-run: at a small shape); the "
+                        "first is profiled")
     p.add_argument("--steps", type=int, default=None,
                    help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
-                        "schedule (default 40; 10 with --dry-run)")
+                        "schedule (default 40; 9 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="hard wall-clock limit of the whole check, s (default 510: a 10-minute slot less start-up "
                         "and margin; 240 with --dry-run)")
@@ -966,8 +1018,11 @@ def parse_args(argv):
     p.add_argument("--keep-data", action="store_true", help="keep the synthetic shards under --out")
     args = p.parse_args(argv)
     d = args.dry_run
-    args.preset = args.preset or ("cpu_smoke_r21" if d else "record21_h200")
-    args.steps = args.steps or (10 if d else 40)
+    args.presets = [p for p in args.preset.split(",") if p]
+    unknown = [p for p in args.presets if T is not None and p not in T.PRESETS]
+    if unknown or not args.presets:
+        p.error(f"--preset {args.preset!r}: give trainer presets, comma-separated, from {sorted(T.PRESETS) if T else []}")
+    args.steps = args.steps or (9 if d else 40)
     args.budget_s = args.budget_s or (240.0 if d else 510.0)
     args.val_tokens = args.val_tokens or (1024 if d else 65536)
     if d and args.compile is None:
@@ -995,7 +1050,7 @@ def main(argv=None):
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                args=vars(args), errors=[], warnings=[], section_wall_s={}, env=None, microbench=None,
-               correctness=None, timing=None, kernels=None, profile=None, skipped=[])
+               correctness=None, timing={}, kernels=None, profile=None, skipped=[])
     if TRAINER_IMPORT_ERROR:
         res["errors"].append(TRAINER_IMPORT_ERROR)
 

@@ -17,30 +17,32 @@ def run(tmp_path, *extra):
     return T.main(tiny_args(tmp_path, "--num-iterations", "12", *extra))
 
 
-@pytest.mark.parametrize("tst_frac, switch", [(0.34, 4), (0.75, 9)])
+@pytest.mark.parametrize("tst_frac, switch", [(0.25, 2), (0.75, 6)])
 def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
-    frac = str(tst_frac)
-    assert run(tmp_path / "straight", "--tst-frac", frac, "--run-id", "s") == 0
-    assert run(tmp_path / "split", "--tst-frac", frac, "--run-id", "r", "--max-steps", "6", "--save-final") == 0
-    ckpt = tmp_path / "split" / "ckpt" / "r" / "step_000006.pt"
+    # 8 steps, saved and resumed at step 4 (a val step): in phase 2 (switch 2) or in phase 1 (switch 6)
+    frac, n = str(tst_frac), ["--num-iterations", "8"]
+    assert run(tmp_path / "straight", "--tst-frac", frac, "--run-id", "s", *n) == 0
+    assert run(tmp_path / "split", "--tst-frac", frac, "--run-id", "r", "--max-steps", "4", "--save-final", *n) == 0
+    ckpt = tmp_path / "split" / "ckpt" / "r" / "step_000004.pt"
     assert ckpt.exists()
     state = H.load_checkpoint(str(ckpt))
-    assert state["step"] == 6 and state["phase"] == (1 if switch > 6 else 2)
+    assert state["step"] == 4 and state["phase"] == (1 if switch > 4 else 2)
     assert state["loader_position"] == state["counters"]["raw_tokens"]
-    assert run(tmp_path / "split", "--tst-frac", frac, "--resume", "auto") == 0  # same run id, same log
+    assert run(tmp_path / "split", "--tst-frac", frac, "--resume", "auto", *n) == 0  # same run id, same log
     straight = read_log(tmp_path / "straight" / "logs", "s")
     resumed = read_log(tmp_path / "split" / "logs", "r")
     assert f"tst_switch: step {switch}" in straight and f"tst_switch: step {switch}" in resumed
-    assert loss_lines(resumed) == loss_lines(straight) and len(loss_lines(straight)) == 12
+    assert loss_lines(resumed) == loss_lines(straight) and len(loss_lines(straight)) == 8
     assert loss_lines(resumed, "val_loss") == loss_lines(straight, "val_loss")
+    assert sorted(loss_lines(straight, "val_loss")) == [0, 4, 8]
     lines = resumed.splitlines()
     resume_at = next(i for i, l in enumerate(lines) if l.startswith("resume: from "))
-    assert "at step 6" in lines[resume_at] and lines[-1] == "status:complete"
-    assert lines.index("status:stopped_early reason:--max-steps 6") < resume_at  # appended to the same log
+    assert "at step 4" in lines[resume_at] and lines[-1] == "status:complete"
+    assert lines.index("status:stopped_early reason:--max-steps 4") < resume_at  # appended to the same log
     a = json.loads((tmp_path / "straight" / "logs" / "s.json").read_text())
     b = json.loads((tmp_path / "split" / "logs" / "r.json").read_text())
     assert a["train_losses"] == b["train_losses"] and a["raw_tokens"] == b["raw_tokens"]
-    assert b["status"] == "complete" and b["steps"] == 12
+    assert b["status"] == "complete" and b["steps"] == 8
 
 
 def test_checkpoint_holds_everything_a_run_needs(tmp_path):

@@ -26,10 +26,15 @@ def run(cmd, tmp_path, threads="1"):
 
 def test_two_processes_match_one_process_with_accumulation(tmp_path):
     script = os.path.join(REPO, "train_gpt.py")
-    one = run([sys.executable, script, *dist_args(tmp_path, "one", "--micro-batch-seqs", "8")], tmp_path)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run([*TORCHRUN, script, *dist_args(tmp_path, "two", "--micro-batch-seqs", "8")], tmp_path)
-    assert two.returncode == 0, two.stderr[-2000:]
+    # both runs at once (one thread each, as torchrun's workers): their start-ups overlap
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    procs = {}
+    for name, cmd in (("one", [sys.executable, script]), ("two", [*TORCHRUN, script])):
+        with open(tmp_path / f"{name}.err", "w") as err:  # files, not pipes: neither can block on a full pipe
+            procs[name] = subprocess.Popen([*cmd, *dist_args(tmp_path, name, "--micro-batch-seqs", "8")],
+                                           stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path)
+    for name, proc in procs.items():
+        assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
     logs = tmp_path / "logs"
     a, b = (json.loads((logs / f"{r}.json").read_text()) for r in ("one", "two"))
     assert a["world_size"] == 1 and b["world_size"] == 2

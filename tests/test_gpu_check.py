@@ -22,7 +22,8 @@ import train_gpt as T  # noqa: E402
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--budget-s", "600"],  # the default 240 s fits an idle machine; CI may be loaded
+                           # the default 240 s (and 180 s for the agreement runs) fit an idle machine; CI may be loaded
+                           "--budget-s", "600", "--correct-timeout-s", "450"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=700)
     with open(out / "gpu_check.json", encoding="utf-8") as f:
         result = json.load(f)
@@ -39,7 +40,8 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
                 "max_memory_reserved", "wall time of this check / budget"):
         assert row in proc.stdout, row
     # order of value: the timing run, then the kernel checks and profile, then the trainer agreement runs
-    order = [proc.stdout.index(s) for s in ("timing run of", "kernel agreement (", "trainer agreement (")]
+    order = [proc.stdout.index(s) for s in ("timing run of record_h200", "timing run of baseline_h200",
+                                            "kernel agreement (", "trainer agreement (")]
     assert order == sorted(order)
     # both columns of each agreement check are printed
     assert "cpu fp32 eager (ref)" in proc.stdout and "fp32_cpu_vs_device: PASS" in proc.stdout
@@ -65,43 +67,72 @@ def test_dry_run_agreement_checks_ran_and_passed(dry_run):
     assert train[1]["reference"] - train[3]["reference"] > 1.0  # the check run learns (Zipf data)
 
 
-def test_dry_run_timing_reports_both_phases_and_the_flops_weighted_projection(dry_run):
+def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(dry_run):
     _, r, out = dry_run
     assert r["schema"] == gpu_check.SCHEMA and r["exit_code"] == 0 and r["status"] == "ok" and r["errors"] == []
     for key in ("env", "microbench", "correctness", "timing", "summary_table", "wall_s"):
         assert r[key] is not None, key
     assert r["env"]["torch"] and r["env"]["device"] == "cpu"
     assert r["microbench"]["matmul"]["tflops"] > 0 and r["microbench"]["copy"]["gbps"] > 0
-    t = r["timing"]
-    # N = 10 steps with the preset's r = 0.3: 3 in phase 1, 7 in phase 2
-    assert t["switch_step"] == 3 and t["steps_logged"] == 10 and t["problems"] == []
-    cfg, _ = T.parse_config(t["run"]["argv"])
-    assert cfg.num_iterations == 10 and cfg.window_start > 0
-    for name in ("phase1", "phase2"):
-        p = t[name]
-        assert p["ms_per_step"] > 0 and p["positions_per_s"] > 0 and p["raw_tokens_per_s"] > 0 and p["mfu_measured"] > 0
-    for row in t["per_step"]:  # FLOPs and window of the optimizer step each log line reports
-        assert row["flops"] == T.model_flops_per_position(cfg, row["step"] - 1) * cfg.batch_tokens
-        assert tuple(row["window"]) == T.window_at(row["step"] - 1, cfg)
-    windows = [row["window"][0] for row in t["per_step"]]
-    assert windows[0] == cfg.window_start and windows[-1] == cfg.window  # the whole schedule was timed
-    # TST phase 1 reads s = 4 raw tokens per latent position, phase 2 one
-    assert t["phase1"]["raw_tokens_per_step"] == 4 * t["phase1"]["positions_per_step"]
-    assert t["phase2"]["raw_tokens_per_step"] == t["phase2"]["positions_per_step"]
-    pj = t["projection"]
-    assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (100, 30, 70)  # cpu_smoke: r = 0.3
-    full = dataclasses.replace(cfg, num_iterations=100)
-    f1, f2 = (sum(T.model_flops_per_position(full, s) for s in steps) * full.batch_tokens
-              for steps in (range(30), range(30, 100)))
-    assert (pj["phase1_flops"], pj["phase2_flops"]) == (f1, f2)
-    p1, p2 = t["phase1"], t["phase2"]
-    weighted = f1 * p1["ms_per_step"] / p1["flops_per_step"] + f2 * p2["ms_per_step"] / p2["flops_per_step"]
-    assert abs(pj["projected_train_time_ms"] - weighted) <= 1
-    assert abs(pj["unweighted_train_time_ms"] - (30 * p1["ms_per_step"] + 70 * p2["ms_per_step"])) <= 1
-    assert t["peak_memory_mib"] > 0
-    assert (out / "gpu_check_summary.txt").exists() and (out / "logs" / "timing.txt").exists()
+    assert list(r["timing"]) == ["record_h200", "baseline_h200"]
+    for preset, t in r["timing"].items():
+        assert t["problems"] == [] and t["steps_logged"] == 9, (preset, t["problems"])
+        cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the small shape, N = 9, 1 extension step
+        assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 9, 1, 128)
+        table = T.Schedule(cfg)
+        assert list(t["stages"]) == [gpu_check.stage_key(st) for st in table.stages]  # every stage was timed
+        assert len(t["stages"]) == 4  # the three recipe stages and the extension
+        for p in t["stages"].values():
+            assert p["ms_per_step"] > 0 and p["positions_per_s"] > 0 and p["mfu_measured"] > 0
+        for row in t["per_step"]:  # FLOPs, window and stage of the optimizer step each log line reports
+            step = table[row["step"] - 1]
+            assert row["flops"] == step.flops_per_position * step.stage.batch_tokens
+            assert tuple(row["window"]) == step.window and row["stage"] == gpu_check.stage_key(step.stage)
+        assert [row["positions"] for row in t["per_step"]] == [table[i].stage.batch_tokens for i in range(9)]
+        pj = t["projection"]  # the full run: the preset's own N and extension at the same shape
+        full, _ = T.parse_config(t["run"]["argv"][:t["run"]["argv"].index("--num-iterations")])
+        switch = T.tst_switch_step(full)
+        assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (1285, switch, 1285 - switch)
+        ftable = T.Schedule(full)
+        want = sum(row.flops_per_position * row.stage.batch_tokens for row in ftable.rows[:1285])
+        assert pj["phase1_flops"] + pj["phase2_flops"] == pytest.approx(want, rel=1e-12)
+        assert [s["stage"] for s in pj["stages"]] == [gpu_check.stage_key(st) for st in ftable.stages]
+        weighted = sum(s["flops"] * t["stages"][s["timed_as"]]["ms_per_step"] / t["stages"][s["timed_as"]]["flops_per_step"]
+                       for s in pj["stages"])
+        assert abs(pj["projected_train_time_ms"] - weighted) <= 1 and pj["missing"] == []
+        assert t["peak_memory_mib"] > 0 and (out / "logs" / f"timing_{preset}.txt").exists()
+    rec, base = r["timing"]["record_h200"], r["timing"]["baseline_h200"]
+    assert rec["switch_step"] == 3 and rec["phase1"]["steps_logged"] == 3 and base["phase1"] is None
+    # TST phase 1 reads s = 4 raw tokens per latent position (and the document tails it skips)
+    assert rec["phase1"]["raw_tokens_per_step"] >= 4 * rec["phase1"]["positions_per_step"]
+    # the full record run has stage 1 on both sides of the TST switch; the 9-step run only phase 1 of it
+    p2s1 = [s for s in rec["projection"]["stages"] if s["stage"].startswith("phase 2") and "blocks (1, 3)" in s["stage"]]
+    assert len(p2s1) == 1 and p2s1[0]["timed_as"].startswith("phase 1 s=4: 128 positions, blocks (1, 3)")
+    assert any("was not in the timing run" in w for w in r["warnings"]) and base["projection"]["untimed"] == []
+    assert (out / "gpu_check_summary.txt").exists()
     for d in ("synthetic_data", "synthetic_check"):
         assert not (out / d).exists()  # removed without --keep-data
+
+
+def test_projection_of_a_flags_preset_weights_each_phase_by_its_flops():
+    # record #21's recipe (one stage from the flags, TST for 30%): each phase at its own measured rate
+    base = ["--preset", "record21_h200"]
+    cfg, _ = T.parse_config(base)
+    table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
+    keys = [gpu_check.stage_key(st) for st in table.stages]
+    assert len(keys) == 2 and switch == 531
+    stats = {keys[0]: dict(ms_per_step=500.0, flops_per_step=2e14), keys[1]: dict(ms_per_step=900.0, flops_per_step=3e14)}
+    pj = gpu_check.projection("record21_h200", base, stats)
+    f1 = sum(table[i].flops_per_position for i in range(switch)) * cfg.batch_tokens
+    f2 = sum(table[i].flops_per_position for i in range(switch, 1770)) * cfg.batch_tokens
+    assert pj["phase1_flops"] == pytest.approx(f1, rel=1e-12) and pj["phase2_flops"] == pytest.approx(f2, rel=1e-12)
+    assert abs(pj["projected_train_time_ms"] - (f1 * 500 / 2e14 + f2 * 900 / 3e14)) <= 1
+    assert pj["unweighted_train_time_ms"] == 531 * 500 + 1239 * 900 and pj["untimed"] == []
+    pj = gpu_check.projection("record21_h200", base, {keys[0]: stats[keys[0]]})  # phase 2 at phase 1's rate, said so
+    assert pj["untimed"] == [f"{keys[1]} (projected at the rate of {keys[0]})"] and pj["missing"] == []
+    assert abs(pj["projected_train_time_ms"] - (f1 + f2) * 500 / 2e14) <= 1
+    pj = gpu_check.projection("record21_h200", base, {})  # nothing timed: no projection
+    assert pj["projected_train_time_ms"] is None and pj["missing"] == keys
 
 
 def test_synthetic_documents_have_the_requested_mean_length():
@@ -225,12 +256,13 @@ def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monk
     cpu = torch.device("cpu")
     need_k, need_a = gpu_check.MIN_SECTION_S["kernels"][0], gpu_check.MIN_SECTION_S["agreement"][0]
     assert need_k < need_a  # the cases below assume it
-    for left, ran in ((need_a + 5, ["timing", "kernels", "agreement"]),
-                      ((need_k + need_a) / 2, ["timing", "kernels"]),
-                      (need_k - 5, ["timing"])):
+    timed = ["timing"] * len(args.presets)  # one timing run per preset
+    for left, ran in ((need_a + 5, timed + ["kernels", "agreement"]),
+                      ((need_k + need_a) / 2, timed + ["kernels"]),
+                      (need_k - 5, timed)):
         calls.clear()
         res = dict(microbench=None, env=None, errors=[], warnings=[], skipped=[], kernels=None, profile=None,
-                   correctness=None)
+                   correctness=None, timing={})
         gpu_check.run_sections(section, res, cpu, args, [], [], "", gpu_check.time.monotonic() + left)
         assert calls == ran, (left, calls)
-        assert len(res["skipped"]) == 3 - len(ran)  # each skipped section is named in the report
+        assert len(res["skipped"]) == 2 - (len(ran) - len(timed))  # each skipped section is named in the report

@@ -4,6 +4,7 @@ Val shards in the train stream, resume onto other data, a full disk, checkpoints
 their times, a missing C++ compiler, Ctrl-C during the compile warm-up or a validation, a signal
 under torchrun, two starts of one run, a process group that cannot form.
 """
+import json
 import os
 import shutil
 import signal
@@ -318,6 +319,52 @@ def test_run_sh_under_torchrun_exits_130_on_a_signal_with_the_checkpoint_and_2_o
     _, err = again.communicate(timeout=600)
     assert again.returncode == 2, err[-3000:]
     assert "--run-id t:" in err and "already exists" in err
+
+
+def test_save_on_interrupt_under_torchrun_agrees_every_few_steps_not_every_step(tmp_path):
+    # rank 0 alone is signalled during step 12; the ranks agree (a MAX all-reduce) only at the
+    # step-0 validation and after steps 10 and 20 (stop_check_every, --log-every 1), and stop after 20
+    worker = os.path.join(REPO, "tests", "dist_stop_worker.py")
+    out = tmp_path / "stop"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(out),
+           *tiny_args(tmp_path, "--batch-tokens", "512", "--num-iterations", "40", "--val-every", "0",
+                      "--tst-frac", "0", "--run-id", "s", "--dist-timeout", "120", "--save-on-interrupt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          cwd=tmp_path, timeout=600)
+    ranks = [json.loads((tmp_path / f"stop.{r}.json").read_text()) for r in (0, 1)]
+    assert [r["code"] for r in ranks] == [130, 130], proc.stderr[-3000:]
+    assert [r["checks"] for r in ranks] == [[0, 10, 20], [0, 10, 20]]
+    last = read_log(tmp_path / "logs", "s").splitlines()[-1]
+    assert last.startswith("status:interrupted reason:SIGTERM after step 20;"), last
+    assert H.load_checkpoint(str(tmp_path / "ckpt" / "s" / "step_000020.pt"))["step"] == 20
+
+
+def test_the_ranks_agree_on_a_signal_at_train_loss_lines_at_least_10_steps_apart():
+    every = {n: H.stop_check_every(T.parse_config(["--log-every", str(n)])[0]) for n in (1, 3, 4, 10, 25)}
+    assert every == {1: 10, 3: 12, 4: 12, 10: 10, 25: 25}
+
+
+def test_an_eager_flex_attention_run_that_cannot_fit_the_gpu_is_refused_naming_compile():
+    h200 = 150_000_000_000  # bytes (141 GiB): the check takes the device's memory as an argument
+    r21, _ = T.parse_config(["--preset", "record21_h200"])  # 1 sequence of 49,152 positions, 6 heads
+    assert T.TRAINER.flex_attention(r21) and not T.TRAINER.flex_attention(T.parse_config(["--no-doc-mask"])[0])
+    assert H.eager_attention_bytes(r21) == 4 * 1 * 6 * 49152 ** 2 * 4  # the backward's four fp32 [B, H, T, T]
+    with pytest.raises(H.ConfigError) as e:
+        H.check_eager_attention(r21, False, True, h200)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--no-compile: ") and "run with --compile" in msg and "216 GiB" in msg
+    H.check_eager_attention(r21, True, True, h200)  # compiled: the fused kernel builds no scores
+    H.check_eager_attention(r21, False, False, h200)  # no FlexAttention (plain causal SDPA)
+    base, _ = T.parse_config(["--preset", "baseline_h200"])  # sequences of 16,384: 24 GiB, it fits
+    H.check_eager_attention(base, False, True, h200)
+    for val_seqs, refused in ((8, False), (16, True)):  # a validation forward holds two buffers per sequence
+        cfg = T.parse_config(["--preset", "baseline_h200", "--val-batch-seqs", str(val_seqs)])[0]
+        assert H.eager_attention_bytes(cfg) == max(4, 2 * val_seqs) * 6 * 16384 ** 2 * 4
+        if refused:
+            with pytest.raises(H.ConfigError, match="--compile"):
+                H.check_eager_attention(cfg, False, True, h200)
+        else:
+            H.check_eager_attention(cfg, False, True, h200)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""--describe's projections: at the utilization modded-nanogpt's records reached, and at the one
+bench/gpu_check.py measured when a report exists."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+import harness as H
+import train_gpt as T
+
+
+def test_the_records_utilization_is_record_21s_time_over_its_flops():
+    cfg, _ = T.parse_config(["--preset", "record21_h200", "--tst-frac", "0"])  # record #21's model and steps
+    flops = T.plan(cfg)["flops_total"]
+    assert abs(flops / (2.933 * 60 * 8 * 989e12) - H.RECORD_MFU) < 5e-4  # 2.933 min on 8 x H100 (989 TFLOP/s)
+
+
+def report(mode="cuda", nominal=979.0):
+    # record_h200: stage A, 3 kept steps of 1e14 FLOPs in 400 ms; stage B, 5 of 3e14 in 1,000 ms
+    stage = lambda flops, steps, ms: dict(flops_per_step=flops, steps_used=steps, ms_per_step=ms)  # noqa: E731
+    return dict(mode=mode, env=dict(gpu="NVIDIA H200", nominal_bf16_tflops=nominal),
+                timing=dict(record_h200=dict(stages={"A": stage(1e14, 3, 400.0), "B": stage(3e14, 5, 1000.0)}),
+                            baseline_h200=None))  # a preset whose timing run did not run
+
+
+def test_measured_utilization_is_the_timed_flops_over_the_timed_seconds_over_the_peak():
+    mfu, gpu, presets = H.measured_mfu(report())
+    assert mfu == pytest.approx((3e14 + 15e14) / (1.2 + 5.0) / 979e12, rel=1e-12)
+    assert (gpu, presets) == ("NVIDIA H200", "record_h200")
+    assert H.measured_mfu(report(mode="dry-run (cpu)")) is None  # CPU step times say nothing of a GPU
+    assert H.measured_mfu(report(nominal=None)) is None
+    assert H.measured_mfu(dict(report(), timing=dict(record_h200=dict(stages={"A": None})))) is None  # not timed
+
+
+def test_describe_projects_at_the_records_and_the_measured_utilization(tmp_path, monkeypatch):
+    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
+    total = 2.6e17  # a plan of that many FLOPs (the projections read only flops_total)
+    trainer = dataclasses.replace(T.TRAINER, plan=lambda c: dict(lines=[], flops_total=total, tokens_total=1,
+                                                                  positions_total=1, steps=1))
+    monkeypatch.setattr(H, "GPU_CHECK_REPORTS", (str(tmp_path / "gpu_check*" / "gpu_check.json"),))
+    lines = H.describe(cfg, "baseline_h200", trainer)
+    projected = [l for l in lines if l.startswith("projected_train_time")]
+    assert len(projected) == 2 * len(H.PEAK_BF16_TFLOPS)  # no report: no measured line
+    minutes = total / (H.RECORD_MFU * 989e12) / 60
+    assert (f"projected_train_time: 1 x H200 (989 TFLOP/s bf16 dense each): {minutes:.1f} min at 39.6% of peak "
+            f"(modded-nanogpt record #21's utilization)") in lines
+    old, new = tmp_path / "gpu_check_a" / "gpu_check.json", tmp_path / "gpu_check_b" / "gpu_check.json"
+    for path, r in ((old, report()), (new, report(mode="dry-run (cpu)"))):
+        path.parent.mkdir()
+        path.write_text(json.dumps(r))
+    os.utime(old, (1, 1))  # the newer one is a dry run: skipped
+    mfu = H.measured_mfu(report())[0]
+    want = (f"projected_train_time_measured: 1 x NVIDIA H200: {total / (mfu * 979e12) / 60:.1f} min at "
+            f"{100 * mfu:.1f}% of peak (measured by gpu_check on record_h200: {old})")
+    assert H.describe(cfg, "baseline_h200", trainer)[-1] == want
+    assert H.describe(cfg, "baseline_h200", trainer, str(old))[-1] == want  # --gpu-check PATH
+    for bad in (new, tmp_path / "missing.json"):
+        with pytest.raises(H.ConfigError, match=f"--gpu-check {bad}: "):
+            H.describe(cfg, "baseline_h200", trainer, str(bad))
+
+
+def test_describe_flag_reads_the_report_named_by_gpu_check(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report()))
+    assert T.main(["--preset", "baseline_h200", "--describe", "--gpu-check", str(path)]) == 0
+    assert f"on record_h200: {path})" in capsys.readouterr().out
