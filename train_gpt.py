@@ -210,17 +210,32 @@ ARCHITECTURE = dict(doc_mask=True, value_embeds=3, unet=True, x0_mix=True, merge
 RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch_seqs=1, num_iterations=1770,
               window_start=128, window=1792, short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7",
               head_lr=0.22, log_every=10)  # a train-loss line is the only host sync between val points
-# Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on the model above: 1,270
+# Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on its model: 1,270
 # scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
 # sequences of 16,384 (HEAD's 2,048 x 8 per GPU), cooldown over the last 60% to 0.15 (record #72),
 # momentum 0.85 -> 0.95 over 300 steps (the defaults) and back over the last 50 (record #39). No TST.
-RECORD89 = dict(RECORD, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
+# Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
+# layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
+# its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
+# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key
+# offset (#49), XSA (#82), output gates (#28), uniform V/O init (#64 as merged).
+MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9", unet=False, x0_mix=False,
+               value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
+               x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
+               rope_half=True, rope_yarn=True, attn_scale=0.1, paired_head_layers="0,2,5,9", key_offset=True,
+               xsa_layers="1,3,4,7", attn_gate_layers="3,10", attn_vo_init="uniform")
+RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
                 window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
                 tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
                 logit_cap="sigmoid", tied_embed=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
+# Record #89's model at 4 x 128 (cpu_smoke, gpu_check --dry-run): HEAD's layer roles mapped onto 4 layers
+# (paired heads 0 and 2, XSA 1, long window and output gate 3, the skip 1 -> 2, MUDD on 3).
+SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_layers="1,3", short_window_layers="0,1,2",
+                     no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
+                     paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3")
 PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as its authors ran it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
@@ -231,12 +246,11 @@ PRESETS = {
                           micro_batch_seqs=8, num_iterations=100, momentum_warmup_steps=0, value_embeds=1,
                           window_start=32, window=128, short_window_layers="1",
                           embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=50),
-    # 2 CPU cores, under 5 minutes: a tiny model of the record recipe on the real-text sample, one flat
-    # (document-packed) sequence of 1,024 per micro-step, 1 -> 2 -> 3 of them per step.
-    "cpu_smoke": dict(RECORD89_OURS, n_layer=4, n_head=4, model_dim=128, seq_len=1024, batch_tokens=3072,
-                      num_iterations=100, extension_steps=2, window_block=32,
-                      momentum_warmup_steps=24, momentum_cooldown_steps=4, value_embeds=1,
-                      short_window_layers="1", no_attn_layers="", val_tokens=16384, val_every=50, log_every=1,
+    # 2 CPU cores, under 5 minutes: the record recipe and model at a tiny shape on the real-text sample, one
+    # flat (document-packed) sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
+    "cpu_smoke": dict(RECORD89_OURS, **SMOKE_MODEL89, seq_len=768, batch_tokens=2304, num_iterations=100,
+                      extension_steps=2, window_block=32, momentum_warmup_steps=24, momentum_cooldown_steps=4,
+                      val_tokens=16384, val_every=50, log_every=1,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
 

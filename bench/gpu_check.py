@@ -65,11 +65,10 @@ TINY_MODEL = ["--preset", "cpu_smoke_r21", "--n-layer", "4", "--model-dim", "64"
 # ~2.5 nats in 5 steps on the Zipf-distributed check data (a run that learns shows differences).
 CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "1024", "--val-every", "0", "--log-every", "1",
                "--seed", "0", "--head-lr", "0.05", "--embed-lr", "0.6"]
-# --dry-run's timing runs of the record presets (stage tables): the recipe at a small shape, 1 -> 2 -> 3
-# sequences of 128 positions a step (one per micro-batch), windows in blocks of 16.
-DRY_RECIPE = ["--n-layer", "2", "--model-dim", "64", "--n-head", "2", "--seq-len", "128", "--batch-tokens", "384",
-              "--micro-batch-seqs", "1", "--window-block", "16", "--value-embeds", "1", "--short-window-layers", "1",
-              "--no-attn-layers", ""]
+# --dry-run's timing runs of the record presets (stage tables): the recipe and cpu_smoke's 4-layer model at a
+# small shape, 1 -> 2 -> 3 sequences of 128 positions a step (one per micro-batch), windows in blocks of 16.
+DRY_RECIPE = T.config_to_argv(dict(T.SMOKE_MODEL89, model_dim=64, bigram_vocab=4096)) + [
+    "--seq-len", "128", "--batch-tokens", "384", "--micro-batch-seqs", "1", "--window-block", "16"]
 CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
 TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
