@@ -160,6 +160,8 @@ def summary(tmp_path, run_id):
 
 
 NORMUON = ("--optimizer", "normuon", "--matrix-lr", "0.023", "--matrix-wd", "1.2")
+# Record #89's model with cpu_smoke's 4-layer layer roles (every MODEL89 element on), 64 wide
+MODEL89 = tuple(T.config_to_argv({**T.MODEL89, **T.SMOKE_MODEL89, "model_dim": 64, "n_head": 4, "bigram_vocab": 512}))
 
 
 @pytest.mark.parametrize("extra", [(), ("--objectives", "--logit-cap", "sigmoid"), NORMUON,
@@ -173,7 +175,8 @@ def test_packed_stages_log_raw_tokens_and_positions(tmp_path, extra):
     assert "stage: step 2" in text and "stage: step 4" in text and "stage: step 6" in text
 
 
-@pytest.mark.parametrize("stop, extra", [(3, ()), (4, ()), (3, NORMUON + ("--objectives",))])
+@pytest.mark.parametrize("stop, extra", [(3, ()), (4, ()), (3, NORMUON + ("--objectives",)),
+                                         (3, NORMUON + ("--objectives",) + MODEL89)])
 def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop, extra):
     """Stop after step 3 (mid stage 2; with NorMuon, Adam holds one step's gradient) or 4 (a boundary)."""
     assert T.main(recipe_args(tmp_path / "a", "s", *extra)) == 0
@@ -186,12 +189,13 @@ def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop, e
     assert (a["raw_tokens"], a["final_val_loss"]) == (b["raw_tokens"], b["final_val_loss"])
 
 
-def test_two_processes_match_one_process_across_stage_changes(tmp_path):
+@pytest.mark.parametrize("extra", [(), MODEL89])
+def test_two_processes_match_one_process_across_stage_changes(tmp_path, extra):
     script = os.path.join(REPO, "train_gpt.py")
     env = dict(subprocess_env(), OMP_NUM_THREADS="1")  # one thread each: the same summation order
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     for cmd, run_id in (([sys.executable, script], "one"), (torchrun + [script], "two")):
-        out = subprocess.run([*cmd, *recipe_args(tmp_path, run_id, "--dist-timeout", "60")], capture_output=True,
+        out = subprocess.run([*cmd, *recipe_args(tmp_path, run_id, "--dist-timeout", "60", *extra)], capture_output=True,
                              text=True, env=env, cwd=tmp_path, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
     a, b = summary(tmp_path, "one"), summary(tmp_path, "two")
