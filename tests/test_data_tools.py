@@ -1127,8 +1127,8 @@ def _run_sh(tmp_path, env, *args):
 
 
 def test_run_sh_without_gpu_or_data_dir_trains_on_the_sample(tmp_path):
-    # cpu_smoke (record #89's stage table) at a tiny shape: 2 -> 4 -> 6 sequences of 32, one step per stage
-    tiny = ["--n-layer", "2", "--model-dim", "64", "--n-head", "2", "--seq-len", "32", "--batch-tokens", "192",
+    # cpu_smoke (record #89's stage table and its 4-layer model) 64 wide: 2 -> 4 -> 6 sequences of 32, a step a stage
+    tiny = ["--model-dim", "64", "--bigram-vocab", "512", "--seq-len", "32", "--batch-tokens", "192",
             "--micro-batch-seqs", "2", "--val-tokens", "512", "--num-iterations", "3", "--extension-steps", "0",
             "--val-every", "0"]
     res = _run_sh(tmp_path, {}, *tiny, "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"))

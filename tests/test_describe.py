@@ -12,7 +12,7 @@ import train_gpt as T
 
 def test_the_records_utilization_is_record_21s_time_over_its_flops():
     cfg, _ = T.parse_config(["--preset", "record21_h200", "--tst-frac", "0"])  # record #21's model and steps
-    flops = T.plan(cfg)["flops_total"]
+    flops = H.plan_summary(cfg, *T.plan(cfg))["flops_total"]
     assert abs(flops / (2.933 * 60 * 8 * 989e12) - H.RECORD_MFU) < 5e-4  # 2.933 min on 8 x H100 (989 TFLOP/s)
 
 
@@ -36,8 +36,9 @@ def test_measured_utilization_is_the_timed_flops_over_the_timed_seconds_over_the
 def test_describe_projects_at_the_records_and_the_measured_utilization(tmp_path, monkeypatch):
     cfg, _ = T.parse_config(["--preset", "baseline_h200"])
     total = 2.6e17  # a plan of that many FLOPs (the projections read only flops_total)
-    trainer = dataclasses.replace(T.TRAINER, plan=lambda c: dict(lines=[], flops_total=total, tokens_total=1,
-                                                                  positions_total=1, steps=1))
+    trainer = dataclasses.replace(T.TRAINER, plan=lambda c: (1, None))  # (n_params, stage table): not read here
+    monkeypatch.setattr(H, "plan_summary", lambda c, n_params, table: dict(
+        lines=[], flops_total=total, tokens_total=1, positions_total=1, steps=1))
     monkeypatch.setattr(H, "GPU_CHECK_REPORTS", (str(tmp_path / "gpu_check*" / "gpu_check.json"),))
     lines = H.describe(cfg, "baseline_h200", trainer)
     projected = [l for l in lines if l.startswith("projected_train_time")]
