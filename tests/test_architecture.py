@@ -590,11 +590,14 @@ def test_new_architecture_trains_through_the_switch_and_accumulation_is_exact(tm
 def hand_flops_per_position(cfg, window):
     """The FLOP formula written out by hand from the shapes (the accounting before it was read off the
     model) under ``window`` (long, short), the stage table's column."""
+    from test_model89_inputs import extra_matmuls89  # record #89's input matmuls (smear, VE gates, MUDD), by hand
     d, no_attn, short = cfg.model_dim, T.layer_set(cfg.no_attn_layers), T.layer_set(cfg.short_window_layers)
     attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
     n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
+    n_matmul += extra_matmuls89(cfg) + len(T.layer_set(cfg.attn_gate_layers)) * cfg.n_head * 12  # + output gates
     long, half = window
-    keys = sum(T.attended_keys(cfg.seq_len, half if i in short else long) for i in attn_layers)
+    paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
+    keys = sum(T.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
     return 6 * n_matmul + 12 * d * keys
 
 

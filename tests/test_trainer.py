@@ -492,7 +492,7 @@ def test_a_fifo_among_the_shards_is_refused_at_once_not_read(tmp_path, shard_dir
 
 
 def test_a_training_only_loss_term_never_reaches_the_val_loss(monkeypatch):
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--model-dim", "32", "--bigram-vocab", "512",
                              "--seq-len", "16", "--val-tokens", "200", "--val-batch-seqs", "4"])
     torch.manual_seed(0)
     model = T.GPT(cfg)
