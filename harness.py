@@ -400,9 +400,11 @@ def check_architecture(cfg, need):
             layers[name] = layer_set(text)
         except ValueError as e:
             raise ConfigError(f"{flag_of(name)} {text!r}: {e}") from None
-        bad = sorted(i for i in layers[name] if not 0 <= i < cfg.n_layer)
-        need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} "
-                      f"(layers are 0..{cfg.n_layer - 1})")
+    past = layers_past_end(cfg, layers)  # a preset's lists at a smaller --n-layer: name them all in one line
+    for name, found in layers.items():
+        bad, others = sorted(i for i in found if i >= cfg.n_layer), [f for f in past if f != flag_of(name)]
+        need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})"
+                      + (f"; set {', '.join(others)} for --n-layer {cfg.n_layer} too" if others else ""))
     need(not layers["short_window_layers"] or cfg.window > 0 or cfg.stages == "record89",
          "--short-window-layers needs a --window (or --stages record89)")
     k, n = cfg.value_embeds, cfg.n_layer
@@ -429,6 +431,23 @@ def check_architecture(cfg, need):
     need(0.0 <= cfg.lr_floor <= 1.0, f"--lr-floor must be in [0, 1] (got {cfg.lr_floor})")
 
 
+def layers_past_end(cfg, lists):
+    """The flags that name a layer >= --n-layer, for one message that lists them all.
+
+    Args:
+        cfg: the Config. lists: the parsed comma-list flags, ``{field name: frozenset of layers}``.
+
+    Returns:
+        Their flags, then --ve-layers, --skip-gate and --attn-state-layer (whose next layer must exist)
+        where they do; an entry that does not parse is left to its own flag's message.
+    """
+    named = dict(lists)
+    for name in ("ve_layers", "skip_gate"):
+        named[name] = {int(t) for t in getattr(cfg, name).split(",") if t.strip().isdigit()}
+    named["attn_state_layer"] = {cfg.attn_state_layer + 1}
+    return [flag_of(name) for name, found in named.items() if any(i >= cfg.n_layer for i in found)]
+
+
 def ve_layer_list(cfg):
     """Layers fed by the value-embedding tables: entry i is fed by table i mod k (k = --value-embeds); --ve-layers
     in its order, else the first k and the last k layers (table j feeds layers j and n - k + j)."""
@@ -439,12 +458,19 @@ def ve_layer_list(cfg):
 
 
 def skip_pair(cfg):
-    """``--skip-gate 'a,b'`` as ``(a, b)``, or None. Raises ValueError unless two layers a < b."""
+    """``--skip-gate 'a,b'`` as ``(a, b)``, or None.
+
+    Raises:
+        ValueError: not two 0-based layer numbers, or not a < b < n_layer.
+    """
     if not cfg.skip_gate:
         return None
-    a, b = (int(t) for t in cfg.skip_gate.split(","))
-    if not 0 <= a < b < cfg.n_layer:
-        raise ValueError(f"need 0 <= a < b < n_layer ({cfg.n_layer})")
+    entries = [t.strip() for t in cfg.skip_gate.split(",")]
+    if len(entries) != 2 or not all(t.isdigit() for t in entries):
+        raise ValueError("give two 0-based layer numbers 'a,b', e.g. 3,6")
+    a, b = map(int, entries)
+    if not a < b < cfg.n_layer:
+        raise ValueError(f"need a < b < n_layer ({cfg.n_layer})")
     return a, b
 
 
@@ -453,12 +479,15 @@ def check_model89(cfg, need, no_attn):
     try:
         skip = skip_pair(cfg)
     except ValueError as e:
-        raise ConfigError(f"--skip-gate {cfg.skip_gate!r}: give two layers 'a,b' ({e})") from None
+        raise ConfigError(f"--skip-gate {cfg.skip_gate!r}: {e}") from None
     need(not (skip and cfg.unet), "--skip-gate replaces --unet: set one of them")
     need(cfg.attn_state_layer < cfg.n_layer - 1,
          f"--attn-state-layer {cfg.attn_state_layer} must be below the last layer ({cfg.n_layer - 1})")
     need(cfg.bigram_dim <= cfg.model_dim, f"--bigram-dim {cfg.bigram_dim} exceeds --model-dim {cfg.model_dim}")
     need(cfg.bigram_vocab != 1, "--bigram-vocab must be 0 (off) or >= 2 (one row is kept for position 0)")
+    need(not cfg.bigram_vocab or 0 not in no_attn,
+         "--bigram-vocab enters the stream through layer 0's attention gate: drop 0 from --no-attn-layers")
+    need(not cfg.smear or cfg.model_dim >= 12, "--smear reads 12 channels: --model-dim >= 12")
     need(not cfg.ve_gate or (cfg.value_embeds > 0 and cfg.model_dim >= 6),
          "--ve-gate needs --value-embeds > 0 and --model-dim >= 6")
     need(not cfg.mudd or (skip and cfg.attn_state_layer >= 0 and cfg.ve_gate and cfg.n_head % 2 == 0

@@ -989,8 +989,9 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
 # Main
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = H._Parser if H else argparse.ArgumentParser  # the trainer's: a bad flag gets one line, not the usage
+    p = parser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
     p.add_argument("--preset", default="record_h200,baseline_h200",
