@@ -211,8 +211,8 @@ def test_two_processes_match_one_process_across_stage_changes(tmp_path, extra):
 
 
 def small_model(cap, seed=0):
-    cfg = T.parse_config(["--preset", "cpu_smoke", "--stages", "record89", "--n-layer", "2", "--model-dim", "32",
-                          "--n-head", "2", "--seq-len", "16", "--batch-tokens", "96", "--micro-batch-seqs", "2",
+    cfg = T.parse_config(["--preset", "cpu_smoke", "--stages", "record89", "--model-dim", "32", "--bigram-vocab", "512",
+                          "--seq-len", "16", "--batch-tokens", "96", "--micro-batch-seqs", "2",
                           "--window", "0", "--window-start", "0", "--window-block", "4", "--tst-frac", "0",
                           "--num-iterations", "9", "--extension-steps", "0", "--objectives", "--logit-cap", cap])[0]
     torch.manual_seed(seed)

@@ -38,9 +38,9 @@ def test_record_presets_share_global_batch_and_dynamics():
     b200, _ = T.parse_config(["--preset", "record_8xb200"])
     for name in T.RUN_DEFINING:
         assert getattr(h200, name) == getattr(b200, name), name
-    # record #89's recipe on record #21's 12 x 768 model: sequences of 16,384, 24 of them a step at the
-    # end (8, 16 before), 1,270 + 15 steps
-    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (12, 768, 6, 16384)
+    # record #89's recipe and model (11 x 768): sequences of 16,384, 24 of them a step at the end (8, 16
+    # before), 1,270 + 15 steps
+    assert (h200.n_layer, h200.model_dim, h200.n_head, h200.seq_len) == (11, 768, 6, 16384)
     assert (h200.batch_tokens, h200.num_iterations, h200.stages) == (393_216, 1285, "record89")
     assert (h200.tst_bag_size, h200.tst_frac, h200.optimizer) == (4, 0.3, "aurora_normuon")
 
