@@ -7,6 +7,7 @@ import os
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,13 @@ def tiny_args(tmp_path, *extra):
             "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
             "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
+
+
+def random_tokens(shape, seed, p_eot):
+    """int64 ids in [0, 1000) of ``shape``, each an <|endoftext|> (50256) with probability ``p_eot``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 1000, shape, generator=g)
+    return torch.where(torch.rand(shape, generator=g) < p_eot, 50256, tokens)
 
 
 def subprocess_env():

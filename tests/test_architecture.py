@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import harness as H
 import kernels
+import conftest
 import train_gpt as T
 from conftest import loss_lines, read_log, sample_args
 
@@ -37,9 +38,7 @@ def tiny(**kw):
 
 
 def random_tokens(shape, seed, p_eot=0.0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 1000, shape, generator=g)
-    return torch.where(torch.rand(shape, generator=g) < p_eot, EOT, tokens)
+    return conftest.random_tokens(shape, seed, p_eot)
 
 
 def exact_rotary_tables(model, cfg):

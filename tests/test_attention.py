@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import conftest
 import train_gpt as T
 from conftest import PLAIN_ARCHITECTURE
 from test_tst import randomized_model  # a GPT with non-zero output layers
@@ -18,10 +19,7 @@ WINDOWS = [0, 1, 2, 5, 16, 1000]
 
 
 def random_tokens(shape, seed, p_eot=0.1):
-    """int64 tokens with an EOT at each position with probability p_eot (position 0 included)."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 1000, shape, generator=g)
-    return torch.where(torch.rand(shape, generator=g) < p_eot, EOT, tokens)
+    return conftest.random_tokens(shape, seed, p_eot)
 
 
 def loop_document_ids(row):

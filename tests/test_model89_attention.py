@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import harness as H
+import conftest
 import train_gpt as T
 
 EOT = T.EOT_TOKEN
@@ -31,9 +32,7 @@ def cfg_of(**kw):
 
 
 def random_tokens(shape, seed, p_eot=0.15):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 1000, shape, generator=g)
-    return torch.where(torch.rand(shape, generator=g) < p_eot, EOT, tokens)
+    return conftest.random_tokens(shape, seed, p_eot)
 
 
 def half_freqs(D):
