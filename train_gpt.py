@@ -16,18 +16,17 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import harness
-from kernels import (IGNORE_INDEX, SIGMOID_CAP, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets,
-                     mce_loss, multi_target_loss, upcast)
+from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
+                     fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
+from kernels import attention_mask, block_mask_from_bounds, mask_mod  # noqa: F401 (the tools' and tests' T.*)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups)
 from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
@@ -624,172 +623,19 @@ class Rotary(nn.Module):
             self.scale.fill_(scale)
 
 
-# Attention masks: causal, optionally within a document and within a sliding window. Both come
-# from the modded-nanogpt record history: record #12 (2024-11-19, "FlexAttention": 64K-token
-# flat sequences, document masks, a sliding window) and #13 (2024-11-24, window warmup). One
-# mask definition, ``mask_mod``, serves both paths: FlexAttention's block mask on CUDA, and on
-# CPU (no FlexAttention backward there) the same mask as a boolean matrix for SDPA.
+# Documents of the attention masks (kernels.py holds the one mask definition, ``mask_mod``, its
+# FlexAttention block mask for CUDA and bool matrix for SDPA on a CPU; records #12, #13).
 
 def document_ids(tokens):
-    """Document index of every position: the number of ``<|endoftext|>`` tokens at or before it.
-
-    Args:
-        tokens: int64 ``[..., T]`` (e.g. ``[T]`` or ``[B, T]``). Each document starts *with*
-            its EOT (50256), so the EOT belongs to the document it opens.
-
-    Returns:
-        int64 ``[..., T]``, non-decreasing along the last dim; equal ids = same document.
-    """
+    """int64 ``[..., T]`` -> ``[..., T]``: the number of EOTs at or before each position (an EOT opens its document)."""
     return (tokens == EOT_TOKEN).cumsum(dim=-1)
 
 
 def latent_document_ids(inputs):
-    """Document of each latent position of model inputs ``[B, L, k]`` -> int64 ``[B, L]``.
-
-    k = 1 (plain tokens): the token's document. k = s (TST phase-1 bags): the document of the
-    bag's *last* token, counted over the raw tokens, so an EOT anywhere in a bag starts the new
-    document at that bag. Windows count latent positions, so attention cost per position is
-    the same in both phases (docs/METHODS.md, TST and attention masks).
-    """
+    """Inputs ``[B, L, k]`` -> int64 ``[B, L]``: each latent position's document, a TST bag's (k = s) that of its
+    last token, so an EOT anywhere in a bag opens the new document there (docs/METHODS.md §1)."""
     B, L, k = inputs.shape
     return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
-
-
-def mask_mod(doc_ids, window, paired=False):
-    """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
-
-    Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and ``q - k < window``.
-    ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = no window) or an int64 0-d tensor (a
-    window, read on the device: a window schedule changes no graph). Index arguments are int
-    tensors that broadcast (FlexAttention calls it on scalars, ``attention_mask`` on grids).
-    ``paired``: positions of the doubled sequence of paired-head layers (record #58), 2t and 2t + 1
-    of token t (documents by ``doc_ids[b, q // 2]``: no doubled copy of the ids in the kernel).
-    """
-    windowed = torch.is_tensor(window) or window > 0
-
-    def allowed(b, h, q, k):
-        same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
-        ok = (k <= q) & same
-        return ok & (q - k < window) if windowed else ok
-    return allowed
-
-
-def attention_mask(doc_ids, window, paired=False):
-    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``
-    (T doubled with ``paired``).
-
-    ``mask[..., q, k]`` is True where query q may attend key k (``k <= q``, same document,
-    ``q - k < window``; ``window`` 0 = no window). Every row allows at least its diagonal.
-    """
-    ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
-    B, T = ids.shape[0], ids.shape[1] * (2 if paired else 1)
-    pos = torch.arange(T, device=ids.device)
-    batch = torch.arange(B, device=ids.device)[:, None, None]
-    mask = mask_mod(ids, window, paired)(batch, None, pos[:, None], pos[None, :])
-    return mask if doc_ids.ndim == 2 else mask[0]
-
-
-def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
-    """The mask one forward shares across layers, for ``attend``.
-
-    Args:
-        doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
-        window: latent positions a query sees (0 = no window).
-        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph from
-            block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
-            (broadcast over heads), from the same ``mask_mod``.
-        block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
-        paired: the mask of the doubled sequence of paired-head layers (``mask_mod``).
-    """
-    if flex:
-        return block_mask_from_bounds(doc_ids, window, block_size, paired)
-    return attention_mask(doc_ids, window, paired)[:, None]
-
-
-class LayerMasks(NamedTuple):
-    """One window's masks for the layers that need more than ``plain`` (``attend``'s mask of the sequence):
-    ``paired`` the same ``mask_mod`` over the doubled sequence of paired-head layers (record #58: documents
-    doubled, the window counted in doubled positions, i.e. half the tokens), ``first`` bool [B, L] True at
-    each document's first position (``offset_keys``). Unused ones None."""
-    plain: object
-    paired: object = None
-    first: object = None
-
-
-def layer_masks(doc_ids, window, flex, paired=False, first=False):
-    """``LayerMasks`` of doc_ids [B, L] under ``window``: ``build_attention_mask`` of the sequence and, as asked,
-    of the doubled sequence (each id twice) and the document starts."""
-    doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
-    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
-    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
-
-
-def _ordered_blocks(blocks):
-    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
-    counts = blocks.sum(dim=-1, dtype=torch.int32)
-    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[:, None], indices[:, None]
-
-
-def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
-    """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
-
-    ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
-    (query block, key block) pair is classified from the blocks' first/last positions and
-    documents alone (``O((T / block_size)^2)`` work), and only the partial blocks are masked
-    per element, by the same ``mask_mod``, inside FlexAttention. Exact because document ids
-    are non-decreasing along a row: with query block [q0, q1] and key block [k0, k1],
-
-    * some pair is allowed iff ``k0 <= q1``, ``doc[k1] >= doc[q0]`` and ``q0 - k1 < window``
-      (the pair (q0, k1), or the diagonal when the blocks coincide, is then allowed);
-    * every pair is allowed iff ``k1 <= q0``, ``doc[k0] == doc[q1]`` and ``q1 - k0 < window``,
-      and neither block reaches past T (create_block_mask counts padding as masked).
-
-    Args:
-        doc_ids: int64 ``[B, T]``, non-decreasing along T (``latent_document_ids``).
-        window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
-            the device, so a window schedule neither syncs nor changes the compiled graph.
-        block_size: the tile, query and key alike (FlexAttention's default 128).
-        paired: the doubled sequence of paired-head layers, T = 2 L (``mask_mod``).
-
-    Returns:
-        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window, paired), B, None, T, T,
-        BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
-    """
-    ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
-    B, T = ids.shape
-    n = -(-T // block_size)
-    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
-    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
-    complete = first + block_size <= T                               # [n] no padding in the block
-    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
-    doc_first, doc_last = ids[:, first], ids[:, last]                # [B, n]
-    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
-    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
-    if torch.is_tensor(window) or window > 0:
-        some = some & (q0 - k1 < window)
-        every = every & (q1 - k0 < window)
-    partial = some & ~every
-    kv_num, kv_idx = _ordered_blocks(partial)
-    full_num, full_idx = _ordered_blocks(every)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
-
-
-def attend(q, k, v, mask=None, scale=None):
-    """Attention ``softmax(scale * q k^T) v`` under a mask; q, k, v ``[B, H, T, head_dim]``.
-
-    ``scale`` None: ``1/sqrt(head_dim)``. ``mask`` None: plain causal SDPA (``is_causal=True``,
-    the model without --doc-mask or --window); a ``BlockMask``: FlexAttention (q and k cast to
-    v's dtype, bf16 under autocast); a bool tensor: SDPA with that mask. Returns
-    ``[B, H, T, head_dim]`` in v's dtype.
-    """
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if isinstance(mask, BlockMask):
-        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def offset_keys(k, first=None):

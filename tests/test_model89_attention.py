@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import harness as H
 import conftest
@@ -304,7 +304,7 @@ def test_flex_attention_equals_masked_sdpa_for_paired_and_offset_layers(window):
         a = model.blocks[i].attn
         assert a.paired == paired and a.key_offset != paired
         flex_masks = T.layer_masks(doc, window, True, paired, True)
-        assert isinstance(flex_masks.plain, T.BlockMask) and (flex_masks.paired is not None) == paired
+        assert isinstance(flex_masks.plain, BlockMask) and (flex_masks.paired is not None) == paired
         with torch.no_grad():
             flex = a(x, flex_masks)
             sdpa = a(x, T.layer_masks(doc, window, False, paired, True))
