@@ -567,6 +567,56 @@ def grad_accum_steps(cfg, world):
                       f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
 
 
+# Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the
+# meta device, plus attention's products over the keys each layer's window lets a query see.
+
+def attended_keys(seq_len, window):
+    """Mean keys a query attends in a causal sequence of ``seq_len`` under ``window`` (0 = none):
+    ``(1/L) sum_{q<L} min(q + 1, w)``; document masks are not counted (they depend on the data)."""
+    L = seq_len
+    w = min(window, L) if window else L
+    return (w * (w + 1) // 2 + (L - w) * w) / L
+
+
+class FlopProfile:
+    """What a forward of ``make_model(cfg)`` multiplies, counted on the meta device (no memory, no data).
+
+    ``n_matmul``: weights multiplied per latent position (FlopCounterMode's mm/addmm FLOPs / 2 per
+    position): every ``nn.Linear`` the forward calls, LM head included, so a new weight is counted
+    without an edit here; embeddings are lookups. ``layers``: (has attention, short window, paired
+    heads) per block (``model.blocks[i].attn``, ``model.short``).
+    """
+
+    def __init__(self, cfg, make_model):
+        from torch.utils.flop_counter import FlopCounterMode
+        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
+        with torch.device("meta"):
+            model = make_model(cfg)
+            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
+        with FlopCounterMode(display=False) as counter:
+            model(inputs)
+        ops = counter.get_flop_counts()["Global"]
+        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
+        self.n_matmul = int(matmul) // (2 * L)
+        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
+                       for i, block in enumerate(model.blocks)]
+        self.cfg = cfg
+
+    def per_position(self, window):
+        """Training FLOPs per latent position under ``window`` (long, short): ``6 N_matmul + 12 d keys``.
+
+        12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
+        (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
+        paired-head layer (record #58) runs n_head/2 heads over 2L positions: 12 d keys of the doubled
+        sequence. TST phase 1 costs the same per latent position.
+        """
+        long, half = window
+        L = self.cfg.seq_len
+        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
+                   for attn, short, paired in self.layers if attn)
+        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
+
+
 # Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets, SXM parts), for --describe's projections.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 
@@ -574,8 +624,8 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # 8 x H100, the README's record table) trained record21_h200's model for 1,770 steps of 393,216
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
-# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe,
-# 2.68e17 FLOPs on a model short of its own, would be 46%.)
+# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
+# model, 2.506e17 FLOPs (`--preset baseline_h200 --describe`), is 42.9%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

@@ -359,7 +359,7 @@ class Schedule:
     """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
 
     def __init__(self, cfg):
-        self.stages, flops = stages(cfg), FlopProfile(cfg)
+        self.stages, flops = stages(cfg), harness.FlopProfile(cfg, GPT)
         self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
@@ -1093,61 +1093,8 @@ def loss_sum(logits, targets, weights, cfg):
     return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 
 
-def attended_keys(seq_len, window):
-    """Mean number of keys a query attends in a causal sequence of ``seq_len`` under a window.
-
-    ``(1/L) sum_{q<L} min(q + 1, w)`` with ``w = window`` (0: no window, w = L); e.g. (L + 1) / 2
-    without a window. Document masks are not counted (they depend on the data).
-    """
-    L = seq_len
-    w = min(window, L) if window else L
-    return (w * (w + 1) // 2 + (L - w) * w) / L
-
-
-class FlopProfile:
-    """What a forward of the model multiplies, read from the model itself on the meta device (no memory, no data).
-
-    ``n_matmul``: the weights a forward multiplies per latent position, counted from the matmuls
-    it runs (FlopCounterMode's mm/addmm FLOPs / 2 per position; attention's own products are the
-    second term): every ``nn.Linear`` the
-    forward calls, the LM head included, a new one counted without an edit here; embeddings
-    and value embeddings are lookups. ``layers``: ``(has_attention, short_window)`` per block.
-    """
-
-    def __init__(self, cfg):
-        from torch.utils.flop_counter import FlopCounterMode
-        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
-        with torch.device("meta"):
-            model = GPT(cfg)
-            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
-        with FlopCounterMode(display=False) as counter:
-            model(inputs)
-        ops = counter.get_flop_counts()["Global"]
-        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
-        self.n_matmul = int(matmul) // (2 * L)
-        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
-                       for i, block in enumerate(model.blocks)]
-        self.cfg = cfg
-
-    def per_position(self, window):
-        """Training FLOPs per latent position under ``window`` (long, short): ``6 * N_matmul + 12 d * keys``.
-
-        The second term is attention's QK^T and AV products, forward and backward (12 d FLOPs per
-        attended key), summed over the layers with attention, each over the keys its queries
-        actually attend (``attended_keys``: causality and the layer's window, a stage-table
-        column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
-        made exact for the mask. TST phase 1 costs the same per latent position. A paired-head layer
-        (record #58) runs n_head/2 heads over 2L positions: 12 d * keys of the doubled sequence, same window.
-        """
-        long, half = window
-        L = self.cfg.seq_len
-        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
-                   for attn, short, paired in self.layers if attn)
-        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
-
-
 def model_flops_per_position(cfg, step=0):
-    """Training FLOPs per latent position at optimizer ``step`` (``FlopProfile.per_position``; for tools)."""
+    """Training FLOPs per latent position at optimizer ``step`` (``harness.FlopProfile``; for tools)."""
     return Schedule(cfg)[step].flops_per_position
 
 

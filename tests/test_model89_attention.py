@@ -314,7 +314,7 @@ def test_flex_attention_equals_masked_sdpa_for_paired_and_offset_layers(window):
 @pytest.mark.parametrize("window", [(9, 4), (0, 0), (40, 20)])
 def test_flops_count_the_pairs_the_masks_allow(window):
     cfg = cfg_of(paired_head_layers="0,2", no_attn_layers="", window=window[0] or 1)
-    profile = T.FlopProfile(cfg)
+    profile = H.FlopProfile(cfg, T.GPT)
     L, d = cfg.seq_len, cfg.model_dim
     short = H.layer_set(cfg.short_window_layers)
     brute = 0

@@ -318,7 +318,7 @@ def test_flop_profile_counts_the_new_matmuls():
                          (ALL85, 12 + 2 * 2 * 12 + 2 * 64 * d + 19 * 64 + 2 * 64 * d + (2 * 4 + 1) * 64)]:
         cfg = tiny(**flags)
         assert extra_matmuls89(cfg) == extra
-        assert T.FlopProfile(cfg).n_matmul == base + extra
+        assert H.FlopProfile(cfg, T.GPT).n_matmul == base + extra
 
 
 def test_record_shape_parameter_count_on_meta_by_hand():
