@@ -782,6 +782,61 @@ def fingerprint(path, n_bytes=1 << 20):
     return h.hexdigest()[:16]
 
 
+GPT2_IDS = 50257  # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
+
+
+class TokenStream:
+    """The shards of a glob as one token stream with random access (the trainer's data streams read it).
+
+    Args:
+        files: shard paths, in stream order.
+        wrap: reads past the end start over at token 0 (the train stream); else they raise.
+        vocab_size: ids at or above it are refused (None: GPT-2's 50,257 ids).
+
+    Raises:
+        DataError: naming the file, for a bad header, a short or unreadable file, an id out of range
+            or a stream without tokens; every shard is checked here, before step 0.
+    """
+
+    def __init__(self, files, wrap=False, vocab_size=None):
+        self.files = list(files)
+        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
+        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
+            check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
+        self.offsets = np.cumsum([0] + self.sizes)
+        self.total = int(self.offsets[-1])
+        self.wrap, self.vocab_size = wrap, vocab_size
+        if self.total == 0:
+            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
+                            f"(data/tokenize_text.py) or point the glob at other shards")
+
+    def locate(self, pos):
+        """(file index, token offset in it) of stream position ``pos``."""
+        pos %= self.total
+        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+        return i, pos - int(self.offsets[i])
+
+    def read(self, start, n):
+        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
+        if not self.wrap and start + n > self.total:
+            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
+                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
+        out = np.empty(n, dtype=np.int64)
+        done = 0
+        while done < n:
+            i, lo = self.locate(start + done)
+            take = min(n - done, self.sizes[i] - lo)
+            out[done:done + take] = self.shards[i][lo:lo + take]
+            done += take
+        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
+            bad = int(np.argmax(out >= self.vocab_size))
+            i, offset = self.locate(start + bad)
+            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
+        return out
+
+
 def find_data(cfg):
     """``{"train": [[path, fingerprint], ...], "val": [...]}`` of the run's globs.
 

@@ -29,8 +29,8 @@ from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attent
 from kernels import attention_mask, block_mask_from_bounds, mask_mod  # noqa: F401 (the tools' and tests' T.*)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups)
-from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
-                     log_wrap, read_shard_header)
+from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
+                     layer_set, log_wrap)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
@@ -55,107 +55,69 @@ class Config:
     model_dim: int = _f(768, "residual stream width", low=1)
     mlp_ratio: int = _f(4, "MLP hidden width = mlp_ratio * model_dim", low=1)
     seq_len: int = _f(1024, "latent positions per sequence (L)", low=1)
-    logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
-                                    "up to a constant); 0 disables")
-    logit_cap: str = _f("tanh", "training and val logit cap: tanh = --logit-softcap; "
-                                "sigmoid = 23 sigmoid((x + 5) / 7.5) (record #54)", choices=("tanh", "sigmoid"))
-    objectives: bool = _f(False, "next-token training steps add the stage table's multi-token and prefix-token "
-                                 "columns (records #53, #88; --stages record89); the val metric stays next-token CE")
-    tied_embed: bool = _f(False, "the token embedding is the LM head's weight until record #89's stage 3 (from the "
-                                 "odd step at its start), then a copy of it with the head's Adam state (records #51, "
-                                 "#53); needs --stages record89 and --optimizer normuon or aurora_normuon")
+    logit_softcap: float = _f(30.0, "logits = c tanh(logits / c) under --logit-cap tanh (0 = none)")
+    logit_cap: str = _f("tanh", "logit cap: tanh (--logit-softcap) or 23 sigmoid((x + 5) / 7.5) (record #54)",
+                        choices=("tanh", "sigmoid"))
+    objectives: bool = _f(False, "add the stage table's multi-token, prefix columns (records #53, #88); val stays CE")
+    tied_embed: bool = _f(False, "embedding = LM head until record #89's stage 3, then untied (records #51, #53)")
     rope_base: float = _f(10000.0, "rotary embedding base")
-    doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
-                               "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
-    window: int = _f(0, "sliding attention window in latent positions: query q sees keys q-window+1..q "
-                        "(0 = no window, full causal); with --window-start, the window of the last step")
-    window_start: int = _f(0, "window at step 0, grown linearly to --window over the run in multiples of itself "
-                              "(0 = --window at every step)")
+    doc_mask: bool = _f(False, "attention within documents (each opens with <|endoftext|>; a bag: its last token's)")
+    window: int = _f(0, "sliding window in latent positions: q sees q-window+1..q (0 = none)")
+    window_start: int = _f(0, "window at step 0, grown to --window in multiples of itself (record #13; 0 = fixed)")
     short_window_layers: str = _f("", "comma list of 0-based layers that attend over half the window")
     no_attn_layers: str = _f("", "comma list of 0-based layers without attention (MLP only)")
     attn_scale: float = _f(0.0, "attention logit scale (0 = 1/sqrt(head_dim))")
     merged_qkv: bool = _f(False, "q, k, v from one [3 * model_dim, model_dim] matmul (three matrices to the optimizer)")
-    value_embeds: int = _f(0, "value-embedding tables k: table j is mixed into the attention values of layers j and "
-                              "n_layer - k + j (0 = none)")
-    unet: bool = _f(False, "U-net skips: block i's output is added, with a learned weight, to the input of block "
-                           "n_layer - 1 - i, for i in the first half")
-    x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
-                             "normed embedding x0 (a = 1, b = 0 at init)")
-    # record #89 model: residual and inputs (issue 26)
-    resid_lambdas: bool = _f(False, "each sublayer updates x = r * x + p * sublayer(norm(x)), learned r = sqrt(1.1) "
-                                    "and p = 1 at init (HEAD's resid/post lambdas)")
-    skip_gate: str = _f("", "'a,b': the stream after layer a is added to layer b's input times sigmoid(s), s = -1.5 "
-                            "at init (HEAD: 3,6; in place of --unet)")
+    value_embeds: int = _f(0, "value-embedding tables k: j feeds layers j, n_layer - k + j (or --ve-layers)")
+    unet: bool = _f(False, "U-net: block i's output, weighted, into block n_layer - 1 - i (record #21)")
+    x0_mix: bool = _f(False, "block input a x + b x0, x0 the normed embedding, a = 1, b = 0 at init (record #21)")
+    # record #89's model: residual and inputs (docs/METHODS.md §5)
+    resid_lambdas: bool = _f(False, "x = r x + p sublayer(norm(x)) per sublayer, r = sqrt(1.1), p = 1 at init (HEAD)")
+    skip_gate: str = _f("", "'a,b': stream after layer a into layer b's input x sigmoid(s), s = -1.5 (HEAD: 3,6)")
     x0_gates: bool = _f(False, "after each attention sublayer x += g * x0, a learned g per layer, 0 at init (#62)")
-    attn_state_layer: int = _f(-1, "layers after this one take norm(stream after it) as attention input "
-                                   "(record #77; HEAD: 7; -1 = off)", low=-1)
-    bigram_vocab: int = _f(0, "bigram hash embedding rows (record #62, signs #83; HEAD: 377280; 0 = off): added "
-                              "to the first --bigram-dim channels before layer 0 and after each attention, gated",
-                           low=0)
+    attn_state_layer: int = _f(-1, "later layers attend from norm(stream after it) (record #77; HEAD: 7)", low=-1)
+    bigram_vocab: int = _f(0, "bigram hash embedding rows, injected gated (records #62, #83; HEAD 377280)", low=0)
     bigram_dim: int = _f(0, "bigram embedding width (0 = model_dim, HEAD's)", low=0)
-    smear: bool = _f(False, "x[t] += lam * sigmoid(w . x[t, :12]) * x[t-1] on the embedding (record #34; lam = 0, "
-                            "w = 0 at init)")
-    ve_layers: str = _f("", "comma list: value-embedding table j feeds the j-th listed layer, one each (HEAD: "
-                            "1,2,8,9,10); '' = --value-embeds' first/last layout")
-    ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) * ve per head instead of the a v + b ve mix; "
-                              "tables N(0, 0.01^2) (records #55, #63, #70)")
-    mudd: bool = _f(False, "MUDD dense connections (record #81, arXiv 2502.12170) on the last layer and after "
-                           "the loop; needs --skip-gate, --attn-state-layer, --value-embeds and --ve-gate")
-    mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
-                            "for the layers before this one, one of the stream entering it for the rest and the "
-                            "skip (HEAD: 4; 0 = learned constants)", low=0)
-    # record #89 model: attention (issues 25, 26)
-    rope_half: bool = _f(False, "half-truncated RoPE (record #89): head_dim/4 frequencies (1/1024)^linspace(0, 1) "
-                                "rotate the first half of each head's dims, the second half is not rotated")
-    rope_yarn: bool = _f(False, "at each change of the long window (stage table), YaRN-rescale the RoPE frequencies "
-                                "(alpha 1, beta 32) and multiply the attention scale (--attn-scale) by "
-                                "0.2 ln(new/old) + 1 (record #31)")
-    paired_head_layers: str = _f("", "comma list of layers with paired-head attention (record #58; HEAD 0,2,5,9): "
-                                     "heads h and h + n_head/2 share one softmax over a doubled sequence")
-    key_offset: bool = _f(False, "partial key offset on the long-window layers (record #49): a key's second half of "
-                                 "dims (unrotated with --rope-half) is the previous position's, within its document")
-    xsa_layers: str = _f("", "comma list of layers with learnable XSA (record #82, arXiv 2603.09078; HEAD 1,3,4,7): "
-                             "y -= tanh(a_h) (y.v / |v|^2) v, a per-head a_h from 0")
-    attn_gate_layers: str = _f("", "comma list of layers whose heads' outputs are gated by sigmoid(W x[:12]) "
-                                   "(record #28 sparse attention gate, W from 0; HEAD 3,10)")
-    attn_vo_init: str = _f("zero", "attention V/O init: zero = O from 0 (record #21); uniform = O like Q/K/V "
-                                   "(record #64 as merged, HEAD); mimetic = V = sqrt(.05) I, O = -sqrt(.05) I, "
-                                   "+ N(0, .01^2) (record #64's runs, arXiv 2305.09828)",
+    smear: bool = _f(False, "x[t] += lam sigmoid(w . x[t, :12]) x[t-1], lam = w = 0 at init (record #34)")
+    ve_layers: str = _f("", "comma list: value-embedding table j feeds the j-th listed layer (HEAD: 1,2,8,9,10)")
+    ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) ve per head (records #55, #63, #70)")
+    mudd: bool = _f(False, "MUDD dense connections into the last layer and after it (record #81, arXiv 2502.12170)")
+    mudd_gates: int = _f(0, "x0/bigram/skip gates per token from two MLPs split here (#85; HEAD 4)", low=0)
+    # record #89's model: attention
+    rope_half: bool = _f(False, "half-truncated RoPE, (1/1024)^linspace frequencies (record #89)")
+    rope_yarn: bool = _f(False, "YaRN-rescale RoPE and scale at each long-window change (record #31)")
+    paired_head_layers: str = _f("", "comma list: heads h, h + n_head/2 share a softmax (#58; HEAD 0,2,5,9)")
+    key_offset: bool = _f(False, "long-window keys: half the dims from the previous position (record #49)")
+    xsa_layers: str = _f("", "comma list: y -= tanh(a_h) proj_v(y), learnable XSA (record #82; HEAD 1,3,4,7)")
+    attn_gate_layers: str = _f("", "comma list: heads gated by sigmoid(W x[:12]) (record #28; HEAD 3,10)")
+    attn_vo_init: str = _f("zero", "V/O init: zero (O = 0), uniform (HEAD, #64), mimetic (V = -O = sqrt(.05) I)",
                            choices=("zero", "uniform", "mimetic"))
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
-    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
-                               low=1)
+    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (accumulation fills the rest)", low=1)
     num_iterations: int = _f(3000, "optimizer steps N", low=1)
-    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify",
-                        low=0)
-    stages: str = _f("flags", "stage table: flags = one stage from --batch-tokens, --window, --cooldown-frac; "
-                              "record89 = record #89's three stages and extension (RECORD89_STAGES)",
-                     choices=("flags", "record89"))
-    extension_steps: int = _f(0, "--stages record89: the last this-many of the N steps run past the schedule "
-                                 "(final lr, extension windows)", low=0)
+    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = all N; tests, verify)", low=0)
+    stages: str = _f("flags", "stage table: flags (one stage) or record89", choices=("flags", "record89"))
+    extension_steps: int = _f(0, "--stages record89: the last this-many steps run past the schedule", low=0)
     window_block: int = _f(128, "--stages record89: latent positions per window block", low=1)
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
-    tst_mode: str = _f("full", "full: bag-mean in, MCE over next bag out; input: bag-mean in only; "
-                               "output: MCE over next s tokens only", choices=("full", "input", "output"))
+    tst_mode: str = _f("full", "TST: full (bag in, next bag out), input (bag in only), output (next s out only)",
+                       choices=("full", "input", "output"))
     # optimizers
-    optimizer: str = _f("aurora", "optimizer of the 2-D block matrices (embedding/head always use Adam); normuon: "
-                                  "record #89's NorMuon + CautiousAdam every other step; aurora_normuon: the same "
-                                  "with Aurora's polar on the MLP matrices (docs/METHODS.md §3)",
+    optimizer: str = _f("aurora", "block matrices' optimizer (normuon: record #89's; METHODS §3)",
                         choices=("aurora", "muon", "adamw", "normuon", "aurora_normuon"))
     matrix_lr: float = _f(AURORA["lr"], "Aurora/Muon lr")
     matrix_wd: float = _f(AURORA["weight_decay"], "Aurora/Muon decoupled weight decay (scaled by lr)")
     momentum: float = _f(AURORA["momentum"], "Aurora/Muon momentum (after warmup)")
     momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
-    momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start linearly over the last this-many "
-                                         "steps (record #39; 0 = none)", low=0)
+    momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start over the last this-many (#39)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
     ns: str = _f(AURORA["ns"], "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
-    ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
-                       "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
+    ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU",
+                       choices=("auto", "bfloat16", "float32"))
     pp_iterations: int = _f(AURORA["pp_iterations"], "Aurora row-equalization rounds K (--optimizer muon: 0)")
     pp_beta: float = _f(AURORA["pp_beta"], "Aurora row-scale exponent beta")
     adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw", low=0)
@@ -180,8 +142,7 @@ class Config:
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
-    fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
-                          "fp8_linear); needs a GPU of compute capability 8.9+ (fp8_unavailable_reason says why not)")
+    fp8: bool = _f(False, "LM head and MLP matmuls in float8 (records #19, #84, #89); sm_89+ GPUs")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -1099,53 +1060,9 @@ def model_flops_per_position(cfg, step=0):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: the train stream and its batches (shards: harness.read_shard_header)
+# Data: batches from the train stream (harness.TokenStream: the shards as one checked token stream)
 
 EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
-GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
-
-
-class TokenStream:
-    """The shards of a glob as one token stream with random access; ``wrap``: reads past the end start over.
-    Headers and ids are checked here, before step 0, so a bad shard fails naming its file."""
-
-    def __init__(self, files, wrap=False, vocab_size=None):
-        self.files = list(files)
-        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
-        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
-        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
-            harness.check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
-        self.offsets = np.cumsum([0] + self.sizes)
-        self.total = int(self.offsets[-1])
-        self.wrap, self.vocab_size = wrap, vocab_size
-        if self.total == 0:
-            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
-                            f"(data/tokenize_text.py) or point the glob at other shards")
-
-    def locate(self, pos):
-        """(file index, token offset in it) of stream position ``pos``."""
-        pos %= self.total
-        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-        return i, pos - int(self.offsets[i])
-
-    def read(self, start, n):
-        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
-        if not self.wrap and start + n > self.total:
-            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
-                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
-        out = np.empty(n, dtype=np.int64)
-        done = 0
-        while done < n:
-            i, lo = self.locate(start + done)
-            take = min(n - done, self.sizes[i] - lo)
-            out[done:done + take] = self.shards[i][lo:lo + take]
-            done += take
-        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
-            bad = int(np.argmax(out >= self.vocab_size))
-            i, offset = self.locate(start + bad)
-            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
-                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
-        return out
 
 
 def sequence_layout(mode, bag_size, seq_len):
