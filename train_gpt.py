@@ -417,10 +417,8 @@ def momentum_at(step, cfg):
 
 
 def window_at(step, cfg):
-    """``(long, short)`` windows in latent positions at ``step`` (0 = none); short = half the long one.
-
-    --window-start w0: the long one grows linearly from w0 to --window at step N, rounded up to a
-    multiple of w0 (record #13's window warmup; record #21: 128 -> 1,792 in blocks of 128)."""
+    """``(long, short = long // 2)`` windows at ``step`` (0 = none); with --window-start w0 the long one grows
+    linearly from w0 to --window at step N in multiples of w0 (record #13; #21: 128 -> 1,792)."""
     w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
     if w == 0:
         return 0, 0
@@ -461,15 +459,9 @@ def pack_plan(lengths, seq_tokens, n_seqs):
 
 
 class PackedLoader:
-    """Document-packed train batches (HEAD's ``Shard.next_batch``, record #89), sized per call.
-
-    A sequence starts at an EOT (record #26) and holds whole documents clipped to ``cap`` tokens
-    (records #29, #72; a clipped one's last token is labelled with the next EOT, as HEAD); the one
-    crossing its end is cut: no padding. Sequence ``rank * accum + micro`` of a step goes to that
-    rank and micro-step; every rank plans the whole step and gathers its own tokens. ``position``
-    is the whole state (a loader set to it repeats the next batches). In TST the cap counts raw
-    tokens and a bag straddling documents belongs to its last token's (``latent_document_ids``).
-    """
+    """Document-packed train batches (record #89's loader), sized per call: a sequence starts at an EOT (#26)
+    and holds whole documents clipped to ``cap`` tokens (#29, #72), the last one cut, no padding. Sequence
+    ``rank * accum + micro`` goes to that rank and micro-step; ``position`` is the whole state."""
 
     def __init__(self, stream, rank, world):
         self.stream, self.rank, self.world = stream, rank, world
@@ -532,13 +524,9 @@ def rms_norm(x):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on positions 0..max_len-1.
-
-    Dims i and i + r/2 of the first r rotate together. Default: r = head_dim, frequencies
-    base^(-2i/head_dim). ``half`` (record #89's half-truncated RoPE): r = head_dim/2 with
-    (1/1024)^linspace(0, 1, head_dim/4), the last half of the dims unrotated. ``scale`` (a 0-d
-    buffer, None unless given): the attention scale that ``set_history`` rescales with the RoPE.
-    """
+    """RoPE (arXiv 2104.09864) on positions 0..max_len-1: dims i, i + r/2 of the first r rotate together, r =
+    head_dim at base^(-2i/head_dim), or ``half`` (record #89) r = head_dim/2 at (1/1024)^linspace(0, 1).
+    ``scale``: the attention scale, a buffer that ``set_history`` rescales with the tables (YaRN)."""
 
     def __init__(self, head_dim, max_len, base, half=False, scale=None):
         super().__init__()
@@ -566,12 +554,9 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def set_history(self, windows):
-        """Tables after YaRN rescales (record #31, HEAD's Yarn.apply, alpha 1, beta 32) through the long
-        ``windows`` in order (() or one window: as built), written in place (no graph changes).
-
-        Per step old -> new: with s = old/new and ramp = clamp((old f / 2 pi - 1) / 31, 0, 1), f <- f (s + ramp (1 - s))
-        (frequencies turning < 1 time in the old window interpolated, > 32 times kept); scale *= 0.2 ln(new/old) + 1.
-        """
+        """Tables after YaRN rescales (record #31; alpha 1, beta 32) through the long ``windows``, in place: per
+        old -> new, s = old/new, f <- f (s + r (1 - s)) with r = clamp((old f / 2 pi - 1) / 31, 0, 1), and
+        scale *= 0.2 ln(new/old) + 1."""
         freq, scale = self.freq0.clone(), self.scale0
         for old, new in zip(windows, windows[1:]):
             s = old / new
@@ -615,11 +600,8 @@ OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the b
 
 
 def route(param, group, role=None):
-    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
-
-    ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
-    ``role``: its record #89 Adam role (``aurora_opt.RECORD89_ADAM``; untagged vectors are "scalars").
-    """
+    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) and record #89 Adam ``role`` where it is created;
+    ``build_optimizers`` reads only the tags (an untagged parameter stops the run at start-up)."""
     assert group in OPT_GROUPS, group
     param.opt_group = group
     if role is not None:
@@ -652,16 +634,9 @@ def make_rotary(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE; ``layer``'s options from the config.
-
-    ``merged_qkv``: q, k, v from one ``[3d, d]`` matmul of the three weights (record #21), which
-    stay three matrices for the optimizer, each orthogonalized on its own as before.
-    ``value_embed``: a value embedding ``ve`` is mixed into the values, ``v <- a v + b ve`` with
-    learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
-    Record #89's (each off by default): paired heads (record #58), the partial key offset on
-    long-window layers (#49), learnable XSA (#82), the sparse output gate (#28), the V/O init
-    (#64), the YaRN-rescaled scale (#31: the shared ``Rotary``'s buffer).
-    """
+    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: merged QKV (one
+    matmul, three optimizer matrices; record #21), ``v <- a v + b ve`` value embeddings (a = b = 0.5; #9),
+    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31)."""
 
     def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
@@ -685,12 +660,8 @@ class CausalSelfAttention(nn.Module):
         self.gate = _linear(12, self.n_head, zero=True, group="scalar", role="ve_gates") if gated else None
 
     def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
-        """x ``[B, L, d]``; ``mask`` from ``GPT.masks_for`` (None: plain causal); ``ve`` ``[B, L, d]``.
-
-        ``ve_gate`` [B, L, n_head, 1]: ``v + ve_gate ve`` in place of the learned mix. ``xsa_alpha``
-        [B, L, n_head] (before tanh) and ``attn_gate`` [B, L, n_head]: per-token values in place of the
-        layer's own (e.g. MUDD gates, record #85); either turns its element on in any layer.
-        """
+        """x, ve ``[B, L, d]``, ``mask`` from ``GPT.masks_for`` (None: causal); per-token ``ve_gate`` ``[B, L, H, 1]``,
+        ``xsa_alpha`` and ``attn_gate`` ``[B, L, H]`` (MUDD, record #85) replace the layer's own."""
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
@@ -743,16 +714,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
-
-    ``x0_mix``: the input is first replaced by ``a x + b x0`` (x0: the normed embedding; learned
-    a = 1, b = 0 at init; modded-nanogpt record history, used in record #21). A layer in
-    ``--no-attn-layers`` has no attention (record #21 drops layer 7's). Record #89's residual
-    (HEAD): ``x = r x + p sublayer(norm(x))`` per sublayer (--resid-lambdas), then after attention
-    ``+ g x0`` (--x0-gates) and ``+ g' bigram`` in the first bigram_dim channels (--bigram-vocab);
-    --ve-gate: the value embedding's per-head gate. The last layer under --mudd takes all of these
-    per token from the MUDD coefficients (``dyn``) instead.
-    """
+    """Pre-norm block ``x + attn(norm(x))``, ``x + mlp(norm(x))`` (attention absent in --no-attn-layers); with
+    record #89's residual (HEAD) ``r x + p sublayer``, then ``+ g x0`` and ``+ g' bigram`` after attention.
+    The last layer under --mudd takes these per token from MUDD (``dyn``); --x0-mix is record #21's input mix."""
 
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
@@ -810,25 +774,12 @@ def embed_tokens(table, inputs):
 
 
 class GPT(nn.Module):
-    """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1).
+    """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
 
-    ``forward(inputs, targets=None)``: ``inputs`` int64 ``[B, L, k]`` (k = 1 for plain tokens,
-    k = s for bags, embedded as the float32 mean of the bag, value embeddings alike);
-    ``targets`` int64 ``[B, L, j]`` with -100 = ignore. Returns float32 logits
-    ``[B, L, vocab_size]`` without targets, else the float32 scalar *sum* over valid
-    (position, label) pairs of ``logsumexp(z) - z[y]`` (the caller divides by the global number
-    of valid labels, see ``accumulate_gradients``).
-
-    Attention is plain causal unless ``--doc-mask`` or ``--window`` is set; then the layers
-    share one mask (two with short-window layers) built from the inputs' documents
-    (``latent_document_ids``) and the windows in the ``windows`` buffer (``set_window``): a
-    FlexAttention block mask on CUDA (fused only when the model is compiled), a boolean matrix
-    on CPU. ``--value-embeds k``: table j feeds layers j and n_layer - k + j. ``--unet``: block
-    i's output is added, times a learned weight (1 at init), to the input of block
-    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net). Record #89's inputs and
-    connections (issue 26's flags, see Config): smear and the bigram embedding on the inputs,
-    ``--ve-layers``, the gated skip, the attention input from the cached state, MUDD
-    (``mudd_in`` at the last layer, ``mudd_coefs`` after the loop), record #85's gate MLPs.
+    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded
+    as its mean), targets int64 ``[B, L, j]`` (-100 = ignore). Returns float32 logits ``[B, L, V]``, or
+    with targets the float32 loss *sum* over valid labels (``accumulate_gradients`` divides). The layers
+    share one mask per window (``masks_for``), windows from the ``windows`` buffer (``set_window``).
     """
 
     def __init__(self, cfg):
@@ -985,12 +936,9 @@ class GPT(nn.Module):
         return torch.cat((x[:, :1], x[:, 1:] + g * x[:, :-1]), dim=1)
 
     def bigram_embedding(self, inputs):
-        """Record #62's bigram hash embedding with #83's signs: inputs ``[B, L, k]`` -> ``[B, L, bigram_dim]``.
-
-        Over a row's raw tokens (bags flattened), token t takes row ``(36313 c ^ 27191 p) mod (V - 1)`` of
-        (previous p, current c), times the sign row ``(p ^ c) mod 8192``; a row's first token takes row V - 1
-        and sign row 0 (HEAD's get_bigram_hash). A bag (k > 1) takes the mean over its tokens (docs/METHODS.md).
-        """
+        """Bigram hash embedding (record #62, signs #83): inputs ``[B, L, k]`` -> ``[B, L, bigram_dim]``; token c after
+        p takes row ``(36313 c ^ 27191 p) mod (V - 1)`` times sign row ``(p ^ c) mod 8192`` (a row's first: row V - 1,
+        sign row 0), a bag the mean over its tokens (docs/METHODS.md §5)."""
         B, L, k = inputs.shape
         cur = inputs.reshape(B, L * k)
         prev = F.pad(cur[:, :-1], (1, 0))
@@ -1030,11 +978,8 @@ class GPT(nn.Module):
         return x, v, (mu[8], mu[9], mu[12], mu[13], mu[10], mu[11], x.new_ones(()))
 
     def train_only_loss(self, x, logits, targets):
-        """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
-
-        ``x`` is the final residual ``[B, L, d]``, ``logits`` ``[B, L, V]``, ``targets`` ``[B, L, j]``.
-        Never called in eval mode, so no term here can reach ``val_loss``.
-        """
+        """Training-only loss terms (a sum over labels) of x ``[B, L, d]``, logits, targets, or None: none today.
+        Never called in eval mode, so no term here can reach ``val_loss``."""
         return None
 
 
@@ -1322,11 +1267,9 @@ class Objectives:
 
 
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
-    """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 step loss.
-
-    The loss is the sum over every valid label of the global batch (weighted columns with ``weights``
-    ``[J]``) over the count of valid next-token labels: not a mean of micro-batch means. Gradients are
-    all-reduced in buckets started during the last micro-batch's backward (``GradBuckets``)."""
+    """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
+    sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
+    a mean of means. Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
