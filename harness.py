@@ -493,6 +493,10 @@ def check_model89(cfg, need, no_attn):
     need(not cfg.mudd or (skip and cfg.attn_state_layer >= 0 and cfg.ve_gate and cfg.n_head % 2 == 0
                           and cfg.n_layer - 1 not in no_attn), "--mudd needs --skip-gate, --attn-state-layer, "
          "--value-embeds with --ve-gate, an even --n-head and attention in the last layer")
+    for flag in ("paired_head_layers", "xsa_layers", "attn_gate_layers"):  # attention elements need attention
+        idle = sorted(layer_set(getattr(cfg, flag)) & no_attn)
+        need(not idle, f"--{flag.replace('_', '-')} names layer(s) {idle} that --no-attn-layers leaves without "
+             f"attention: drop them from one of the two")
     G = cfg.mudd_gates
     need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
          f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
@@ -1390,11 +1394,15 @@ def log_stage(run, step):
         step: the stage's first step (> 0).
     """
     was, now = run.schedule[step - 1].stage, run.schedule[step].stage
-    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
-    into = "next-token" if now.phase == 2 else now.mode
-    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
-                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
-                 f"tokens:{run.progress.raw_tokens}")
+    tail = f"same weights and optimizer state; tokens:{run.progress.raw_tokens}"
+    if (was.phase, now.phase) == (1, 2):
+        run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {was.bag_size} -> {now.bag_size}, mode "
+                     f"{was.mode} -> next-token); {tail}")
+        return
+    changes = [f"{name} {getattr(was, name)} -> {getattr(now, name)}"
+               for name in ("bag_size", "mode", "batch_tokens", "doc_cap", "blocks", "lr_mul")
+               if getattr(was, name) != getattr(now, name)]
+    run.log.line(f"stage: step {step}: {', '.join(changes) or 'a new stage'}; {tail}")
 
 
 def log_model_line(run):

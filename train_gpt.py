@@ -609,7 +609,7 @@ def route(param, group, role=None):
     return param
 
 
-# FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
+# FP8 matmuls (modded-nanogpt records #19, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
 # up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
 # tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
 
@@ -913,7 +913,7 @@ class GPT(nn.Module):
             srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
             x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
-        if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
+        if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True)
         else:
             logits = self.lm_head(x)
