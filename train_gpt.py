@@ -654,9 +654,10 @@ class CausalSelfAttention(nn.Module):
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
         self.paired = layer in layer_set(cfg.paired_head_layers)
         self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
-        xsa = layer in layer_set(cfg.xsa_layers)
+        own = not cfg.mudd_gates  # with --mudd-gates, XSA alphas and output gates come per token (record #85)
+        xsa = own and layer in layer_set(cfg.xsa_layers)
         self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if xsa else None
-        gated = layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
+        gated = own and layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
         self.gate = _linear(12, self.n_head, zero=True, group="scalar", role="ve_gates") if gated else None
 
     def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
@@ -738,18 +739,19 @@ class Block(nn.Module):
     def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
         """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
         ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
-        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` (g_x0, g_bigram)
-        ``[B, L, 1]`` from --mudd-gates (``GPT.gate_coefs``)."""
+        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}``
+        (x0, bigram, xsa, attn) from --mudd-gates (``GPT.gate_coefs``)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
-        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, *(gates or (self.x0_gate, self.bigram_gate)), None)
+        g = gates or {}
+        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, g.get("x0", self.x0_gate), g.get("bigram", self.bigram_gate), None)
         if self.attn is not None:
             h = rms_norm(x if attn_in is None else attn_in)
             if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
                 gin = torch.cat((h[..., :VE_GATE_IN], ve[..., :VE_GATE_IN].type_as(h)), dim=-1)
                 gv = 2 * torch.sigmoid(F.linear(gin, self.ve_gate.type_as(h))).unsqueeze(-1)
-            x = _residual(x, self.attn(h, mask, ve, gv), ra, pa)
+            x = _residual(x, self.attn(h, mask, ve, gv, g.get("xsa"), g.get("attn")), ra, pa)
             if gx is not None:
                 x = x + gx * x0
             if gb is not None and bigram is not None:  # into the first bigram_dim channels (HEAD: all of them)
@@ -759,7 +761,24 @@ class Block(nn.Module):
 
 BIGRAM_SIGN_ROWS = 8192  # rows of record #83's sign table (HEAD)
 MUDD_SCALE = 0.1  # MUDD coefficients are the MLP's output times this (HEAD)
+GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5}  # record #85's gate lanes at init (HEAD's biases)
 VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads (HEAD)
+
+
+def gate_lanes(cfg):
+    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
+    --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
+    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), and (second) the skip's factor."""
+    no_attn, G, H, n = layer_set(cfg.no_attn_layers), cfg.mudd_gates, cfg.n_head, cfg.n_layer
+    inject = [i for i in range(n) if i not in no_attn and not (cfg.mudd and i == n - 1)]
+    lanes = ([], [])
+    for kind, layers, w in (("xsa", layer_set(cfg.xsa_layers), H), ("attn", layer_set(cfg.attn_gate_layers), H)):
+        for i in sorted(layers):
+            lanes[i >= G].append((i, kind, w))
+    for i in inject:
+        lanes[i >= G].extend([(i, "x0", 1), (i, "bigram", 1)])
+    lanes[1].append((None, "skip", 1))
+    return lanes
 
 
 def _residual(x, y, r, p):
@@ -831,16 +850,17 @@ class GPT(nn.Module):
             b[1, 1] = -0.5  # ... and -0.5 of the state after the loop (the former backout, record #81)
             self.mudd_b2 = scalar(b / MUDD_SCALE, "mudd_bias")
         self.gate_w1 = None
-        if cfg.mudd_gates:  # record #85: the layers with static gates, cut at --mudd-gates; the skip rides the second
-            no_attn, G = layer_set(cfg.no_attn_layers), cfg.mudd_gates
-            gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
-            self.gated = ([i for i in gated if i < G], [i for i in gated if i >= G])
-            m = max(2 * len(self.gated[0]), 2 * len(self.gated[1]) + 1)
+        if cfg.mudd_gates:  # record #85: two gate MLPs, of x0 for the layers before --mudd-gates, then of the stream
+            self.gate_lanes = gate_lanes(cfg)
+            m = max(sum(w for _, _, w in lanes) for lanes in self.gate_lanes)
             self.gate_w1 = scalar(torch.empty(2, 64, d).uniform_(-d ** -0.5, d ** -0.5), "mudd_gate")
             self.gate_w2 = scalar(torch.zeros(2, m, 64), "mudd_gate")
-            b = torch.zeros(2, m)  # (x0, bigram) per layer, then the skip: x0 0, bigram 0.05, skip 0.5 (HEAD)
-            b[0, 1:2 * len(self.gated[0]):2] = b[1, 1:2 * len(self.gated[1]):2] = 0.05
-            b[1, 2 * len(self.gated[1])] = 0.5
+            b = torch.zeros(2, m)  # HEAD's starts: output gates 0.25, bigram 0.05, the skip 0.5 (XSA and x0: 0)
+            for j, lanes in enumerate(self.gate_lanes):
+                off = 0
+                for _, kind, w in lanes:
+                    b[j, off:off + w] = GATE_START.get(kind, 0.0)
+                    off += w
             self.gate_b2 = scalar(b / MUDD_SCALE, "mudd_gate_bias")
             self.gate_scale = scalar(torch.tensor(MUDD_SCALE), "mudd_gate_bias")  # learned, unlike MUDD's
 
@@ -886,7 +906,7 @@ class GPT(nn.Module):
         bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
         gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
-            g0 = gates[0][1] if 0 in gates else self.blocks[0].bigram_gate
+            g0 = gates.get(0, {}).get("bigram", self.blocks[0].bigram_gate)
             x = x + F.pad(g0 * bigram, (0, x.size(-1) - bigram.size(-1)))
         n, half, skips, start, snaps = len(self.blocks), len(self.blocks) // 2, [], x, {}
         for i, block in enumerate(self.blocks):
@@ -955,13 +975,19 @@ class GPT(nn.Module):
         return ((F.linear(h, self.mudd_w2[j, :m].type_as(h)) + self.mudd_b2[j, :m]) * MUDD_SCALE).split(1, dim=-1)
 
     def gate_coefs(self, x, j):
-        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: (g_x0, g_bigram)}`` for ``self.gated[j]``, each
-        ``[B, L, 1]``, and (j = 1) the skip's factor: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
-        layers = self.gated[j]
+        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: {kind: [B, L, w]}}`` over ``gate_lanes(cfg)[j]`` and
+        (j = 1) the skip's factor ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
+        lanes = self.gate_lanes[j]
+        m = sum(w for _, _, w in lanes)
         h = F.gelu(F.linear(x, self.gate_w1[j].type_as(x)))
-        m = 2 * len(layers) + j
-        c = ((F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale).split(1, dim=-1)
-        return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, (c[-1] if j else None)
+        c = (F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale
+        out, skip = {}, None
+        for (layer, kind, w), piece in zip(lanes, c.split([w for _, _, w in lanes], dim=-1)):
+            if kind == "skip":
+                skip = piece
+            else:
+                out.setdefault(layer, {})[kind] = piece
+        return out, skip
 
     def mudd_in(self, x, start, state, ve):
         """MUDD at the last layer's input x ``[B, L, d]`` (record #81 v2, HEAD): mixes the stream before layer 0

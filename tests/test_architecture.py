@@ -593,7 +593,8 @@ def hand_flops_per_position(cfg, window):
     d, no_attn, short = cfg.model_dim, T.layer_set(cfg.no_attn_layers), T.layer_set(cfg.short_window_layers)
     attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
     n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    n_matmul += extra_matmuls89(cfg) + len(T.layer_set(cfg.attn_gate_layers)) * cfg.n_head * 12  # + output gates
+    own_gates = 0 if cfg.mudd_gates else len(T.layer_set(cfg.attn_gate_layers))  # else from the gate MLPs (#85)
+    n_matmul += extra_matmuls89(cfg) + own_gates * cfg.n_head * 12  # + the output gates' own [n_head, 12] matmuls
     long, half = window
     paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
     keys = sum(H.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
