@@ -428,91 +428,6 @@ def window_at(step, cfg):
     return w, max(w // 2, 1)
 
 
-# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
-# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
-
-def document_spans(window, start, total):
-    """``(starts, ends)`` int64 stream positions of the documents wholly inside ``window`` (int64 ``[n]``,
-    the tokens from ``start``; ``total`` per pass): a document runs from an EOT to the next EOT or the
-    end of the pass; tokens before a pass's first EOT belong to none."""
-    stop = start + window.size
-    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
-    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
-    keep = ends <= stop
-    return starts[keep], ends[keep]
-
-
-def pack_plan(lengths, seq_tokens, n_seqs):
-    """``(first, last, tail)`` int64 ``[n_seqs]``: the documents (clipped ``lengths`` ``[D]``, in order)
-    filling each sequence of ``seq_tokens`` and the tokens taken from its last, cut one (the rest is
-    skipped); None when the D documents cannot fill ``n_seqs`` sequences."""
-    bounds = np.concatenate(([0], np.cumsum(lengths)))
-    first = np.empty(n_seqs, dtype=np.int64)
-    last = np.empty(n_seqs, dtype=np.int64)
-    doc = 0
-    for j in range(n_seqs):  # one binary search per sequence, none per token
-        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
-        if end == bounds.size:
-            return None
-        first[j], last[j], doc = doc, end - 1, end
-    return first, last, bounds[first] + seq_tokens - bounds[last]
-
-
-class PackedLoader:
-    """Document-packed train batches (record #89's loader), sized per call: a sequence starts at an EOT (#26)
-    and holds whole documents clipped to ``cap`` tokens (#29, #72), the last one cut, no padding. Sequence
-    ``rank * accum + micro`` goes to that rank and micro-step; ``position`` is the whole state."""
-
-    def __init__(self, stream, rank, world):
-        self.stream, self.rank, self.world = stream, rank, world
-        self.position, self.wrapped = 0, False
-
-    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
-        """``(micro, raw_tokens, positions)``: ``accum`` int64 ``[micro_seqs, seq_tokens]`` of this rank, the
-        stream tokens consumed (skipped ones too) and ``global_seqs * seq_len``; ``cap`` 0 = no cap."""
-        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
-            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
-                             f"over {self.world} process(es)")
-        if cap < 0:
-            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
-        accum = global_seqs // (micro_seqs * self.world)
-        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
-        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
-        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
-        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
-        piece = lengths[lo:hi].copy()
-        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
-        offset = np.cumsum(piece) - piece                           # where each piece lands
-        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
-        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
-        epoch, old = self.position // self.stream.total, self.position
-        self.position = int(ends[last[-1]])
-        self.wrapped = (self.position - 1) // self.stream.total > epoch
-        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
-
-    def _plan(self, n_seqs, seq_tokens, cap):
-        """``(window, starts, ends, clipped lengths, pack_plan)``, reading ahead (doubling) until n_seqs pack."""
-        stream, start = self.stream, self.position
-        room = None if stream.wrap else max(0, stream.total - start)
-        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
-        while True:
-            n = n if room is None else min(n, room)
-            window = stream.read(start, n)
-            starts, ends = document_spans(window, start, stream.total)
-            lengths = np.minimum(ends - starts, cap)
-            plan = pack_plan(lengths, seq_tokens, n_seqs)
-            if plan is not None:
-                return window, starts, ends, lengths, plan
-            if n == room:
-                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
-                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
-            if n >= stream.total and not (window == EOT_TOKEN).any():
-                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
-                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
-                                f"document: re-tokenize with data/tokenize_text.py")
-            n *= 2
-
-
 # ----------------------------------------------------------------------------------------------
 # Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with the record
 # history's elements behind flags: document masks and sliding windows, value embeddings, U-net skips,
@@ -1072,6 +987,91 @@ class TrainLoader:
         self.position += global_seqs * advance
         self.wrapped = (self.position - 1) // self.stream.total > epoch
         return micro
+
+
+# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
+# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
+
+def document_spans(window, start, total):
+    """``(starts, ends)`` int64 stream positions of the documents wholly inside ``window`` (int64 ``[n]``,
+    the tokens from ``start``; ``total`` per pass): a document runs from an EOT to the next EOT or the
+    end of the pass; tokens before a pass's first EOT belong to none."""
+    stop = start + window.size
+    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
+    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
+    keep = ends <= stop
+    return starts[keep], ends[keep]
+
+
+def pack_plan(lengths, seq_tokens, n_seqs):
+    """``(first, last, tail)`` int64 ``[n_seqs]``: the documents (clipped ``lengths`` ``[D]``, in order)
+    filling each sequence of ``seq_tokens`` and the tokens taken from its last, cut one (the rest is
+    skipped); None when the D documents cannot fill ``n_seqs`` sequences."""
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    first = np.empty(n_seqs, dtype=np.int64)
+    last = np.empty(n_seqs, dtype=np.int64)
+    doc = 0
+    for j in range(n_seqs):  # one binary search per sequence, none per token
+        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
+        if end == bounds.size:
+            return None
+        first[j], last[j], doc = doc, end - 1, end
+    return first, last, bounds[first] + seq_tokens - bounds[last]
+
+
+class PackedLoader:
+    """Document-packed train batches (record #89's loader), sized per call: a sequence starts at an EOT (#26)
+    and holds whole documents clipped to ``cap`` tokens (#29, #72), the last one cut, no padding. Sequence
+    ``rank * accum + micro`` goes to that rank and micro-step; ``position`` is the whole state."""
+
+    def __init__(self, stream, rank, world):
+        self.stream, self.rank, self.world = stream, rank, world
+        self.position, self.wrapped = 0, False
+
+    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
+        """``(micro, raw_tokens, positions)``: ``accum`` int64 ``[micro_seqs, seq_tokens]`` of this rank, the
+        stream tokens consumed (skipped ones too) and ``global_seqs * seq_len``; ``cap`` 0 = no cap."""
+        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
+            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
+                             f"over {self.world} process(es)")
+        if cap < 0:
+            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
+        accum = global_seqs // (micro_seqs * self.world)
+        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
+        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
+        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
+        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
+        piece = lengths[lo:hi].copy()
+        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
+        offset = np.cumsum(piece) - piece                           # where each piece lands
+        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
+        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
+        epoch, old = self.position // self.stream.total, self.position
+        self.position = int(ends[last[-1]])
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
+
+    def _plan(self, n_seqs, seq_tokens, cap):
+        """``(window, starts, ends, clipped lengths, pack_plan)``, reading ahead (doubling) until n_seqs pack."""
+        stream, start = self.stream, self.position
+        room = None if stream.wrap else max(0, stream.total - start)
+        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
+        while True:
+            n = n if room is None else min(n, room)
+            window = stream.read(start, n)
+            starts, ends = document_spans(window, start, stream.total)
+            lengths = np.minimum(ends - starts, cap)
+            plan = pack_plan(lengths, seq_tokens, n_seqs)
+            if plan is not None:
+                return window, starts, ends, lengths, plan
+            if n == room:
+                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
+                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
+            if n >= stream.total and not (window == EOT_TOKEN).any():
+                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
+                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
+                                f"document: re-tokenize with data/tokenize_text.py")
+            n *= 2
 
 
 def open_data(cfg, data):
