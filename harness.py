@@ -493,6 +493,10 @@ def check_model89(cfg, need, no_attn):
     need(not cfg.mudd or (skip and cfg.attn_state_layer >= 0 and cfg.ve_gate and cfg.n_head % 2 == 0
                           and cfg.n_layer - 1 not in no_attn), "--mudd needs --skip-gate, --attn-state-layer, "
          "--value-embeds with --ve-gate, an even --n-head and attention in the last layer")
+    for flag in ("paired_head_layers", "xsa_layers", "attn_gate_layers"):  # attention elements need attention
+        idle = sorted(layer_set(getattr(cfg, flag)) & no_attn)
+        need(not idle, f"--{flag.replace('_', '-')} names layer(s) {idle} that --no-attn-layers leaves without "
+             f"attention: drop them from one of the two")
     G = cfg.mudd_gates
     need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
          f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
@@ -567,6 +571,56 @@ def grad_accum_steps(cfg, world):
                       f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
 
 
+# Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the
+# meta device, plus attention's products over the keys each layer's window lets a query see.
+
+def attended_keys(seq_len, window):
+    """Mean keys a query attends in a causal sequence of ``seq_len`` under ``window`` (0 = none):
+    ``(1/L) sum_{q<L} min(q + 1, w)``; document masks are not counted (they depend on the data)."""
+    L = seq_len
+    w = min(window, L) if window else L
+    return (w * (w + 1) // 2 + (L - w) * w) / L
+
+
+class FlopProfile:
+    """What a forward of ``make_model(cfg)`` multiplies, counted on the meta device (no memory, no data).
+
+    ``n_matmul``: weights multiplied per latent position (FlopCounterMode's mm/addmm FLOPs / 2 per
+    position): every ``nn.Linear`` the forward calls, LM head included, so a new weight is counted
+    without an edit here; embeddings are lookups. ``layers``: (has attention, short window, paired
+    heads) per block (``model.blocks[i].attn``, ``model.short``).
+    """
+
+    def __init__(self, cfg, make_model):
+        from torch.utils.flop_counter import FlopCounterMode
+        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
+        with torch.device("meta"):
+            model = make_model(cfg)
+            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
+        with FlopCounterMode(display=False) as counter:
+            model(inputs)
+        ops = counter.get_flop_counts()["Global"]
+        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
+        self.n_matmul = int(matmul) // (2 * L)
+        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
+                       for i, block in enumerate(model.blocks)]
+        self.cfg = cfg
+
+    def per_position(self, window):
+        """Training FLOPs per latent position under ``window`` (long, short): ``6 N_matmul + 12 d keys``.
+
+        12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
+        (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
+        paired-head layer (record #58) runs n_head/2 heads over 2L positions: 12 d keys of the doubled
+        sequence. TST phase 1 costs the same per latent position.
+        """
+        long, half = window
+        L = self.cfg.seq_len
+        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
+                   for attn, short, paired in self.layers if attn)
+        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
+
+
 # Dense bf16 peak of one GPU in TFLOP/s (NVIDIA datasheets, SXM parts), for --describe's projections.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 
@@ -574,8 +628,8 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # 8 x H100, the README's record table) trained record21_h200's model for 1,770 steps of 393,216
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
-# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe,
-# 2.68e17 FLOPs on a model short of its own, would be 46%.)
+# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
+# model, 2.506e17 FLOPs (`--preset baseline_h200 --describe`), is 42.9%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 
@@ -730,6 +784,61 @@ def fingerprint(path, n_bytes=1 << 20):
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
     return h.hexdigest()[:16]
+
+
+GPT2_IDS = 50257  # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
+
+
+class TokenStream:
+    """The shards of a glob as one token stream with random access (the trainer's data streams read it).
+
+    Args:
+        files: shard paths, in stream order.
+        wrap: reads past the end start over at token 0 (the train stream); else they raise.
+        vocab_size: ids at or above it are refused (None: GPT-2's 50,257 ids).
+
+    Raises:
+        DataError: naming the file, for a bad header, a short or unreadable file, an id out of range
+            or a stream without tokens; every shard is checked here, before step 0.
+    """
+
+    def __init__(self, files, wrap=False, vocab_size=None):
+        self.files = list(files)
+        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
+        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
+        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
+            check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
+        self.offsets = np.cumsum([0] + self.sizes)
+        self.total = int(self.offsets[-1])
+        self.wrap, self.vocab_size = wrap, vocab_size
+        if self.total == 0:
+            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
+                            f"(data/tokenize_text.py) or point the glob at other shards")
+
+    def locate(self, pos):
+        """(file index, token offset in it) of stream position ``pos``."""
+        pos %= self.total
+        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+        return i, pos - int(self.offsets[i])
+
+    def read(self, start, n):
+        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
+        if not self.wrap and start + n > self.total:
+            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
+                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
+        out = np.empty(n, dtype=np.int64)
+        done = 0
+        while done < n:
+            i, lo = self.locate(start + done)
+            take = min(n - done, self.sizes[i] - lo)
+            out[done:done + take] = self.shards[i][lo:lo + take]
+            done += take
+        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
+            bad = int(np.argmax(out >= self.vocab_size))
+            i, offset = self.locate(start + bad)
+            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
+                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
+        return out
 
 
 def find_data(cfg):
@@ -1285,11 +1394,15 @@ def log_stage(run, step):
         step: the stage's first step (> 0).
     """
     was, now = run.schedule[step - 1].stage, run.schedule[step].stage
-    what = "tst_switch" if (was.phase, now.phase) == (1, 2) else "stage"
-    into = "next-token" if now.phase == 2 else now.mode
-    run.log.line(f"{what}: step {step}: phase {was.phase} -> {now.phase} (bag_size {was.bag_size} -> "
-                 f"{now.bag_size}, mode {was.mode} -> {into}); same weights and optimizer state; "
-                 f"tokens:{run.progress.raw_tokens}")
+    tail = f"same weights and optimizer state; tokens:{run.progress.raw_tokens}"
+    if (was.phase, now.phase) == (1, 2):
+        run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {was.bag_size} -> {now.bag_size}, mode "
+                     f"{was.mode} -> next-token); {tail}")
+        return
+    changes = [f"{name} {getattr(was, name)} -> {getattr(now, name)}"
+               for name in ("bag_size", "mode", "batch_tokens", "doc_cap", "blocks", "lr_mul")
+               if getattr(was, name) != getattr(now, name)]
+    run.log.line(f"stage: step {step}: {', '.join(changes) or 'a new stage'}; {tail}")
 
 
 def log_model_line(run):

@@ -1,13 +1,17 @@
-"""Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce.
+"""Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce,
+attention masks (one mask definition for FlexAttention and SDPA).
 
 Each is exact math with a float64 reference test (tests/test_objectives.py, test_fp8.py,
 test_grad_allreduce.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
 """
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 IGNORE_INDEX = -100  # a label that counts nowhere (padding, the positions past a document's end)
 
@@ -336,3 +340,102 @@ def grad_buckets(model):
     if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
         held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
     return held
+
+
+# Attention masks (records #12, 2024-11-19: document masks and a sliding window in FlexAttention;
+# #58, 2026-01-07: paired heads). One definition, ``mask_mod``, serves both paths: FlexAttention's
+# block mask on CUDA and, on a CPU (no FlexAttention backward there), the same mask as a bool
+# matrix for SDPA; tests/test_attention.py and test_block_mask.py prove the two agree.
+
+def mask_mod(doc_ids, window, paired=False):
+    """FlexAttention ``mask_mod(b, h, q, k) -> bool``: ``k <= q``, same document, ``q - k < window``.
+
+    ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = none) or an int64 0-d device tensor (a
+    schedule then changes no graph). ``paired``: the doubled sequence of paired-head layers, token
+    t at positions 2t and 2t + 1 (documents read at q // 2: no doubled ids in the kernel).
+    """
+    windowed = torch.is_tensor(window) or window > 0
+
+    def allowed(b, h, q, k):
+        same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
+        ok = (k <= q) & same
+        return ok & (q - k < window) if windowed else ok
+    return allowed
+
+
+def attention_mask(doc_ids, window, paired=False):
+    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]`` (2T paired)."""
+    ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
+    B, T = ids.shape[0], ids.shape[1] * (2 if paired else 1)
+    pos = torch.arange(T, device=ids.device)
+    batch = torch.arange(B, device=ids.device)[:, None, None]
+    mask = mask_mod(ids, window, paired)(batch, None, pos[:, None], pos[None, :])
+    return mask if doc_ids.ndim == 2 else mask[0]
+
+
+def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
+    """The mask of doc_ids ``[B, T]`` for ``attend``: a ``BlockMask`` (``flex``, CUDA) or bool ``[B, 1, T, T]``."""
+    if flex:
+        return block_mask_from_bounds(doc_ids, window, block_size, paired)
+    return attention_mask(doc_ids, window, paired)[:, None]
+
+
+class LayerMasks(NamedTuple):
+    """One window's masks: ``plain`` (the sequence), ``paired`` (the doubled sequence of paired-head layers,
+    record #58), ``first`` bool ``[B, L]`` True at document starts (the key offset, record #49); unused: None."""
+    plain: object
+    paired: object = None
+    first: object = None
+
+
+def layer_masks(doc_ids, window, flex, paired=False, first=False):
+    """``LayerMasks`` of doc_ids ``[B, L]`` under ``window``, the doubled mask and document starts as asked."""
+    doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
+    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
+
+
+def _ordered_blocks(blocks):
+    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
+
+
+def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
+    """``create_block_mask(mask_mod(doc_ids, window, paired), B, None, T, T)`` from per-block bounds alone.
+
+    O((T / block_size)^2) work where create_block_mask evaluates all T^2 pairs; partial blocks are
+    masked per element by the same ``mask_mod`` inside FlexAttention. Exact because document ids are
+    non-decreasing: for query block [q0, q1] and key block [k0, k1], some pair is allowed iff
+    ``k0 <= q1``, ``doc[k1] >= doc[q0]``, ``q0 - k1 < window``; every pair iff ``k1 <= q0``,
+    ``doc[k0] == doc[q1]``, ``q1 - k0 < window`` and neither block reaches past T.
+    """
+    ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
+    B, T = ids.shape
+    n = -(-T // block_size)
+    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
+    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
+    complete = first + block_size <= T                               # [n] no padding in the block
+    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
+    doc_first, doc_last = ids[:, first], ids[:, last]                # [B, n]
+    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
+    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
+    if torch.is_tensor(window) or window > 0:
+        some = some & (q0 - k1 < window)
+        every = every & (q1 - k0 < window)
+    kv_num, kv_idx = _ordered_blocks(some & ~every)
+    full_num, full_idx = _ordered_blocks(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
+
+
+def attend(q, k, v, mask=None, scale=None):
+    """``softmax(scale q k^T) v``, q, k, v ``[B, H, T, head_dim]`` -> same in v's dtype; ``mask`` None: causal
+    SDPA, a ``BlockMask``: FlexAttention (q, k cast to v's dtype), a bool tensor: masked SDPA."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if isinstance(mask, BlockMask):
+        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

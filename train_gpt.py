@@ -16,22 +16,21 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import harness
-from kernels import (IGNORE_INDEX, SIGMOID_CAP, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets,
-                     mce_loss, multi_target_loss, upcast)
+from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
+                     fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
+from kernels import attention_mask, block_mask_from_bounds, mask_mod  # noqa: F401 (the tools' and tests' T.*)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups)
-from harness import (Clock, ConfigError, DataError, NanGuard, Runtime, compiled_graphs, layer_set, load_shard,
-                     log_wrap, read_shard_header)
+from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
+                     layer_set, log_wrap)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets
@@ -56,107 +55,69 @@ class Config:
     model_dim: int = _f(768, "residual stream width", low=1)
     mlp_ratio: int = _f(4, "MLP hidden width = mlp_ratio * model_dim", low=1)
     seq_len: int = _f(1024, "latent positions per sequence (L)", low=1)
-    logit_softcap: float = _f(30.0, "logits = c * tanh(logits / c) (c = 15 is the record's 30 * sigmoid(z / 7.5) "
-                                    "up to a constant); 0 disables")
-    logit_cap: str = _f("tanh", "training and val logit cap: tanh = --logit-softcap; "
-                                "sigmoid = 23 sigmoid((x + 5) / 7.5) (record #54)", choices=("tanh", "sigmoid"))
-    objectives: bool = _f(False, "next-token training steps add the stage table's multi-token and prefix-token "
-                                 "columns (records #53, #88; --stages record89); the val metric stays next-token CE")
-    tied_embed: bool = _f(False, "the token embedding is the LM head's weight until record #89's stage 3 (from the "
-                                 "odd step at its start), then a copy of it with the head's Adam state (records #51, "
-                                 "#53); needs --stages record89 and --optimizer normuon or aurora_normuon")
+    logit_softcap: float = _f(30.0, "logits = c tanh(logits / c) under --logit-cap tanh (0 = none)")
+    logit_cap: str = _f("tanh", "logit cap: tanh (--logit-softcap) or 23 sigmoid((x + 5) / 7.5) (record #54)",
+                        choices=("tanh", "sigmoid"))
+    objectives: bool = _f(False, "add the stage table's multi-token, prefix columns (records #53, #88); val stays CE")
+    tied_embed: bool = _f(False, "embedding = LM head until record #89's stage 3, then untied (records #51, #53)")
     rope_base: float = _f(10000.0, "rotary embedding base")
-    doc_mask: bool = _f(False, "document-masked attention: a position attends only within its document (one starts "
-                               "at each <|endoftext|>); in TST phase 1 a bag belongs to its last token's document")
-    window: int = _f(0, "sliding attention window in latent positions: query q sees keys q-window+1..q "
-                        "(0 = no window, full causal); with --window-start, the window of the last step")
-    window_start: int = _f(0, "window at step 0, grown linearly to --window over the run in multiples of itself "
-                              "(0 = --window at every step)")
+    doc_mask: bool = _f(False, "attention within documents (each opens with <|endoftext|>; a bag: its last token's)")
+    window: int = _f(0, "sliding window in latent positions: q sees q-window+1..q (0 = none)")
+    window_start: int = _f(0, "window at step 0, grown to --window in multiples of itself (record #13; 0 = fixed)")
     short_window_layers: str = _f("", "comma list of 0-based layers that attend over half the window")
     no_attn_layers: str = _f("", "comma list of 0-based layers without attention (MLP only)")
     attn_scale: float = _f(0.0, "attention logit scale (0 = 1/sqrt(head_dim))")
     merged_qkv: bool = _f(False, "q, k, v from one [3 * model_dim, model_dim] matmul (three matrices to the optimizer)")
-    value_embeds: int = _f(0, "value-embedding tables k: table j is mixed into the attention values of layers j and "
-                              "n_layer - k + j (0 = none)")
-    unet: bool = _f(False, "U-net skips: block i's output is added, with a learned weight, to the input of block "
-                           "n_layer - 1 - i, for i in the first half")
-    x0_mix: bool = _f(False, "each block's input is a learned mix a * x + b * x0 of the residual stream and the "
-                             "normed embedding x0 (a = 1, b = 0 at init)")
-    # record #89 model: residual and inputs (issue 26)
-    resid_lambdas: bool = _f(False, "each sublayer updates x = r * x + p * sublayer(norm(x)), learned r = sqrt(1.1) "
-                                    "and p = 1 at init (HEAD's resid/post lambdas)")
-    skip_gate: str = _f("", "'a,b': the stream after layer a is added to layer b's input times sigmoid(s), s = -1.5 "
-                            "at init (HEAD: 3,6; in place of --unet)")
+    value_embeds: int = _f(0, "value-embedding tables k: j feeds layers j, n_layer - k + j (or --ve-layers)")
+    unet: bool = _f(False, "U-net: block i's output, weighted, into block n_layer - 1 - i (record #21)")
+    x0_mix: bool = _f(False, "block input a x + b x0, x0 the normed embedding, a = 1, b = 0 at init (record #21)")
+    # record #89's model: residual and inputs (docs/METHODS.md §5)
+    resid_lambdas: bool = _f(False, "x = r x + p sublayer(norm(x)) per sublayer, r = sqrt(1.1), p = 1 at init (HEAD)")
+    skip_gate: str = _f("", "'a,b': stream after layer a into layer b's input x sigmoid(s), s = -1.5 (HEAD: 3,6)")
     x0_gates: bool = _f(False, "after each attention sublayer x += g * x0, a learned g per layer, 0 at init (#62)")
-    attn_state_layer: int = _f(-1, "layers after this one take norm(stream after it) as attention input "
-                                   "(record #77; HEAD: 7; -1 = off)", low=-1)
-    bigram_vocab: int = _f(0, "bigram hash embedding rows (record #62, signs #83; HEAD: 377280; 0 = off): added "
-                              "to the first --bigram-dim channels before layer 0 and after each attention, gated",
-                           low=0)
+    attn_state_layer: int = _f(-1, "later layers attend from norm(stream after it) (record #77; HEAD: 7)", low=-1)
+    bigram_vocab: int = _f(0, "bigram hash embedding rows, injected gated (records #62, #83; HEAD 377280)", low=0)
     bigram_dim: int = _f(0, "bigram embedding width (0 = model_dim, HEAD's)", low=0)
-    smear: bool = _f(False, "x[t] += lam * sigmoid(w . x[t, :12]) * x[t-1] on the embedding (record #34; lam = 0, "
-                            "w = 0 at init)")
-    ve_layers: str = _f("", "comma list: value-embedding table j feeds the j-th listed layer, one each (HEAD: "
-                            "1,2,8,9,10); '' = --value-embeds' first/last layout")
-    ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) * ve per head instead of the a v + b ve mix; "
-                              "tables N(0, 0.01^2) (records #55, #63, #70)")
-    mudd: bool = _f(False, "MUDD dense connections (record #81, arXiv 2502.12170) on the last layer and after "
-                           "the loop; needs --skip-gate, --attn-state-layer, --value-embeds and --ve-gate")
-    mudd_gates: int = _f(0, "x0, bigram and skip gates per token from two 64-wide GELU MLPs (record #85): one of x0 "
-                            "for the layers before this one, one of the stream entering it for the rest and the "
-                            "skip (HEAD: 4; 0 = learned constants)", low=0)
-    # record #89 model: attention (issues 25, 26)
-    rope_half: bool = _f(False, "half-truncated RoPE (record #89): head_dim/4 frequencies (1/1024)^linspace(0, 1) "
-                                "rotate the first half of each head's dims, the second half is not rotated")
-    rope_yarn: bool = _f(False, "at each change of the long window (stage table), YaRN-rescale the RoPE frequencies "
-                                "(alpha 1, beta 32) and multiply the attention scale (--attn-scale) by "
-                                "0.2 ln(new/old) + 1 (record #31)")
-    paired_head_layers: str = _f("", "comma list of layers with paired-head attention (record #58; HEAD 0,2,5,9): "
-                                     "heads h and h + n_head/2 share one softmax over a doubled sequence")
-    key_offset: bool = _f(False, "partial key offset on the long-window layers (record #49): a key's second half of "
-                                 "dims (unrotated with --rope-half) is the previous position's, within its document")
-    xsa_layers: str = _f("", "comma list of layers with learnable XSA (record #82, arXiv 2603.09078; HEAD 1,3,4,7): "
-                             "y -= tanh(a_h) (y.v / |v|^2) v, a per-head a_h from 0")
-    attn_gate_layers: str = _f("", "comma list of layers whose heads' outputs are gated by sigmoid(W x[:12]) "
-                                   "(record #28 sparse attention gate, W from 0; HEAD 3,10)")
-    attn_vo_init: str = _f("zero", "attention V/O init: zero = O from 0 (record #21); uniform = O like Q/K/V "
-                                   "(record #64 as merged, HEAD); mimetic = V = sqrt(.05) I, O = -sqrt(.05) I, "
-                                   "+ N(0, .01^2) (record #64's runs, arXiv 2305.09828)",
+    smear: bool = _f(False, "x[t] += lam sigmoid(w . x[t, :12]) x[t-1], lam = w = 0 at init (record #34)")
+    ve_layers: str = _f("", "comma list: value-embedding table j feeds the j-th listed layer (HEAD: 1,2,8,9,10)")
+    ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) ve per head (records #55, #63, #70)")
+    mudd: bool = _f(False, "MUDD dense connections into the last layer and after it (record #81, arXiv 2502.12170)")
+    mudd_gates: int = _f(0, "x0/bigram/skip gates per token from two MLPs split here (#85; HEAD 4)", low=0)
+    # record #89's model: attention
+    rope_half: bool = _f(False, "half-truncated RoPE, (1/1024)^linspace frequencies (record #89)")
+    rope_yarn: bool = _f(False, "YaRN-rescale RoPE and scale at each long-window change (record #31)")
+    paired_head_layers: str = _f("", "comma list: heads h, h + n_head/2 share a softmax (#58; HEAD 0,2,5,9)")
+    key_offset: bool = _f(False, "long-window keys: half the dims from the previous position (record #49)")
+    xsa_layers: str = _f("", "comma list: y -= tanh(a_h) proj_v(y), learnable XSA (record #82; HEAD 1,3,4,7)")
+    attn_gate_layers: str = _f("", "comma list: heads gated by sigmoid(W x[:12]) (record #28; HEAD 3,10)")
+    attn_vo_init: str = _f("zero", "V/O init: zero (O = 0), uniform (HEAD, #64), mimetic (V = -O = sqrt(.05) I)",
                            choices=("zero", "uniform", "mimetic"))
     # batch and steps
     batch_tokens: int = _f(524_288, "latent positions per optimizer step, whole global batch", low=1)
-    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (grad accumulation fills the rest)",
-                               low=1)
+    micro_batch_seqs: int = _f(64, "sequences per process per forward/backward (accumulation fills the rest)", low=1)
     num_iterations: int = _f(3000, "optimizer steps N", low=1)
-    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = run all N); for tests and verify",
-                        low=0)
-    stages: str = _f("flags", "stage table: flags = one stage from --batch-tokens, --window, --cooldown-frac; "
-                              "record89 = record #89's three stages and extension (RECORD89_STAGES)",
-                     choices=("flags", "record89"))
-    extension_steps: int = _f(0, "--stages record89: the last this-many of the N steps run past the schedule "
-                                 "(final lr, extension windows)", low=0)
+    max_steps: int = _f(0, "stop after this many steps, schedule unchanged (0 = all N; tests, verify)", low=0)
+    stages: str = _f("flags", "stage table: flags (one stage) or record89", choices=("flags", "record89"))
+    extension_steps: int = _f(0, "--stages record89: the last this-many steps run past the schedule", low=0)
     window_block: int = _f(128, "--stages record89: latent positions per window block", low=1)
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
-    tst_mode: str = _f("full", "full: bag-mean in, MCE over next bag out; input: bag-mean in only; "
-                               "output: MCE over next s tokens only", choices=("full", "input", "output"))
+    tst_mode: str = _f("full", "TST: full (bag in, next bag out), input (bag in only), output (next s out only)",
+                       choices=("full", "input", "output"))
     # optimizers
-    optimizer: str = _f("aurora", "optimizer of the 2-D block matrices (embedding/head always use Adam); normuon: "
-                                  "record #89's NorMuon + CautiousAdam every other step; aurora_normuon: the same "
-                                  "with Aurora's polar on the MLP matrices (docs/METHODS.md §3)",
+    optimizer: str = _f("aurora", "block matrices' optimizer (normuon: record #89's; METHODS §3)",
                         choices=("aurora", "muon", "adamw", "normuon", "aurora_normuon"))
     matrix_lr: float = _f(AURORA["lr"], "Aurora/Muon lr")
     matrix_wd: float = _f(AURORA["weight_decay"], "Aurora/Muon decoupled weight decay (scaled by lr)")
     momentum: float = _f(AURORA["momentum"], "Aurora/Muon momentum (after warmup)")
     momentum_start: float = _f(0.85, "momentum at step 0, warmed up linearly to --momentum", low=0, high=1)
     momentum_warmup_steps: int = _f(300, "steps of momentum warmup (0 = none)", low=0)
-    momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start linearly over the last this-many "
-                                         "steps (record #39; 0 = none)", low=0)
+    momentum_cooldown_steps: int = _f(0, "momentum back to --momentum-start over the last this-many (#39)", low=0)
     nesterov: bool = _f(True, "Nesterov momentum for Aurora/Muon")
     ns: str = _f(AURORA["ns"], "Newton-Schulz variant", choices=tuple(NS_COEFFICIENTS))
-    ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU (where bf16 matmuls "
-                       "are emulated, dozens of times slower)", choices=("auto", "bfloat16", "float32"))
+    ns_dtype: str = _f("auto", "Newton-Schulz dtype; auto = bfloat16 on CUDA, float32 on a CPU",
+                       choices=("auto", "bfloat16", "float32"))
     pp_iterations: int = _f(AURORA["pp_iterations"], "Aurora row-equalization rounds K (--optimizer muon: 0)")
     pp_beta: float = _f(AURORA["pp_beta"], "Aurora row-scale exponent beta")
     adamw_lr: float = _f(0.0036, "lr of the block matrices with --optimizer adamw", low=0)
@@ -181,8 +142,7 @@ class Config:
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
     bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
-    fp8: bool = _f(False, "training matmuls of the LM head and the MLPs in float8 (records #21, #84, #89; "
-                          "fp8_linear); needs a GPU of compute capability 8.9+ (fp8_unavailable_reason says why not)")
+    fp8: bool = _f(False, "LM head and MLP matmuls in float8 (records #19, #84, #89); sm_89+ GPUs")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
@@ -360,7 +320,7 @@ class Schedule:
     """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
 
     def __init__(self, cfg):
-        self.stages, flops = stages(cfg), FlopProfile(cfg)
+        self.stages, flops = stages(cfg), harness.FlopProfile(cfg, GPT)
         self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
@@ -457,10 +417,8 @@ def momentum_at(step, cfg):
 
 
 def window_at(step, cfg):
-    """``(long, short)`` windows in latent positions at ``step`` (0 = none); short = half the long one.
-
-    --window-start w0: the long one grows linearly from w0 to --window at step N, rounded up to a
-    multiple of w0 (record #13's window warmup; record #21: 128 -> 1,792 in blocks of 128)."""
+    """``(long, short = long // 2)`` windows at ``step`` (0 = none); with --window-start w0 the long one grows
+    linearly from w0 to --window at step N in multiples of w0 (record #13; #21: 128 -> 1,792)."""
     w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
     if w == 0:
         return 0, 0
@@ -468,97 +426,6 @@ def window_at(step, cfg):
         grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
         w = min(w, w0 * -(-grown // (w0 * N)))
     return w, max(w // 2, 1)
-
-
-# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
-# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
-
-def document_spans(window, start, total):
-    """``(starts, ends)`` int64 stream positions of the documents wholly inside ``window`` (int64 ``[n]``,
-    the tokens from ``start``; ``total`` per pass): a document runs from an EOT to the next EOT or the
-    end of the pass; tokens before a pass's first EOT belong to none."""
-    stop = start + window.size
-    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
-    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
-    keep = ends <= stop
-    return starts[keep], ends[keep]
-
-
-def pack_plan(lengths, seq_tokens, n_seqs):
-    """``(first, last, tail)`` int64 ``[n_seqs]``: the documents (clipped ``lengths`` ``[D]``, in order)
-    filling each sequence of ``seq_tokens`` and the tokens taken from its last, cut one (the rest is
-    skipped); None when the D documents cannot fill ``n_seqs`` sequences."""
-    bounds = np.concatenate(([0], np.cumsum(lengths)))
-    first = np.empty(n_seqs, dtype=np.int64)
-    last = np.empty(n_seqs, dtype=np.int64)
-    doc = 0
-    for j in range(n_seqs):  # one binary search per sequence, none per token
-        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
-        if end == bounds.size:
-            return None
-        first[j], last[j], doc = doc, end - 1, end
-    return first, last, bounds[first] + seq_tokens - bounds[last]
-
-
-class PackedLoader:
-    """Document-packed train batches (HEAD's ``Shard.next_batch``, record #89), sized per call.
-
-    A sequence starts at an EOT (record #26) and holds whole documents clipped to ``cap`` tokens
-    (records #29, #72; a clipped one's last token is labelled with the next EOT, as HEAD); the one
-    crossing its end is cut: no padding. Sequence ``rank * accum + micro`` of a step goes to that
-    rank and micro-step; every rank plans the whole step and gathers its own tokens. ``position``
-    is the whole state (a loader set to it repeats the next batches). In TST the cap counts raw
-    tokens and a bag straddling documents belongs to its last token's (``latent_document_ids``).
-    """
-
-    def __init__(self, stream, rank, world):
-        self.stream, self.rank, self.world = stream, rank, world
-        self.position, self.wrapped = 0, False
-
-    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
-        """``(micro, raw_tokens, positions)``: ``accum`` int64 ``[micro_seqs, seq_tokens]`` of this rank, the
-        stream tokens consumed (skipped ones too) and ``global_seqs * seq_len``; ``cap`` 0 = no cap."""
-        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
-            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
-                             f"over {self.world} process(es)")
-        if cap < 0:
-            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
-        accum = global_seqs // (micro_seqs * self.world)
-        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
-        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
-        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
-        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
-        piece = lengths[lo:hi].copy()
-        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
-        offset = np.cumsum(piece) - piece                           # where each piece lands
-        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
-        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
-        epoch, old = self.position // self.stream.total, self.position
-        self.position = int(ends[last[-1]])
-        self.wrapped = (self.position - 1) // self.stream.total > epoch
-        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
-
-    def _plan(self, n_seqs, seq_tokens, cap):
-        """``(window, starts, ends, clipped lengths, pack_plan)``, reading ahead (doubling) until n_seqs pack."""
-        stream, start = self.stream, self.position
-        room = None if stream.wrap else max(0, stream.total - start)
-        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
-        while True:
-            n = n if room is None else min(n, room)
-            window = stream.read(start, n)
-            starts, ends = document_spans(window, start, stream.total)
-            lengths = np.minimum(ends - starts, cap)
-            plan = pack_plan(lengths, seq_tokens, n_seqs)
-            if plan is not None:
-                return window, starts, ends, lengths, plan
-            if n == room:
-                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
-                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
-            if n >= stream.total and not (window == EOT_TOKEN).any():
-                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
-                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
-                                f"document: re-tokenize with data/tokenize_text.py")
-            n *= 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,13 +439,9 @@ def rms_norm(x):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864) on positions 0..max_len-1.
-
-    Dims i and i + r/2 of the first r rotate together. Default: r = head_dim, frequencies
-    base^(-2i/head_dim). ``half`` (record #89's half-truncated RoPE): r = head_dim/2 with
-    (1/1024)^linspace(0, 1, head_dim/4), the last half of the dims unrotated. ``scale`` (a 0-d
-    buffer, None unless given): the attention scale that ``set_history`` rescales with the RoPE.
-    """
+    """RoPE (arXiv 2104.09864) on positions 0..max_len-1: dims i, i + r/2 of the first r rotate together, r =
+    head_dim at base^(-2i/head_dim), or ``half`` (record #89) r = head_dim/2 at (1/1024)^linspace(0, 1).
+    ``scale``: the attention scale, a buffer that ``set_history`` rescales with the tables (YaRN)."""
 
     def __init__(self, head_dim, max_len, base, half=False, scale=None):
         super().__init__()
@@ -606,12 +469,9 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def set_history(self, windows):
-        """Tables after YaRN rescales (record #31, HEAD's Yarn.apply, alpha 1, beta 32) through the long
-        ``windows`` in order (() or one window: as built), written in place (no graph changes).
-
-        Per step old -> new: with s = old/new and ramp = clamp((old f / 2 pi - 1) / 31, 0, 1), f <- f (s + ramp (1 - s))
-        (frequencies turning < 1 time in the old window interpolated, > 32 times kept); scale *= 0.2 ln(new/old) + 1.
-        """
+        """Tables after YaRN rescales (record #31; alpha 1, beta 32) through the long ``windows``, in place: per
+        old -> new, s = old/new, f <- f (s + r (1 - s)) with r = clamp((old f / 2 pi - 1) / 31, 0, 1), and
+        scale *= 0.2 ln(new/old) + 1."""
         freq, scale = self.freq0.clone(), self.scale0
         for old, new in zip(windows, windows[1:]):
             s = old / new
@@ -624,172 +484,19 @@ class Rotary(nn.Module):
             self.scale.fill_(scale)
 
 
-# Attention masks: causal, optionally within a document and within a sliding window. Both come
-# from the modded-nanogpt record history: record #12 (2024-11-19, "FlexAttention": 64K-token
-# flat sequences, document masks, a sliding window) and #13 (2024-11-24, window warmup). One
-# mask definition, ``mask_mod``, serves both paths: FlexAttention's block mask on CUDA, and on
-# CPU (no FlexAttention backward there) the same mask as a boolean matrix for SDPA.
+# Documents of the attention masks (kernels.py holds the one mask definition, ``mask_mod``, its
+# FlexAttention block mask for CUDA and bool matrix for SDPA on a CPU; records #12, #13).
 
 def document_ids(tokens):
-    """Document index of every position: the number of ``<|endoftext|>`` tokens at or before it.
-
-    Args:
-        tokens: int64 ``[..., T]`` (e.g. ``[T]`` or ``[B, T]``). Each document starts *with*
-            its EOT (50256), so the EOT belongs to the document it opens.
-
-    Returns:
-        int64 ``[..., T]``, non-decreasing along the last dim; equal ids = same document.
-    """
+    """int64 ``[..., T]`` -> ``[..., T]``: the number of EOTs at or before each position (an EOT opens its document)."""
     return (tokens == EOT_TOKEN).cumsum(dim=-1)
 
 
 def latent_document_ids(inputs):
-    """Document of each latent position of model inputs ``[B, L, k]`` -> int64 ``[B, L]``.
-
-    k = 1 (plain tokens): the token's document. k = s (TST phase-1 bags): the document of the
-    bag's *last* token, counted over the raw tokens, so an EOT anywhere in a bag starts the new
-    document at that bag. Windows count latent positions, so attention cost per position is
-    the same in both phases (docs/METHODS.md, TST and attention masks).
-    """
+    """Inputs ``[B, L, k]`` -> int64 ``[B, L]``: each latent position's document, a TST bag's (k = s) that of its
+    last token, so an EOT anywhere in a bag opens the new document there (docs/METHODS.md §1)."""
     B, L, k = inputs.shape
     return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
-
-
-def mask_mod(doc_ids, window, paired=False):
-    """The mask as a FlexAttention ``mask_mod(b, h, q, k) -> bool``: True where query q may attend key k.
-
-    Allowed: ``k <= q`` and ``doc_ids[b, q] == doc_ids[b, k]`` and ``q - k < window``.
-    ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = no window) or an int64 0-d tensor (a
-    window, read on the device: a window schedule changes no graph). Index arguments are int
-    tensors that broadcast (FlexAttention calls it on scalars, ``attention_mask`` on grids).
-    ``paired``: positions of the doubled sequence of paired-head layers (record #58), 2t and 2t + 1
-    of token t (documents by ``doc_ids[b, q // 2]``: no doubled copy of the ids in the kernel).
-    """
-    windowed = torch.is_tensor(window) or window > 0
-
-    def allowed(b, h, q, k):
-        same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
-        ok = (k <= q) & same
-        return ok & (q - k < window) if windowed else ok
-    return allowed
-
-
-def attention_mask(doc_ids, window, paired=False):
-    """``mask_mod`` materialized: bool ``[T, T]`` for doc_ids ``[T]``, ``[B, T, T]`` for ``[B, T]``
-    (T doubled with ``paired``).
-
-    ``mask[..., q, k]`` is True where query q may attend key k (``k <= q``, same document,
-    ``q - k < window``; ``window`` 0 = no window). Every row allows at least its diagonal.
-    """
-    ids = doc_ids if doc_ids.ndim == 2 else doc_ids[None]
-    B, T = ids.shape[0], ids.shape[1] * (2 if paired else 1)
-    pos = torch.arange(T, device=ids.device)
-    batch = torch.arange(B, device=ids.device)[:, None, None]
-    mask = mask_mod(ids, window, paired)(batch, None, pos[:, None], pos[None, :])
-    return mask if doc_ids.ndim == 2 else mask[0]
-
-
-def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
-    """The mask one forward shares across layers, for ``attend``.
-
-    Args:
-        doc_ids: int64 ``[B, T]`` (``latent_document_ids``).
-        window: latent positions a query sees (0 = no window).
-        flex: True: a FlexAttention ``BlockMask`` (CUDA; built inside the compiled graph from
-            block bounds, ``block_mask_from_bounds``); False: bool ``[B, 1, T, T]`` for SDPA
-            (broadcast over heads), from the same ``mask_mod``.
-        block_size: the BlockMask's tile (FlexAttention's default 128; smaller in tests).
-        paired: the mask of the doubled sequence of paired-head layers (``mask_mod``).
-    """
-    if flex:
-        return block_mask_from_bounds(doc_ids, window, block_size, paired)
-    return attention_mask(doc_ids, window, paired)[:, None]
-
-
-class LayerMasks(NamedTuple):
-    """One window's masks for the layers that need more than ``plain`` (``attend``'s mask of the sequence):
-    ``paired`` the same ``mask_mod`` over the doubled sequence of paired-head layers (record #58: documents
-    doubled, the window counted in doubled positions, i.e. half the tokens), ``first`` bool [B, L] True at
-    each document's first position (``offset_keys``). Unused ones None."""
-    plain: object
-    paired: object = None
-    first: object = None
-
-
-def layer_masks(doc_ids, window, flex, paired=False, first=False):
-    """``LayerMasks`` of doc_ids [B, L] under ``window``: ``build_attention_mask`` of the sequence and, as asked,
-    of the doubled sequence (each id twice) and the document starts."""
-    doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
-    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
-    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
-
-
-def _ordered_blocks(blocks):
-    """bool ``[B, nq, nk]`` -> (int32 ``[B, 1, nq]`` counts, int32 ``[B, 1, nq, nk]`` indices, the True ones first)."""
-    counts = blocks.sum(dim=-1, dtype=torch.int32)
-    # a stable descending sort lists the chosen key blocks in increasing order, as create_block_mask does
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[:, None], indices[:, None]
-
-
-def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
-    """FlexAttention ``BlockMask`` of ``mask_mod(doc_ids, window)`` from per-block bounds.
-
-    ``create_block_mask`` evaluates ``mask_mod`` at all T^2 (query, key) pairs; here each
-    (query block, key block) pair is classified from the blocks' first/last positions and
-    documents alone (``O((T / block_size)^2)`` work), and only the partial blocks are masked
-    per element, by the same ``mask_mod``, inside FlexAttention. Exact because document ids
-    are non-decreasing along a row: with query block [q0, q1] and key block [k0, k1],
-
-    * some pair is allowed iff ``k0 <= q1``, ``doc[k1] >= doc[q0]`` and ``q0 - k1 < window``
-      (the pair (q0, k1), or the diagonal when the blocks coincide, is then allowed);
-    * every pair is allowed iff ``k1 <= q0``, ``doc[k0] == doc[q1]`` and ``q1 - k0 < window``,
-      and neither block reaches past T (create_block_mask counts padding as masked).
-
-    Args:
-        doc_ids: int64 ``[B, T]``, non-decreasing along T (``latent_document_ids``).
-        window: int (0 = no window) or int64 0-d device tensor; a tensor is only compared on
-            the device, so a window schedule neither syncs nor changes the compiled graph.
-        block_size: the tile, query and key alike (FlexAttention's default 128).
-        paired: the doubled sequence of paired-head layers, T = 2 L (``mask_mod``).
-
-    Returns:
-        ``BlockMask`` equal to ``create_block_mask(mask_mod(doc_ids, window, paired), B, None, T, T,
-        BLOCK_SIZE=block_size)``: same partial and full blocks, in the same order.
-    """
-    ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
-    B, T = ids.shape
-    n = -(-T // block_size)
-    first = torch.arange(n, device=doc_ids.device) * block_size     # [n] first position of each block
-    last = (first + block_size - 1).clamp_max(T - 1)                 # [n] last position inside T
-    complete = first + block_size <= T                               # [n] no padding in the block
-    q0, q1, k0, k1 = first[:, None], last[:, None], first[None, :], last[None, :]
-    doc_first, doc_last = ids[:, first], ids[:, last]                # [B, n]
-    some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
-    every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
-    if torch.is_tensor(window) or window > 0:
-        some = some & (q0 - k1 < window)
-        every = every & (q1 - k0 < window)
-    partial = some & ~every
-    kv_num, kv_idx = _ordered_blocks(partial)
-    full_num, full_idx = _ordered_blocks(every)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
-
-
-def attend(q, k, v, mask=None, scale=None):
-    """Attention ``softmax(scale * q k^T) v`` under a mask; q, k, v ``[B, H, T, head_dim]``.
-
-    ``scale`` None: ``1/sqrt(head_dim)``. ``mask`` None: plain causal SDPA (``is_causal=True``,
-    the model without --doc-mask or --window); a ``BlockMask``: FlexAttention (q and k cast to
-    v's dtype, bf16 under autocast); a bool tensor: SDPA with that mask. Returns
-    ``[B, H, T, head_dim]`` in v's dtype.
-    """
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if isinstance(mask, BlockMask):
-        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def offset_keys(k, first=None):
@@ -808,11 +515,8 @@ OPT_GROUPS = ("matrix", "embed", "head", "scalar")  # Aurora/Muon/AdamW of the b
 
 
 def route(param, group, role=None):
-    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) where it is created; returns it.
-
-    ``build_optimizers`` reads only the tags: a parameter without one stops the run at start-up.
-    ``role``: its record #89 Adam role (``aurora_opt.RECORD89_ADAM``; untagged vectors are "scalars").
-    """
+    """Tag ``param`` with its optimizer group (``OPT_GROUPS``) and record #89 Adam ``role`` where it is created;
+    ``build_optimizers`` reads only the tags (an untagged parameter stops the run at start-up)."""
     assert group in OPT_GROUPS, group
     param.opt_group = group
     if role is not None:
@@ -820,7 +524,7 @@ def route(param, group, role=None):
     return param
 
 
-# FP8 matmuls (modded-nanogpt records #21, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
+# FP8 matmuls (modded-nanogpt records #19, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
 # up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
 # tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
 
@@ -845,16 +549,9 @@ def make_rotary(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE; ``layer``'s options from the config.
-
-    ``merged_qkv``: q, k, v from one ``[3d, d]`` matmul of the three weights (record #21), which
-    stay three matrices for the optimizer, each orthogonalized on its own as before.
-    ``value_embed``: a value embedding ``ve`` is mixed into the values, ``v <- a v + b ve`` with
-    learned scalars a = b = 0.5 at init (record #9, 2024-11-06; the "012 ... 012" layout of #21).
-    Record #89's (each off by default): paired heads (record #58), the partial key offset on
-    long-window layers (#49), learnable XSA (#82), the sparse output gate (#28), the V/O init
-    (#64), the YaRN-rescaled scale (#31: the shared ``Rotary``'s buffer).
-    """
+    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: merged QKV (one
+    matmul, three optimizer matrices; record #21), ``v <- a v + b ve`` value embeddings (a = b = 0.5; #9),
+    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31)."""
 
     def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
@@ -872,18 +569,15 @@ class CausalSelfAttention(nn.Module):
         self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
         self.paired = layer in layer_set(cfg.paired_head_layers)
         self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
-        xsa = layer in layer_set(cfg.xsa_layers)
+        own = not cfg.mudd_gates  # with --mudd-gates, XSA alphas and output gates come per token (record #85)
+        xsa = own and layer in layer_set(cfg.xsa_layers)
         self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if xsa else None
-        gated = layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
+        gated = own and layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
         self.gate = _linear(12, self.n_head, zero=True, group="scalar", role="ve_gates") if gated else None
 
     def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
-        """x ``[B, L, d]``; ``mask`` from ``GPT.masks_for`` (None: plain causal); ``ve`` ``[B, L, d]``.
-
-        ``ve_gate`` [B, L, n_head, 1]: ``v + ve_gate ve`` in place of the learned mix. ``xsa_alpha``
-        [B, L, n_head] (before tanh) and ``attn_gate`` [B, L, n_head]: per-token values in place of the
-        layer's own (e.g. MUDD gates, record #85); either turns its element on in any layer.
-        """
+        """x, ve ``[B, L, d]``, ``mask`` from ``GPT.masks_for`` (None: causal); per-token ``ve_gate`` ``[B, L, H, 1]``,
+        ``xsa_alpha`` and ``attn_gate`` ``[B, L, H]`` (MUDD, record #85) replace the layer's own."""
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
@@ -936,16 +630,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
-
-    ``x0_mix``: the input is first replaced by ``a x + b x0`` (x0: the normed embedding; learned
-    a = 1, b = 0 at init; modded-nanogpt record history, used in record #21). A layer in
-    ``--no-attn-layers`` has no attention (record #21 drops layer 7's). Record #89's residual
-    (HEAD): ``x = r x + p sublayer(norm(x))`` per sublayer (--resid-lambdas), then after attention
-    ``+ g x0`` (--x0-gates) and ``+ g' bigram`` in the first bigram_dim channels (--bigram-vocab);
-    --ve-gate: the value embedding's per-head gate. The last layer under --mudd takes all of these
-    per token from the MUDD coefficients (``dyn``) instead.
-    """
+    """Pre-norm block ``x + attn(norm(x))``, ``x + mlp(norm(x))`` (attention absent in --no-attn-layers); with
+    record #89's residual (HEAD) ``r x + p sublayer``, then ``+ g x0`` and ``+ g' bigram`` after attention.
+    The last layer under --mudd takes these per token from MUDD (``dyn``); --x0-mix is record #21's input mix."""
 
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
@@ -967,18 +654,19 @@ class Block(nn.Module):
     def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
         """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
         ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
-        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` (g_x0, g_bigram)
-        ``[B, L, 1]`` from --mudd-gates (``GPT.gate_coefs``)."""
+        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}``
+        (x0, bigram, xsa, attn) from --mudd-gates (``GPT.gate_coefs``)."""
         if self.x0_mix is not None:
             x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
-        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, *(gates or (self.x0_gate, self.bigram_gate)), None)
+        g = gates or {}
+        ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, g.get("x0", self.x0_gate), g.get("bigram", self.bigram_gate), None)
         if self.attn is not None:
             h = rms_norm(x if attn_in is None else attn_in)
             if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
                 gin = torch.cat((h[..., :VE_GATE_IN], ve[..., :VE_GATE_IN].type_as(h)), dim=-1)
                 gv = 2 * torch.sigmoid(F.linear(gin, self.ve_gate.type_as(h))).unsqueeze(-1)
-            x = _residual(x, self.attn(h, mask, ve, gv), ra, pa)
+            x = _residual(x, self.attn(h, mask, ve, gv, g.get("xsa"), g.get("attn")), ra, pa)
             if gx is not None:
                 x = x + gx * x0
             if gb is not None and bigram is not None:  # into the first bigram_dim channels (HEAD: all of them)
@@ -988,7 +676,24 @@ class Block(nn.Module):
 
 BIGRAM_SIGN_ROWS = 8192  # rows of record #83's sign table (HEAD)
 MUDD_SCALE = 0.1  # MUDD coefficients are the MLP's output times this (HEAD)
+GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5}  # record #85's gate lanes at init (HEAD's biases)
 VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads (HEAD)
+
+
+def gate_lanes(cfg):
+    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
+    --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
+    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), and (second) the skip's factor."""
+    no_attn, G, H, n = layer_set(cfg.no_attn_layers), cfg.mudd_gates, cfg.n_head, cfg.n_layer
+    inject = [i for i in range(n) if i not in no_attn and not (cfg.mudd and i == n - 1)]
+    lanes = ([], [])
+    for kind, layers, w in (("xsa", layer_set(cfg.xsa_layers), H), ("attn", layer_set(cfg.attn_gate_layers), H)):
+        for i in sorted(layers):
+            lanes[i >= G].append((i, kind, w))
+    for i in inject:
+        lanes[i >= G].extend([(i, "x0", 1), (i, "bigram", 1)])
+    lanes[1].append((None, "skip", 1))
+    return lanes
 
 
 def _residual(x, y, r, p):
@@ -1003,25 +708,12 @@ def embed_tokens(table, inputs):
 
 
 class GPT(nn.Module):
-    """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1).
+    """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
 
-    ``forward(inputs, targets=None)``: ``inputs`` int64 ``[B, L, k]`` (k = 1 for plain tokens,
-    k = s for bags, embedded as the float32 mean of the bag, value embeddings alike);
-    ``targets`` int64 ``[B, L, j]`` with -100 = ignore. Returns float32 logits
-    ``[B, L, vocab_size]`` without targets, else the float32 scalar *sum* over valid
-    (position, label) pairs of ``logsumexp(z) - z[y]`` (the caller divides by the global number
-    of valid labels, see ``accumulate_gradients``).
-
-    Attention is plain causal unless ``--doc-mask`` or ``--window`` is set; then the layers
-    share one mask (two with short-window layers) built from the inputs' documents
-    (``latent_document_ids``) and the windows in the ``windows`` buffer (``set_window``): a
-    FlexAttention block mask on CUDA (fused only when the model is compiled), a boolean matrix
-    on CPU. ``--value-embeds k``: table j feeds layers j and n_layer - k + j. ``--unet``: block
-    i's output is added, times a learned weight (1 at init), to the input of block
-    n_layer - 1 - i, for the first n_layer // 2 blocks (record #21's U-net). Record #89's inputs and
-    connections (issue 26's flags, see Config): smear and the bigram embedding on the inputs,
-    ``--ve-layers``, the gated skip, the attention input from the cached state, MUDD
-    (``mudd_in`` at the last layer, ``mudd_coefs`` after the loop), record #85's gate MLPs.
+    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded
+    as its mean), targets int64 ``[B, L, j]`` (-100 = ignore). Returns float32 logits ``[B, L, V]``, or
+    with targets the float32 loss *sum* over valid labels (``accumulate_gradients`` divides). The layers
+    share one mask per window (``masks_for``), windows from the ``windows`` buffer (``set_window``).
     """
 
     def __init__(self, cfg):
@@ -1073,16 +765,17 @@ class GPT(nn.Module):
             b[1, 1] = -0.5  # ... and -0.5 of the state after the loop (the former backout, record #81)
             self.mudd_b2 = scalar(b / MUDD_SCALE, "mudd_bias")
         self.gate_w1 = None
-        if cfg.mudd_gates:  # record #85: the layers with static gates, cut at --mudd-gates; the skip rides the second
-            no_attn, G = layer_set(cfg.no_attn_layers), cfg.mudd_gates
-            gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
-            self.gated = ([i for i in gated if i < G], [i for i in gated if i >= G])
-            m = max(2 * len(self.gated[0]), 2 * len(self.gated[1]) + 1)
+        if cfg.mudd_gates:  # record #85: two gate MLPs, of x0 for the layers before --mudd-gates, then of the stream
+            self.gate_lanes = gate_lanes(cfg)
+            m = max(sum(w for _, _, w in lanes) for lanes in self.gate_lanes)
             self.gate_w1 = scalar(torch.empty(2, 64, d).uniform_(-d ** -0.5, d ** -0.5), "mudd_gate")
             self.gate_w2 = scalar(torch.zeros(2, m, 64), "mudd_gate")
-            b = torch.zeros(2, m)  # (x0, bigram) per layer, then the skip: x0 0, bigram 0.05, skip 0.5 (HEAD)
-            b[0, 1:2 * len(self.gated[0]):2] = b[1, 1:2 * len(self.gated[1]):2] = 0.05
-            b[1, 2 * len(self.gated[1])] = 0.5
+            b = torch.zeros(2, m)  # HEAD's starts: output gates 0.25, bigram 0.05, the skip 0.5 (XSA and x0: 0)
+            for j, lanes in enumerate(self.gate_lanes):
+                off = 0
+                for _, kind, w in lanes:
+                    b[j, off:off + w] = GATE_START.get(kind, 0.0)
+                    off += w
             self.gate_b2 = scalar(b / MUDD_SCALE, "mudd_gate_bias")
             self.gate_scale = scalar(torch.tensor(MUDD_SCALE), "mudd_gate_bias")  # learned, unlike MUDD's
 
@@ -1128,7 +821,7 @@ class GPT(nn.Module):
         bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
         gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
-            g0 = gates[0][1] if 0 in gates else self.blocks[0].bigram_gate
+            g0 = gates.get(0, {}).get("bigram", self.blocks[0].bigram_gate)
             x = x + F.pad(g0 * bigram, (0, x.size(-1) - bigram.size(-1)))
         n, half, skips, start, snaps = len(self.blocks), len(self.blocks) // 2, [], x, {}
         for i, block in enumerate(self.blocks):
@@ -1155,7 +848,7 @@ class GPT(nn.Module):
             srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
             x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
-        if fp8_active(self.cfg.fp8, x, head):  # record #21's FP8 head
+        if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True)
         else:
             logits = self.lm_head(x)
@@ -1178,12 +871,9 @@ class GPT(nn.Module):
         return torch.cat((x[:, :1], x[:, 1:] + g * x[:, :-1]), dim=1)
 
     def bigram_embedding(self, inputs):
-        """Record #62's bigram hash embedding with #83's signs: inputs ``[B, L, k]`` -> ``[B, L, bigram_dim]``.
-
-        Over a row's raw tokens (bags flattened), token t takes row ``(36313 c ^ 27191 p) mod (V - 1)`` of
-        (previous p, current c), times the sign row ``(p ^ c) mod 8192``; a row's first token takes row V - 1
-        and sign row 0 (HEAD's get_bigram_hash). A bag (k > 1) takes the mean over its tokens (docs/METHODS.md).
-        """
+        """Bigram hash embedding (record #62, signs #83): inputs ``[B, L, k]`` -> ``[B, L, bigram_dim]``; token c after
+        p takes row ``(36313 c ^ 27191 p) mod (V - 1)`` times sign row ``(p ^ c) mod 8192`` (a row's first: row V - 1,
+        sign row 0), a bag the mean over its tokens (docs/METHODS.md §5)."""
         B, L, k = inputs.shape
         cur = inputs.reshape(B, L * k)
         prev = F.pad(cur[:, :-1], (1, 0))
@@ -1200,13 +890,19 @@ class GPT(nn.Module):
         return ((F.linear(h, self.mudd_w2[j, :m].type_as(h)) + self.mudd_b2[j, :m]) * MUDD_SCALE).split(1, dim=-1)
 
     def gate_coefs(self, x, j):
-        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: (g_x0, g_bigram)}`` for ``self.gated[j]``, each
-        ``[B, L, 1]``, and (j = 1) the skip's factor: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
-        layers = self.gated[j]
+        """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: {kind: [B, L, w]}}`` over ``gate_lanes(cfg)[j]`` and
+        (j = 1) the skip's factor ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
+        lanes = self.gate_lanes[j]
+        m = sum(w for _, _, w in lanes)
         h = F.gelu(F.linear(x, self.gate_w1[j].type_as(x)))
-        m = 2 * len(layers) + j
-        c = ((F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale).split(1, dim=-1)
-        return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, (c[-1] if j else None)
+        c = (F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale
+        out, skip = {}, None
+        for (layer, kind, w), piece in zip(lanes, c.split([w for _, _, w in lanes], dim=-1)):
+            if kind == "skip":
+                skip = piece
+            else:
+                out.setdefault(layer, {})[kind] = piece
+        return out, skip
 
     def mudd_in(self, x, start, state, ve):
         """MUDD at the last layer's input x ``[B, L, d]`` (record #81 v2, HEAD): mixes the stream before layer 0
@@ -1223,11 +919,8 @@ class GPT(nn.Module):
         return x, v, (mu[8], mu[9], mu[12], mu[13], mu[10], mu[11], x.new_ones(()))
 
     def train_only_loss(self, x, logits, targets):
-        """Loss terms of training only (a sum over labels, like the metric's), or None: none today.
-
-        ``x`` is the final residual ``[B, L, d]``, ``logits`` ``[B, L, V]``, ``targets`` ``[B, L, j]``.
-        Never called in eval mode, so no term here can reach ``val_loss``.
-        """
+        """Training-only loss terms (a sum over labels) of x ``[B, L, d]``, logits, targets, or None: none today.
+        Never called in eval mode, so no term here can reach ``val_loss``."""
         return None
 
 
@@ -1247,112 +940,15 @@ def loss_sum(logits, targets, weights, cfg):
     return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 
 
-def attended_keys(seq_len, window):
-    """Mean number of keys a query attends in a causal sequence of ``seq_len`` under a window.
-
-    ``(1/L) sum_{q<L} min(q + 1, w)`` with ``w = window`` (0: no window, w = L); e.g. (L + 1) / 2
-    without a window. Document masks are not counted (they depend on the data).
-    """
-    L = seq_len
-    w = min(window, L) if window else L
-    return (w * (w + 1) // 2 + (L - w) * w) / L
-
-
-class FlopProfile:
-    """What a forward of the model multiplies, read from the model itself on the meta device (no memory, no data).
-
-    ``n_matmul``: the weights a forward multiplies per latent position, counted from the matmuls
-    it runs (FlopCounterMode's mm/addmm FLOPs / 2 per position; attention's own products are the
-    second term): every ``nn.Linear`` the
-    forward calls, the LM head included, a new one counted without an edit here; embeddings
-    and value embeddings are lookups. ``layers``: ``(has_attention, short_window)`` per block.
-    """
-
-    def __init__(self, cfg):
-        from torch.utils.flop_counter import FlopCounterMode
-        L = min(cfg.seq_len, 64)  # matmul FLOPs are linear in the positions: a short sequence tells them
-        with torch.device("meta"):
-            model = GPT(cfg)
-            inputs = torch.zeros(1, L, 1, dtype=torch.int64)
-        with FlopCounterMode(display=False) as counter:
-            model(inputs)
-        ops = counter.get_flop_counts()["Global"]
-        matmul = sum(n for op, n in ops.items() if op.__name__.split(".")[0] in ("mm", "addmm"))
-        self.n_matmul = int(matmul) // (2 * L)
-        self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
-                       for i, block in enumerate(model.blocks)]
-        self.cfg = cfg
-
-    def per_position(self, window):
-        """Training FLOPs per latent position under ``window`` (long, short): ``6 * N_matmul + 12 d * keys``.
-
-        The second term is attention's QK^T and AV products, forward and backward (12 d FLOPs per
-        attended key), summed over the layers with attention, each over the keys its queries
-        actually attend (``attended_keys``: causality and the layer's window, a stage-table
-        column; document masks ignored), as in PaLM's accounting (arXiv 2204.02311, appendix B)
-        made exact for the mask. TST phase 1 costs the same per latent position. A paired-head layer
-        (record #58) runs n_head/2 heads over 2L positions: 12 d * keys of the doubled sequence, same window.
-        """
-        long, half = window
-        L = self.cfg.seq_len
-        keys = sum(attended_keys(2 * L if paired else L, half if short else long)
-                   for attn, short, paired in self.layers if attn)
-        return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
-
-
 def model_flops_per_position(cfg, step=0):
-    """Training FLOPs per latent position at optimizer ``step`` (``FlopProfile.per_position``; for tools)."""
+    """Training FLOPs per latent position at optimizer ``step`` (``harness.FlopProfile``; for tools)."""
     return Schedule(cfg)[step].flops_per_position
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: the train stream and its batches (shards: harness.read_shard_header)
+# Data: batches from the train stream (harness.TokenStream: the shards as one checked token stream)
 
 EOT_TOKEN = 50256  # GPT-2 <|endoftext|>, placed before every document
-GPT2_IDS = 50257   # ids 0..50256; the embedding's rows beyond (up to --vocab-size) are padding
-
-
-class TokenStream:
-    """The shards of a glob as one token stream with random access; ``wrap``: reads past the end start over.
-    Headers and ids are checked here, before step 0, so a bad shard fails naming its file."""
-
-    def __init__(self, files, wrap=False, vocab_size=None):
-        self.files = list(files)
-        self.sizes = [read_shard_header(f) for f in self.files]  # tokens per file
-        self.shards = [load_shard(f, n) for f, n in zip(self.files, self.sizes)]
-        for f, shard in zip(self.files, self.shards):  # every id and zero-filled tail, before step 0
-            harness.check_shard_tokens(f, shard, (vocab_size or GPT2_IDS) - 1)
-        self.offsets = np.cumsum([0] + self.sizes)
-        self.total = int(self.offsets[-1])
-        self.wrap, self.vocab_size = wrap, vocab_size
-        if self.total == 0:
-            raise DataError(f"{', '.join(self.files)}: the shards hold no tokens; tokenize some text into them "
-                            f"(data/tokenize_text.py) or point the glob at other shards")
-
-    def locate(self, pos):
-        """(file index, token offset in it) of stream position ``pos``."""
-        pos %= self.total
-        i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-        return i, pos - int(self.offsets[i])
-
-    def read(self, start, n):
-        """int64 numpy array of the n tokens from stream position ``start``. Raises DataError past the end."""
-        if not self.wrap and start + n > self.total:
-            raise DataError(f"asked for tokens [{start}, {start + n}) but the shards hold {self.total} "
-                            f"({', '.join(os.path.basename(f) for f in self.files[:3])}...); add shards")
-        out = np.empty(n, dtype=np.int64)
-        done = 0
-        while done < n:
-            i, lo = self.locate(start + done)
-            take = min(n - done, self.sizes[i] - lo)
-            out[done:done + take] = self.shards[i][lo:lo + take]
-            done += take
-        if self.vocab_size is not None and n and out.max() >= self.vocab_size:
-            bad = int(np.argmax(out >= self.vocab_size))
-            i, offset = self.locate(start + bad)
-            raise DataError(f"{self.files[i]}: token id {out[bad]} at token {offset} is >= {self.vocab_size}; "
-                            f"not GPT-2 BPE ids: re-tokenize with data/tokenize_text.py")
-        return out
 
 
 def sequence_layout(mode, bag_size, seq_len):
@@ -1391,6 +987,91 @@ class TrainLoader:
         self.position += global_seqs * advance
         self.wrapped = (self.position - 1) // self.stream.total > epoch
         return micro
+
+
+# Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
+# per-document cap and packing, #72 2026-02-10 the 896-token cap of stage 1; HEAD #89 2026-07-17).
+
+def document_spans(window, start, total):
+    """``(starts, ends)`` int64 stream positions of the documents wholly inside ``window`` (int64 ``[n]``,
+    the tokens from ``start``; ``total`` per pass): a document runs from an EOT to the next EOT or the
+    end of the pass; tokens before a pass's first EOT belong to none."""
+    stop = start + window.size
+    starts = np.flatnonzero(window == EOT_TOKEN) + start          # vectorized BOS search
+    ends = np.minimum(np.append(starts[1:], np.iinfo(np.int64).max), (starts // total + 1) * total)
+    keep = ends <= stop
+    return starts[keep], ends[keep]
+
+
+def pack_plan(lengths, seq_tokens, n_seqs):
+    """``(first, last, tail)`` int64 ``[n_seqs]``: the documents (clipped ``lengths`` ``[D]``, in order)
+    filling each sequence of ``seq_tokens`` and the tokens taken from its last, cut one (the rest is
+    skipped); None when the D documents cannot fill ``n_seqs`` sequences."""
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    first = np.empty(n_seqs, dtype=np.int64)
+    last = np.empty(n_seqs, dtype=np.int64)
+    doc = 0
+    for j in range(n_seqs):  # one binary search per sequence, none per token
+        end = int(np.searchsorted(bounds, bounds[doc] + seq_tokens, side="left"))
+        if end == bounds.size:
+            return None
+        first[j], last[j], doc = doc, end - 1, end
+    return first, last, bounds[first] + seq_tokens - bounds[last]
+
+
+class PackedLoader:
+    """Document-packed train batches (record #89's loader), sized per call: a sequence starts at an EOT (#26)
+    and holds whole documents clipped to ``cap`` tokens (#29, #72), the last one cut, no padding. Sequence
+    ``rank * accum + micro`` goes to that rank and micro-step; ``position`` is the whole state."""
+
+    def __init__(self, stream, rank, world):
+        self.stream, self.rank, self.world = stream, rank, world
+        self.position, self.wrapped = 0, False
+
+    def next_batch(self, global_seqs, micro_seqs, seq_len, cap, bag_size=1, mode="full"):
+        """``(micro, raw_tokens, positions)``: ``accum`` int64 ``[micro_seqs, seq_tokens]`` of this rank, the
+        stream tokens consumed (skipped ones too) and ``global_seqs * seq_len``; ``cap`` 0 = no cap."""
+        if micro_seqs < 1 or global_seqs < 1 or global_seqs % (micro_seqs * self.world):
+            raise ValueError(f"{global_seqs} sequences do not split into micro-batches of {micro_seqs} "
+                             f"over {self.world} process(es)")
+        if cap < 0:
+            raise ValueError(f"the document cap must be >= 0 tokens (0 = no cap), got {cap}")
+        accum = global_seqs // (micro_seqs * self.world)
+        seq_tokens, _ = sequence_layout(mode, bag_size, seq_len)
+        window, starts, ends, lengths, (first, last, tail) = self._plan(global_seqs, seq_tokens, cap or seq_tokens)
+        mine = slice(self.rank * accum * micro_seqs, (self.rank + 1) * accum * micro_seqs)
+        lo, hi = first[mine][0], last[mine][-1] + 1                 # this rank's documents
+        piece = lengths[lo:hi].copy()
+        piece[last[mine] - lo] = tail[mine]                         # each sequence's cut last document
+        offset = np.cumsum(piece) - piece                           # where each piece lands
+        index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
+        tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
+        epoch, old = self.position // self.stream.total, self.position
+        self.position = int(ends[last[-1]])
+        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
+
+    def _plan(self, n_seqs, seq_tokens, cap):
+        """``(window, starts, ends, clipped lengths, pack_plan)``, reading ahead (doubling) until n_seqs pack."""
+        stream, start = self.stream, self.position
+        room = None if stream.wrap else max(0, stream.total - start)
+        n = 2 * n_seqs * seq_tokens                                 # twice what the sequences hold
+        while True:
+            n = n if room is None else min(n, room)
+            window = stream.read(start, n)
+            starts, ends = document_spans(window, start, stream.total)
+            lengths = np.minimum(ends - starts, cap)
+            plan = pack_plan(lengths, seq_tokens, n_seqs)
+            if plan is not None:
+                return window, starts, ends, lengths, plan
+            if n == room:
+                raise DataError(f"the train stream ({stream.total} tokens) has too few documents after token "
+                                f"{start} for {n_seqs} packed sequences of {seq_tokens} tokens; add shards")
+            if n >= stream.total and not (window == EOT_TOKEN).any():
+                raise DataError(f"{', '.join(os.path.basename(f) for f in stream.files[:3])}: no <|endoftext|> "
+                                f"(id {EOT_TOKEN}) in the train stream; packed batches need one before every "
+                                f"document: re-tokenize with data/tokenize_text.py")
+            n *= 2
 
 
 def open_data(cfg, data):
@@ -1612,11 +1293,9 @@ class Objectives:
 
 
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
-    """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 step loss.
-
-    The loss is the sum over every valid label of the global batch (weighted columns with ``weights``
-    ``[J]``) over the count of valid next-token labels: not a mean of micro-batch means. Gradients are
-    all-reduced in buckets started during the last micro-batch's backward (``GradBuckets``)."""
+    """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
+    sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
+    a mean of means. Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()

@@ -85,6 +85,22 @@ ABLATIONS = {
     "aurora_no_lr_floor": ["--lr-floor", "0"],
 }
 ARMS.update({arm: ("aurora", _AURORA + flags) for arm, flags in ABLATIONS.items()})
+
+
+def _model89_flags():
+    """Record #89's model (train_gpt's MODEL89 with cpu_smoke's 4-layer roles, SMOKE_MODEL89) as flags on
+    this benchmark's base, its width and heads kept (MODEL): the model arm against record #21's."""
+    import train_gpt
+    flags = []
+    for key, value in {**train_gpt.MODEL89, **train_gpt.SMOKE_MODEL89}.items():
+        if key in MODEL:
+            continue
+        name = "--" + key.replace("_", "-")
+        flags += ([name] if value else ["--no-" + name[2:]]) if isinstance(value, bool) else [name, str(value)]
+    return flags
+
+
+ARMS["aurora_model89"] = ("aurora", _AURORA + _model89_flags())
 # equal-text control -> the TST arm whose phase-1 text (s * batch per step for round(r * N) steps) it reads
 EQTEXT = {"aurora_eqtext": "aurora_tst"}
 TST_VARIANTS = ["aurora_tst_s2", "aurora_tst_s8", "aurora_tst_r0.2", "aurora_tst_r0.4", "aurora_tst_input",
@@ -95,7 +111,8 @@ COMPARISONS = ([("aurora", "adamw", "final"), ("muon", "adamw", "final"), ("auro
                 ("aurora_tst", "aurora", "final")]
                + [(v, "aurora", "final") for v in TST_VARIANTS] + [(v, "aurora_tst", "final") for v in TST_VARIANTS]
                + [("aurora_eqtext", "aurora", "final"), ("aurora_tst", "aurora_eqtext", "final"),
-                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final")]
+                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final"),
+                  ("aurora_model89", "aurora", "final")]
                + [("aurora", arm, "final") for arm in ABLATIONS])
 BASELINE = "adamw"
 

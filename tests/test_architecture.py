@@ -345,7 +345,7 @@ def brute_keys(L, window):
 
 @pytest.mark.parametrize("window", [0, 1, 5, 16, 40])
 def test_attended_keys_brute_force(window):
-    assert T.attended_keys(16, window) == pytest.approx(brute_keys(16, window), rel=1e-12)
+    assert H.attended_keys(16, window) == pytest.approx(brute_keys(16, window), rel=1e-12)
 
 
 @pytest.mark.parametrize("flags", [dict(), dict(window=5), dict(window=1, short_window_layers="1"),
@@ -593,10 +593,11 @@ def hand_flops_per_position(cfg, window):
     d, no_attn, short = cfg.model_dim, T.layer_set(cfg.no_attn_layers), T.layer_set(cfg.short_window_layers)
     attn_layers = [i for i in range(cfg.n_layer) if i not in no_attn]
     n_matmul = len(attn_layers) * 4 * d * d + cfg.n_layer * 2 * cfg.mlp_ratio * d * d + cfg.vocab_size * d
-    n_matmul += extra_matmuls89(cfg) + len(T.layer_set(cfg.attn_gate_layers)) * cfg.n_head * 12  # + output gates
+    own_gates = 0 if cfg.mudd_gates else len(T.layer_set(cfg.attn_gate_layers))  # else from the gate MLPs (#85)
+    n_matmul += extra_matmuls89(cfg) + own_gates * cfg.n_head * 12  # + the output gates' own [n_head, 12] matmuls
     long, half = window
     paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
-    keys = sum(T.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
+    keys = sum(H.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
     return 6 * n_matmul + 12 * d * keys
 
 
@@ -610,7 +611,7 @@ def test_every_presets_flops_from_the_model_equal_the_hand_count_at_every_step(p
 
 def test_a_new_matmul_weight_is_counted_without_editing_the_flop_count(monkeypatch):
     cfg = tiny(**ALL_ON)
-    before = T.FlopProfile(cfg).n_matmul
+    before = H.FlopProfile(cfg, T.GPT).n_matmul
     init, forward = T.MLP.__init__, T.MLP.forward
 
     def init_with_gate(self, cfg):
@@ -619,4 +620,4 @@ def test_a_new_matmul_weight_is_counted_without_editing_the_flop_count(monkeypat
 
     monkeypatch.setattr(T.MLP, "__init__", init_with_gate)
     monkeypatch.setattr(T.MLP, "forward", lambda self, x: forward(self, x) * torch.sigmoid(self.gate(x)))
-    assert T.FlopProfile(cfg).n_matmul == before + cfg.n_layer * cfg.model_dim ** 2
+    assert H.FlopProfile(cfg, T.GPT).n_matmul == before + cfg.n_layer * cfg.model_dim ** 2

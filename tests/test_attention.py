@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 import conftest
 import train_gpt as T
@@ -121,7 +122,7 @@ def test_flex_attention_forward_equals_masked_sdpa(window, block_size):
     with torch.no_grad():
         flex_mask = T.build_attention_mask(doc, window, flex=True, block_size=block_size)
         dense_mask = T.build_attention_mask(doc, window, flex=False)
-        assert isinstance(flex_mask, T.BlockMask) and dense_mask.shape == (B, 1, T_, T_)
+        assert isinstance(flex_mask, BlockMask) and dense_mask.shape == (B, 1, T_, T_)
         flex = T.attend(q, k, v, flex_mask)
         sdpa = T.attend(q, k, v, dense_mask)
     ref = reference_attention(q, k, v, T.attention_mask(doc, window))

@@ -43,6 +43,11 @@ CASES = [
     (["--smear", "--model-dim", "8", "--n-head", "2"], ["--smear reads 12 channels: --model-dim >= 12"]),
     (["--no-attn-layers", "0", "--attn-gate-layers", "3"], ["--bigram-vocab", "drop 0 from --no-attn-layers"]),
     (["--batch-tokens", "1000"], ["--batch-tokens 1000", "--seq-len 768"]),
+    # an attention element on a layer without attention would be silently idle
+    (["--no-attn-layers", "1", "--ve-layers", "3,2"], ["--xsa-layers names layer(s) [1]", "--no-attn-layers"]),
+    (["--no-attn-layers", "2", "--ve-layers", "1,3"], ["--paired-head-layers names layer(s) [2]"]),
+    (["--no-attn-layers", "2", "--ve-layers", "1,3", "--paired-head-layers", "0", "--attn-gate-layers", "2"],
+     ["--attn-gate-layers names layer(s) [2]"]),
 ]
 
 

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+import harness
 import train_gpt
 from conftest import REPO, SAMPLE_DIR, read_log
 
@@ -232,7 +233,7 @@ def test_tool_written_shards_are_read_by_the_trainer(tmp_path, enc):
     train = [p for p, _, _ in written if "_train_" in p]
     assert len(val) > 1 and len(train) > 1
     for path, n, _ in written:
-        assert train_gpt.read_shard_header(path) == n == read_header(path)
+        assert harness.read_shard_header(path) == n == read_header(path)
     for files, texts in [(val, (DOCS * 3)[:4]), (train, (DOCS * 3)[4:])]:
         expected = stream(enc, texts)
         ts = train_gpt.TokenStream(files, vocab_size=50304)
@@ -263,7 +264,7 @@ def test_every_shard_the_trainer_refuses_the_tools_refuse(tmp_path, name):
     path = tmp_path / f"{name}.bin"
     path.write_bytes(data)
     with pytest.raises(train_gpt.DataError, match=re.escape(why)) as trainer:
-        train_gpt.read_shard_header(str(path))
+        harness.read_shard_header(str(path))
     with pytest.raises(train_gpt.DataError, match=re.escape(str(path))):
         train_gpt.TokenStream([str(path)])
     with pytest.raises(ShardError, match=re.escape(why)) as tools:
@@ -279,7 +280,7 @@ def test_good_shards_pass_on_both_sides(tmp_path):
         path = str(tmp_path / f"{name}.bin")
         with open(path, "wb") as f:
             f.write(_shard_bytes(tokens))
-        assert train_gpt.read_shard_header(path) == read_header(path) == len(tokens)
+        assert harness.read_shard_header(path) == read_header(path) == len(tokens)
         # the downloader also checks the tokens: an id above 50256 is another tokenizer's
         assert dl.shard_status(path) == (f"{path}: token id 65535 > 50256: not GPT-2 BPE ids; re-tokenize with "
                                          "data/tokenize_text.py" if name == "max_id" else None)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import harness as H
 import conftest
@@ -304,7 +304,7 @@ def test_flex_attention_equals_masked_sdpa_for_paired_and_offset_layers(window):
         a = model.blocks[i].attn
         assert a.paired == paired and a.key_offset != paired
         flex_masks = T.layer_masks(doc, window, True, paired, True)
-        assert isinstance(flex_masks.plain, T.BlockMask) and (flex_masks.paired is not None) == paired
+        assert isinstance(flex_masks.plain, BlockMask) and (flex_masks.paired is not None) == paired
         with torch.no_grad():
             flex = a(x, flex_masks)
             sdpa = a(x, T.layer_masks(doc, window, False, paired, True))
@@ -314,7 +314,7 @@ def test_flex_attention_equals_masked_sdpa_for_paired_and_offset_layers(window):
 @pytest.mark.parametrize("window", [(9, 4), (0, 0), (40, 20)])
 def test_flops_count_the_pairs_the_masks_allow(window):
     cfg = cfg_of(paired_head_layers="0,2", no_attn_layers="", window=window[0] or 1)
-    profile = T.FlopProfile(cfg)
+    profile = H.FlopProfile(cfg, T.GPT)
     L, d = cfg.seq_len, cfg.model_dim
     short = H.layer_set(cfg.short_window_layers)
     brute = 0

@@ -21,7 +21,10 @@ VE = dict(value_embeds=3, ve_layers="1,2,5", ve_gate=True)
 ALL = dict(VE, resid_lambdas=True, skip_gate="1,3", x0_gates=True, attn_state_layer=3, bigram_vocab=97,
            bigram_dim=16, smear=True, mudd=True)
 ALL85 = dict(ALL, mudd_gates=2)
-EACH = [dict(x0_gates=True, bigram_vocab=97, skip_gate="1,3", mudd_gates=1), ALL85, dict(resid_lambdas=True), dict(skip_gate="1,3"), dict(x0_gates=True), dict(attn_state_layer=3),
+# record #85's gate MLPs also give the XSA alphas and output gates per token (HEAD): layer 1 from the first MLP,
+# layers 2, 4 and the MUDD layer 5 from the second
+LANES85 = dict(ALL85, xsa_layers="1,4", attn_gate_layers="2,5")
+EACH = [dict(x0_gates=True, bigram_vocab=97, skip_gate="1,3", mudd_gates=1), ALL85, LANES85, dict(resid_lambdas=True), dict(skip_gate="1,3"), dict(x0_gates=True), dict(attn_state_layer=3),
         dict(bigram_vocab=97, bigram_dim=16), dict(bigram_vocab=97, x0_gates=True), dict(smear=True), VE,
         dict(value_embeds=3, ve_layers="5,0,1"), ALL, dict(ALL, bigram_dim=0)]
 # record #89's model (HEAD) at full size: the flags the record presets set
@@ -71,8 +74,9 @@ def ref_bigram(P, signs, inputs):
     return torch.stack(out)
 
 
-def ref_attention(P, i, cfg, h, v_add):
-    """Causal attention of layer i (softmax over keys j <= t); ``v_add`` [B, L, d] is added to the values."""
+def ref_attention(P, i, cfg, h, v_add, xsa=None, gate=None):
+    """Causal attention of layer i (softmax over keys j <= t); ``v_add`` [B, L, d] is added to the values; per
+    token and head, ``xsa`` [B, L, H] removes tanh(xsa) of y's part along v, ``gate`` [B, L, H] scales y."""
     B, L, d = h.shape
     Hn, hd = cfg.n_head, d // cfg.n_head
     q, k, v = (h @ P[f"blocks.{i}.attn.{n}.weight"].T for n in "qkv")
@@ -84,6 +88,10 @@ def ref_attention(P, i, cfg, h, v_add):
     causal = torch.ones(L, L, dtype=torch.bool).tril()  # key j <= query t
     w = torch.softmax(s.masked_fill(~causal, -math.inf), dim=-1)
     y = torch.einsum("bhqk,bkhe->bqhe", w, v)
+    if xsa is not None:
+        y = y - torch.tanh(xsa)[..., None] * (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True) * v
+    if gate is not None:
+        y = y * gate[..., None]
     return y.reshape(B, L, d) @ P[f"blocks.{i}.attn.proj.weight"].T
 
 
@@ -99,10 +107,23 @@ def ref_mudd(P, j, x, m, prefix="mudd", scale=0.1):
     return [c[..., r:r + 1] for r in range(m)]
 
 
-def ref_gates(P, j, x, layers):
-    """Record #85's gate MLP j: {layer: (x0 gate, bigram gate)} in layer order, then the skip factor (j = 1)."""
-    c = ref_mudd(P, j, x, 2 * len(layers) + j, prefix="gate", scale=P["gate_scale"])
-    return {i: (c[2 * r], c[2 * r + 1]) for r, i in enumerate(layers)}, c[-1] if j else 1.0
+def ref_gates(P, j, x, layers, cfg):
+    """Record #85's gate MLP j, its outputs in order: n_head XSA alphas per --xsa-layers layer, then n_head output
+    gates per --attn-gate-layers layer (those of this MLP's half: below --mudd-gates for j = 0), then (x0 gate,
+    bigram gate) per layer of ``layers``, then (j = 1) the skip factor. Returns ({layer: {kind: value}}, skip)."""
+    mine = lambda flag: [i for i in sorted(H.layer_set(getattr(cfg, flag))) if (i >= cfg.mudd_gates) == j]  # noqa
+    n_xsa, n_attn, Hn = len(mine("xsa_layers")), len(mine("attn_gate_layers")), cfg.n_head
+    c = ref_mudd(P, j, x, Hn * (n_xsa + n_attn) + 2 * len(layers) + j, prefix="gate", scale=P["gate_scale"])
+    heads = lambda r: torch.cat(c[r * Hn:(r + 1) * Hn], -1)  # noqa: E731  (the r-th block of n_head lanes)
+    out = {}
+    for r, i in enumerate(mine("xsa_layers")):
+        out.setdefault(i, {})["xsa"] = heads(r)
+    for r, i in enumerate(mine("attn_gate_layers")):
+        out.setdefault(i, {})["attn"] = heads(n_xsa + r)
+    first = Hn * (n_xsa + n_attn)
+    for r, i in enumerate(layers):
+        out.setdefault(i, {}).update(x0=c[first + 2 * r], bigram=c[first + 2 * r + 1])
+    return out, c[-1] if j else 1.0
 
 
 def ref_inputs(P, cfg, model, inputs):
@@ -128,13 +149,13 @@ def ref_forward(P, cfg, model, inputs, targets):
     pad = lambda t: torch.cat((t, torch.zeros(*t.shape[:-1], d - t.size(-1), dtype=t.dtype)), -1)  # noqa: E731
     gated = [i for i in range(n) if i not in no_attn and not (cfg.mudd and i == n - 1)]
     G = cfg.mudd_gates
-    gates, factor = ref_gates(P, 0, x0, [i for i in gated if i < G]) if G else ({}, 1.0)
-    x = x0 if bigram is None else x0 + (gates[0][1] if G else P["blocks.0.bigram_gate"]) * pad(bigram)
+    gates, factor = ref_gates(P, 0, x0, [i for i in gated if i < G], cfg) if G else ({}, 1.0)
+    x = x0 if bigram is None else x0 + (gates[0]["bigram"] if G else P["blocks.0.bigram_gate"]) * pad(bigram)
     start, after, skip = x, {}, H.skip_pair(cfg)
     for i in range(n):
         last_mudd = cfg.mudd and i == n - 1
         if G and i == G:
-            post, factor = ref_gates(P, 1, x, [i for i in gated if i >= G])
+            post, factor = ref_gates(P, 1, x, [i for i in gated if i >= G], cfg)
             gates.update(post)
         if skip and i == skip[1]:
             x = x + torch.sigmoid(P["skip_lambda"]) * factor * after[skip[0]]
@@ -145,7 +166,9 @@ def ref_forward(P, cfg, model, inputs, targets):
             src = after[cfg.attn_state_layer] if 0 <= cfg.attn_state_layer < i else x
             h = ref_rms(src)
             ve = ves[ve_of[i]] if i in ve_of else None
-            v_add, (gx, gb) = None, gates.get(i, (P.get(f"blocks.{i}.x0_gate"), P.get(f"blocks.{i}.bigram_gate")))
+            lanes = gates.get(i, {})
+            v_add, gx, gb = None, lanes.get("x0", P.get(f"blocks.{i}.x0_gate")), lanes.get("bigram",
+                                                                                     P.get(f"blocks.{i}.bigram_gate"))
             inject = x0
             if last_mudd:
                 mu = ref_mudd(P, 0, x, 14)
@@ -153,15 +176,15 @@ def ref_forward(P, cfg, model, inputs, targets):
                 v_add = mu[0] * start + mu[1] * state + mu[2] * x
                 if ve is not None:
                     hd, half = d // cfg.n_head, cfg.n_head // 2
-                    gates = torch.cat([mu[6 + hh // half] for hh in range(cfg.n_head)], -1)  # [B, L, H]
-                    v_add = v_add + (gates[..., None] * ve.view(*ve.shape[:2], cfg.n_head, hd)).flatten(2)
+                    vgate = torch.cat([mu[6 + hh // half] for hh in range(cfg.n_head)], -1)  # [B, L, H]
+                    v_add = v_add + (vgate[..., None] * ve.view(*ve.shape[:2], cfg.n_head, hd)).flatten(2)
                 x = (1 + mu[5]) * x + mu[3] * start + mu[4] * state
                 ra, pa, rm, pm, gx, gb, inject = mu[8], mu[9], mu[12], mu[13], mu[10], mu[11], start
             elif ve is not None:
                 W = P[f"blocks.{i}.ve_gate"]  # [H, 12]
                 g = 2 * torch.sigmoid(torch.cat((h[..., :6], ve[..., :6]), -1) @ W.T)  # [B, L, H]
                 v_add = (g[..., None] * ve.view(*ve.shape[:2], cfg.n_head, -1)).flatten(2)
-            x = ra * x + pa * ref_attention(P, i, cfg, h, v_add)
+            x = ra * x + pa * ref_attention(P, i, cfg, h, v_add, lanes.get("xsa"), lanes.get("attn"))
             if gx is not None:
                 x = x + gx * inject
             if gb is not None and i > 0:
@@ -307,7 +330,8 @@ def extra_matmuls89(cfg):
     mudd = 2 * 64 * cfg.model_dim + (14 + 5) * 64 if cfg.mudd else 0
     no_attn = H.layer_set(cfg.no_attn_layers)
     gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
-    gate_mlps = 2 * 64 * cfg.model_dim + (2 * len(gated) + 1) * 64 if cfg.mudd_gates else 0
+    per_token = cfg.n_head * (len(H.layer_set(cfg.xsa_layers)) + len(H.layer_set(cfg.attn_gate_layers)))
+    gate_mlps = 2 * 64 * cfg.model_dim + (2 * len(gated) + 1 + per_token) * 64 if cfg.mudd_gates else 0
     return 12 * cfg.smear + len(ve) * cfg.n_head * 12 + mudd + gate_mlps
 
 
@@ -318,7 +342,7 @@ def test_flop_profile_counts_the_new_matmuls():
                          (ALL85, 12 + 2 * 2 * 12 + 2 * 64 * d + 19 * 64 + 2 * 64 * d + (2 * 4 + 1) * 64)]:
         cfg = tiny(**flags)
         assert extra_matmuls89(cfg) == extra
-        assert T.FlopProfile(cfg).n_matmul == base + extra
+        assert H.FlopProfile(cfg, T.GPT).n_matmul == base + extra
 
 
 def test_record_shape_parameter_count_on_meta_by_hand():
@@ -336,8 +360,12 @@ def test_record_shape_parameter_count_on_meta_by_hand():
     lambdas = (n - 1) * 4                         # resid + post per block, the MUDD layer's come per token
     gates = 4 * 6 * 12                            # VE gates of layers 1, 2, 8, 9 (x0 and bigram gates come per token)
     other = 1 + 12 + 1 + 2 * 64 * d + 2 * 14 * 64 + 2 * 14  # skip lambda, smear w and lambda, MUDD
-    other += 2 * 64 * d + 2 * 11 * 64 + 2 * 11 + 1  # record #85's gate MLPs: W1, W2 and b of 8 | 11 lanes, the scale
+    # record #85's gate MLPs: W1, W2 and b of 26 | 29 lanes, the scale. First: XSA 1, 3 (6 each), the gate of 3
+    # (6), (x0, bigram) of 0-3; second: XSA 4, 7, the gate of 10, (x0, bigram) of 4, 5, 7, 8, 9, the skip (HEAD's
+    # 26 | 41 less record #85's 12 lanes of the dynamic correction, not ported)
+    assert [sum(w for *_, w in lanes) for lanes in T.gate_lanes(cfg)] == [12 + 6 + 8, 12 + 6 + 10 + 1]
+    other += 2 * 64 * d + 2 * 29 * 64 + 2 * 29 + 1
     total = tables + mlp + attn + lambdas + gates + other
     assert sum(p.numel() for p in model.parameters()) == total
-    if attn == len(attn_layers) * 4 * d * d:  # the attention of this file's time: what --describe printed
-        assert total == 635_783_300 - 2 * 9 + 2 * 64 * d + 2 * 11 * 64 + 2 * 11 + 1
+    assert attn == len(attn_layers) * 4 * d * d  # with --mudd-gates, XSA and output gates own no parameters
+    assert total == 635_783_300 - 2 * 9 + 2 * 64 * d + 2 * 29 * 64 + 2 * 29 + 1  # what --describe prints

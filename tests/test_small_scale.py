@@ -188,7 +188,7 @@ def test_mix_order_permutes_chunks_and_keeps_the_tail_last(ssd, tmp_path):
 
 def test_build_orders_writes_valid_shards_once_and_names_them_by_content(ssd, tmp_path):
     sys.path.insert(0, REPO)
-    import train_gpt
+    import harness
     pattern, stream = corpus(tmp_path, [[1, 2, 3, 4]] * 3 + [list(range(100, 160))] * 4)
     root = tmp_path / "out" / "data"
     named = ssd.build_orders(pattern, str(root), ["mix", "docs"], 2, 8, write=False)
@@ -197,8 +197,8 @@ def test_build_orders_writes_valid_shards_once_and_names_them_by_content(ssd, tm
     assert globs == named and set(globs) == {("mix", 0), ("mix", 1), ("docs", 0), ("docs", 1)}
     assert (root / ".gitignore").read_text().splitlines()[-1] == "*"
     path = globs[("mix", 1)].replace("*_train_*.bin", "mix_o1_train_000001.bin")
-    assert train_gpt.read_shard_header(path) == len(stream)
-    assert np.array_equal(train_gpt.load_shard(path), ssd.ordered_tokens(stream, "mix", 1, 8, EOT))
+    assert harness.read_shard_header(path) == len(stream)
+    assert np.array_equal(harness.load_shard(path), ssd.ordered_tokens(stream, "mix", 1, 8, EOT))
     stamp = os.stat(path).st_mtime_ns
     assert ssd.build_orders(pattern, str(root), ["mix"], 2, 8)[("mix", 1)] == globs[("mix", 1)]
     assert os.stat(path).st_mtime_ns == stamp  # same tokens: not written again

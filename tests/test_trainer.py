@@ -108,8 +108,8 @@ def test_bad_flag_values_raise_config_error_naming_the_flag(flags, needle):
 
 def test_shard_reader_accepts_good_shard(tmp_path):
     path = write_shard(tmp_path / "good.bin", [50256, 1, 2, 3])
-    assert T.read_shard_header(path) == 4
-    assert T.load_shard(path).tolist() == [50256, 1, 2, 3]
+    assert H.read_shard_header(path) == 4
+    assert H.load_shard(path).tolist() == [50256, 1, 2, 3]
 
 
 @pytest.mark.parametrize("kind, kwargs, needle", [
@@ -121,7 +121,7 @@ def test_shard_reader_accepts_good_shard(tmp_path):
 def test_shard_reader_rejects_each_bad_kind_naming_the_file(tmp_path, kind, kwargs, needle):
     path = write_shard(tmp_path / f"{kind}.bin", list(range(20)), **kwargs)
     with pytest.raises(T.DataError, match=needle) as err:
-        T.read_shard_header(path)
+        H.read_shard_header(path)
     assert str(path) in str(err.value)
 
 
@@ -129,7 +129,7 @@ def test_shard_reader_rejects_file_shorter_than_header(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(b"\x00" * 100)
     with pytest.raises(T.DataError, match="shorter than the 1024-byte shard header"):
-        T.read_shard_header(str(path))
+        H.read_shard_header(str(path))
 
 
 def test_empty_glob_names_the_flag(tmp_path):
