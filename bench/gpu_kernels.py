@@ -46,21 +46,22 @@ def random_documents(gen, batch, length, n_docs, device):
 
 
 def attention_cases(gen, length, window, device):
-    """``attention_check``'s cases: name -> (doc_ids int64 [2, length], window, paired).
+    """``attention_check``'s cases, each over ``length`` positions (one compiled shape on CUDA):
+    name -> (doc_ids int64 [2, length or length / 2], window, paired).
 
     ``short``: three random documents a row under ``window`` (partial blocks: the window and the
-    documents bind inside blocks); ``paired``: the same over the doubled sequence of paired-head layers
-    (record #58); ``long``: one document boundary past position 2 x 128 of a 1.5 x longer row under a
-    window of that length, so the second block attends the first as a full block (no mask_mod).
+    documents bind inside blocks); ``paired``: the doubled sequence of paired-head layers (record #58)
+    of half as many tokens; ``long``: a first document longer than a window of ``length - 64``, so
+    the second block attends the first as a full block (no mask_mod) and the window binds further on.
     """
-    ids = random_documents(gen, 2, length, 3, device)
-    n = length * 3 // 2
-    cut = torch.randint(256, n, (2, 1), generator=gen)
-    long_ids = (torch.arange(n)[None, :] >= cut).long().to(device)
-    return {"short": (ids, window, False), "paired": (ids, window, True), "long": (long_ids, n - 64, False)}
+    cut = torch.randint(length - 32, length, (2, 1), generator=gen)
+    long_ids = (torch.arange(length)[None, :] >= cut).long().to(device)
+    return {"short": (random_documents(gen, 2, length, 3, device), window, False),
+            "paired": (random_documents(gen, 2, length // 2, 3, device), window, True),
+            "long": (long_ids, length - 64, False)}
 
 
-def attention_check(T, device, length=256, window=48, tol=1e-4, seed=0):
+def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
     """FlexAttention (block mask from bounds) vs masked SDPA on the same float32 q, k, v, in each of
     ``attention_cases``: windows in partial blocks, the doubled sequence of paired-head layers, full blocks.
 
@@ -68,8 +69,8 @@ def attention_check(T, device, length=256, window=48, tol=1e-4, seed=0):
         T: the trainer module (``train_gpt``); its ``block_mask_from_bounds``, ``attention_mask``.
         device: torch.device; on CUDA FlexAttention is compiled and gradients are compared too,
             on CPU the forward only (FlexAttention has no CPU backward).
-        length: sequence length T of the short and paired cases (2 blocks of 128; 4 when doubled).
-        window: their window in positions, not a multiple of the block so partial blocks bind.
+        length: positions T of every case (3 blocks of 128 by default; >= 256 for a full block).
+        window: the short and paired cases' window, not a multiple of the block so partial blocks bind.
         tol: largest relative difference allowed (float32 kernels agree to ~1e-6; a window
             off by one moves outputs by ~1e-1).
         seed: random inputs' seed.
@@ -84,8 +85,7 @@ def attention_check(T, device, length=256, window=48, tol=1e-4, seed=0):
     flex = torch.compile(_flex(), dynamic=False) if cuda else _flex()
     diffs = {}
     for case, (ids, w, paired) in attention_cases(gen, length, window, device).items():
-        n = ids.size(1) * (2 if paired else 1)  # the doubled sequence: token t at positions 2t, 2t + 1
-        q, k, v = (torch.randn(2, H, n, D, generator=gen).to(device).requires_grad_(cuda) for _ in range(3))
+        q, k, v = (torch.randn(2, H, length, D, generator=gen).to(device).requires_grad_(cuda) for _ in range(3))
         with (contextlib.nullcontext() if cuda else torch.no_grad()):
             out = flex(q, k, v, block_mask=T.block_mask_from_bounds(ids, torch.tensor(w, device=device), paired=paired))
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=T.attention_mask(ids, w, paired)[:, None])
