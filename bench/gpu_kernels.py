@@ -18,6 +18,7 @@ injects one):
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -329,7 +330,7 @@ def _event_ms(prof, label, cuda):
 
 
 def profile_step(T, cfg, device):
-    """One training step of ``cfg`` (eager, one micro-batch, the autocast of the run) under torch.profiler.
+    """One training step of ``cfg`` (eager, one micro-batch, the autocast and FP8 of the run) under torch.profiler.
 
     Args:
         T: the trainer module. cfg: the Config to profile (a shape eager attention fits).
@@ -340,6 +341,8 @@ def profile_step(T, cfg, device):
         shares of the step, and the profiled shape.
     """
     cuda = device.type == "cuda"
+    if cfg.fp8 and T.fp8_unavailable_reason(device):  # as the trainer: no FP8 where the GPU has none
+        cfg = dataclasses.replace(cfg, fp8=False)
     model = T.GPT(cfg).to(device)
     opts = T.build_optimizers(model, cfg)
     inputs, targets = _tiny_batch(T, cfg, device)
@@ -359,7 +362,8 @@ def profile_step(T, cfg, device):
         with torch.profiler.record_function("head + loss"):
             return loss_sum(*a, **kw)
     model.masks_for, T.loss_sum = timed_masks, timed_loss
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and cfg.bf16 else contextlib.nullcontext()
+    bf16 = cuda and cfg.bf16 is not False  # the trainer's default: bf16 on CUDA unless --no-bf16
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
