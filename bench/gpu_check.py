@@ -967,7 +967,7 @@ def report(res, out_dir):
 # Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
 # skipped and named in the report. The kernel checks and the profile run as one subprocess stopped
 # at the deadline, so no section outlives the budget. On CUDA they compile FlexAttention and the
-# tiny model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
+# check model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
 MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
 TIMING_RESERVE_S = (45.0, 150.0)
 KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
@@ -1059,7 +1059,7 @@ def parse_args(argv):
     parser = H._Parser if H else argparse.ArgumentParser  # the trainer's: a bad flag gets one line, not the usage
     p = parser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
+    p.add_argument("--dry-run", action="store_true", help="CPU, the check model's shape, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
     p.add_argument("--preset", default="record_h200,baseline_h200",
                    help="trainer presets timed, comma-separated, in this order (--dry-run: at a small shape); the "

@@ -148,7 +148,7 @@ def loss_check(T, device, n=300, vocab=1000, tol=1e-5, seed=0):
 
 
 def _tiny_batch(T, cfg, device, seed=0):
-    """One micro-batch of the tiny model's next-token objective on random documents."""
+    """One micro-batch of ``cfg``'s next-token objective on random documents (the profiled step's)."""
     gen = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, 50256, (cfg.micro_batch_seqs, cfg.seq_len + 1), generator=gen)
     toks[torch.rand(toks.shape, generator=gen) < 1 / 40] = T.EOT_TOKEN

@@ -1,5 +1,4 @@
 """bench/gpu_check.py --dry-run: the one-shot GPU check runs end to end on CPU and reports sane numbers."""
-import dataclasses
 import json
 import os
 import subprocess
