@@ -16,6 +16,8 @@ import gpu_kernels  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
 
+EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU reference
+
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
@@ -291,6 +293,7 @@ def test_attention_cases_cover_partial_and_full_blocks():
     assert cases["paired"][2] and not cases["short"][2] and (cases["short"][0][:, 1:] > cases["short"][0][:, :-1]).any()
 
 
+@EAGER_FLEX
 def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
     cpu = torch.device("cpu")
     monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds))
@@ -301,6 +304,7 @@ def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
     assert gpu_kernels.loss_check(T, cpu)["passed"]  # only the broken kernel's checks fail
 
 
+@EAGER_FLEX
 def test_checks_fail_on_a_paired_head_mask_off_by_one(monkeypatch, model_check_config):
     cpu = torch.device("cpu")
     monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds, paired_only=True))
