@@ -270,7 +270,7 @@ def _model_check(name, got, want, tol, grad_tol, **info):
                 diffs=diffs, worst_grad_param=worst_param, **info)
 
 
-def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None):
+def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backward=None):
     """FlexAttention vs masked SDPA and compiled vs eager on the check model ``cfg``, float32.
 
     Args:
@@ -281,12 +281,14 @@ def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None):
             backward and compiling takes minutes, eager FlexAttention vs SDPA, the logits.
         tol: largest relative difference of losses and logits. grad_tol: of a gradient (norm-wise).
         compile_fn: what compiles the model (default ``torch.compile(m, dynamic=False)``, as the trainer).
+        backward: run CUDA's comparisons (losses, gradients, the compiled model); default: on CUDA.
+            The tests set it on CPU, with the masks and ``compile_fn`` swapped for what a CPU runs.
 
     Returns:
         dict name -> check (passed, tol, grad_tol, max_rel_diff, diffs, worst_grad_param); a check
         that cannot run here has ``passed`` None and ``skipped`` saying why.
     """
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" if backward is None else backward
     model, batches = check_model(T, cfg, device), check_batches(T, cfg, device)
     info = dict(shape=[len(batches[0][1]), cfg.seq_len], windows=[list(b[0].window) for b in batches])
     with masks_of_kind(T, use_flex=False):
