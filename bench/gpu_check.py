@@ -8,10 +8,12 @@ Sections, in this order (each starts only while the budget leaves it room):
 2. the timing runs: each preset (--preset; record_h200, then baseline_h200) compiled, N = --steps
    steps covering every stage of its stage table and both TST phases; ms/step, tokens/s and MFU
    per phase and per stage, peak memory, the full run's time projected stage by stage;
-3. kernel agreement (in-process, float32, random inputs): FlexAttention vs masked SDPA
-   (forward, and gradients on CUDA), compiled vs eager model (CUDA), fused loss vs float64;
+3. kernel agreement (in-process, float32, random inputs): FlexAttention vs masked SDPA (forward,
+   and gradients on CUDA), fused loss vs float64, and on the check model (record #89's model at a
+   tiny shape, every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
 4. a one-step torch.profiler breakdown and max_memory_reserved;
-5. trainer agreement: CPU fp32 vs device fp32 and bf16 vs fp32 runs of a tiny model;
+5. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
+   vs bf16 where the GPU has FP8 (compute capability 8.9+; else said skipped);
 6. summary: a table, <out>/gpu_check.json and gpu_check_summary.txt, written even when cut short.
 Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
 Details (tolerances and why, the projection, the time each section takes): docs/GPU_CHECK.md.
@@ -52,23 +54,28 @@ except Exception as _e:  # noqa: BLE001
 SEPARATOR = H.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
 SCHEMA = "gpu_check-1"
 
-# The tiny model of the agreement checks (and of --dry-run's timing run): every architecture flag
-# of the record on. 4 sequences of 64 positions a step, 2 micro-batches of 2 (grad accumulation);
-# value embeddings feed layers 0 and 3, layer 2 has no attention, layer 1 a half window; the
-# window grows 16 -> 48 in steps of 16 over 5 steps (16, 32, 32, 48, 48), so it changes mid-run.
-TINY_MODEL = ["--preset", "cpu_smoke_r21", "--n-layer", "4", "--model-dim", "64", "--n-head", "2",
-              "--seq-len", "64", "--batch-tokens", "256", "--micro-batch-seqs", "2",
-              "--doc-mask", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
-              "--no-attn-layers", "2", "--value-embeds", "1", "--unet", "--x0-mix", "--merged-qkv",
-              "--attn-scale", "0.12", "--logit-softcap", "15"]
-# The checks' run: 2 steps of TST phase 1, then phase 2; lrs high enough that the loss drops by
-# ~2.5 nats in 5 steps on the Zipf-distributed check data (a run that learns shows differences).
-CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "1024", "--val-every", "0", "--log-every", "1",
-               "--seed", "0", "--head-lr", "0.05", "--embed-lr", "0.6"]
-# --dry-run's timing runs of the record presets (stage tables): the recipe and cpu_smoke's 4-layer model at a
-# small shape, 1 -> 2 -> 3 sequences of 128 positions a step (one per micro-batch), windows in blocks of 16.
-DRY_RECIPE = T.config_to_argv(dict(T.SMOKE_MODEL89, model_dim=64, bigram_vocab=4096)) + [
-    "--seq-len", "128", "--batch-tokens", "384", "--micro-batch-seqs", "1", "--window-block", "16"]
+# The check model: record #89's recipe and model (record_h200: TST, the stage table, Aurora + NorMuon,
+# the tied head, the sigmoid cap, multi-token objectives) at a tiny shape with every element of the
+# model on, SMOKE_MODEL89's layer roles: paired heads (layers 0, 2), the key offset (long-window layer
+# 3), XSA (1), the output gate (3), bigram hash embedding, smear, gated value embeddings (1, 3), the
+# gated skip 1 -> 2, attention from layer 2's state, MUDD (layer 3) and its gate MLPs, half RoPE + YaRN.
+# 64 wide, 4 heads of 16 (FlexAttention's smallest head); 1 -> 2 -> 3 sequences of 64 positions a
+# step, one per micro-batch (grad accumulation from stage 2); windows in blocks of 8 positions (short,
+# long): (8, 24), (24, 56), (40, 88), then (48, 104): each binds. --dry-run's timing runs use the shape.
+CHECK_SHAPE = (T.config_to_argv(dict(T.SMOKE_MODEL89, model_dim=64, bigram_vocab=4096)) if T else []) + [
+    "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1", "--window-block", "8"]
+CHECK_MODEL = ["--preset", "record_h200", *CHECK_SHAPE, "--extension-steps", "1"]
+# The in-process model checks (bench/gpu_kernels.py) at 128 positions: a 128-block (two in paired layers).
+MODEL_CHECK_SHAPE = ["--seq-len", "128", "--batch-tokens", "384"]
+# The checks' runs (--correct-steps, CHECK_STEPS): steps 1-2 in TST phase 1, 3-5 in phase 2 (the switch inside
+# stage 2), the extension at step 5; the val loss drops by ~0.8 nats on the Zipf-distributed check data.
+CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "512", "--val-every", "0", "--log-every", "1", "--seed", "0"]
+CHECK_STEPS = 5
+# --dry-run's timing shape for a preset with a one-stage table (--stages flags: record21_h200): record
+# #21's elements at 4 x 64, the window growing 16 -> 48.
+FLAGS_DRY_SHAPE = ["--n-layer", "4", "--model-dim", "64", "--n-head", "2", "--seq-len", "64", "--batch-tokens", "256",
+                   "--micro-batch-seqs", "2", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
+                   "--no-attn-layers", "2", "--value-embeds", "1"]
 CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
 TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
@@ -81,11 +88,14 @@ def banner(title):
     print(f"\n{'=' * 20} {title} {'=' * max(0, 70 - len(title))}", flush=True)
 
 
+CHILD_THREADS = {}  # --dry-run: {"OMP_NUM_THREADS": "1"} unless set (main): runs side by side, not oversubscribed
+
+
 def child_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return {**CHILD_THREADS, **env}
 
 
 STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, no new section starts
@@ -490,15 +500,61 @@ def data_args(args, out_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Agreement: the tiny model on CPU fp32, on the device fp32, on the device bf16 (+ compile)
+# 3. Agreement: the check model on CPU fp32, on the device fp32, bf16 (+ compile) and bf16 + FP8
 
-def check_argv(args, data, device_kind, out_dir, run_id, bf16=False, compile_=False, max_steps=0):
+def check_argv(args, data, device_kind, out_dir, run_id, bf16=False, compile_=False, max_steps=0, fp8=False):
+    """Trainer words of one check run: ``CHECK_MODEL`` + ``CHECK_TRAIN`` + data, N = --correct-steps."""
     # float32 runs: Newton-Schulz in float32 on both devices (its default dtype follows the device)
-    return [*TINY_MODEL, *CHECK_TRAIN, *data, "--num-iterations", str(args.correct_steps),
-            "--max-steps", str(max_steps), "--bf16" if bf16 else "--no-bf16",
+    return [*CHECK_MODEL, *CHECK_TRAIN, *data, "--num-iterations", str(args.correct_steps),
+            "--max-steps", str(max_steps), "--bf16" if bf16 else "--no-bf16", "--fp8" if fp8 else "--no-fp8",
             "--ns-dtype", "auto" if bf16 else "float32",
             "--compile" if compile_ else "--no-compile", "--device", device_kind,
             "--log-dir", os.path.join(out_dir, "logs"), "--run-id", run_id]
+
+
+def check_config(device_kind, *extra):
+    """The check model's float32 Config on ``device_kind`` (``extra`` words last), as the checks' runs train it."""
+    argv = [*CHECK_MODEL, *CHECK_TRAIN, "--num-iterations", str(CHECK_STEPS), "--no-bf16", "--no-fp8",
+            "--device", device_kind]
+    return T.parse_config(argv + list(extra))[0]
+
+
+def agreement_plan(kind, steps, compile_, fp8_reason):
+    """Section 5's trainer runs and comparisons on device ``kind`` (pure: the tests check both devices).
+
+    Args:
+        kind: "cuda" or "cpu" (--dry-run). steps: --correct-steps. compile_: compile the bf16 runs.
+        fp8_reason: why FP8 cannot run on the device (``fp8_unavailable_reason``), or None.
+
+    Returns:
+        ``(runs, comparisons, skipped)``: runs ``{name: (device kind, check_argv keywords)}``;
+        comparisons ``[(check, reference run, candidate run, tolerance key, labels, steps)]``;
+        skipped ``{check: reason}``. On CPU the device is the CPU: no second fp32 run, and both runs
+        stop after 2 steps (TST phase 1, stages 1 and 2; bf16 matmuls there are ~5x slower than float32).
+    """
+    cuda = kind == "cuda"
+    n = steps if cuda else min(2, steps)
+    stop = 0 if n == steps else n
+    fp32 = "check_cuda" if cuda else "check_ref_cpu"
+    mixed = "bf16 " + ("compiled" if compile_ else "eager")
+    runs = {"check_ref_cpu": ("cpu", dict(max_steps=stop))}
+    if cuda:
+        runs["check_cuda"] = ("cuda", {})
+    runs[f"check_{kind}_bf16"] = (kind, dict(bf16=True, compile_=compile_, max_steps=stop))
+    comparisons = [("bf16_vs_fp32", fp32, f"check_{kind}_bf16", "bf16_tol", (f"{kind} fp32 eager", f"{kind} {mixed}"), n)]
+    skipped = {}
+    if cuda:
+        comparisons.insert(0, ("fp32_cpu_vs_device", "check_ref_cpu", "check_cuda", "tol",
+                               ("cpu fp32 eager", "cuda fp32 eager"), n))
+    else:
+        skipped["fp32_cpu_vs_device"] = "the device is the CPU: the reference run is the device run"
+    if fp8_reason:
+        skipped["fp8_vs_bf16"] = fp8_reason
+    else:
+        runs[f"check_{kind}_fp8"] = (kind, dict(bf16=True, compile_=compile_, max_steps=stop, fp8=True))
+        comparisons.append(("fp8_vs_bf16", f"check_{kind}_bf16", f"check_{kind}_fp8", "fp8_tol",
+                            (f"{kind} {mixed}", f"{kind} {mixed} + fp8"), n))
+    return runs, comparisons, skipped
 
 
 def compare_losses(ref, dev, tol, n_train=1):
@@ -552,33 +608,36 @@ def failure_reason(check):
 
 
 def correctness(device, data, args, out_dir, deadline):
-    """The tiny model's runs of section 3 and the two comparisons: dict with ``passed`` and ``checks``."""
+    """The check model's runs of section 5 (``agreement_plan``) and their comparisons.
+
+    Args:
+        device: the device checked. data: the check data's trainer words. args: this script's arguments.
+        out_dir: the output folder. deadline: ``time.monotonic()`` seconds by which every run is stopped.
+
+    Returns:
+        dict: passed, cut_short, checks (name -> ``agreement``'s dict, or {name, passed None, skipped}),
+        failures (one line each), the model's words.
+    """
     kind = device.type
     compile_ = args.compile if args.compile is not None else kind == "cuda"
-    # bf16 matmuls on a CPU without bf16 units are ~5x slower than fp32: 3 steps (both phases) there
-    bf16_steps = args.correct_steps if kind == "cuda" else min(3, args.correct_steps)
-    mixed = f"{kind} bf16 " + ("compiled" if compile_ else "eager")
-    runs = [TrainerRun(n, check_argv(args, data, k, out_dir, n, **kw), out_dir) for n, k, kw in (
-        ("check_ref_cpu", "cpu", {}), (f"check_{kind}", kind, {}),
-        (f"check_{kind}_bf16", kind, dict(bf16=True, compile_=compile_,
-                                          max_steps=0 if bf16_steps == args.correct_steps else bf16_steps)))]
+    plan, comparisons, skipped = agreement_plan(kind, args.correct_steps, compile_, T.fp8_unavailable_reason(device))
+    runs = {name: TrainerRun(name, check_argv(args, data, k, out_dir, name, **kw), out_dir)
+            for name, (k, kw) in plan.items()}
     limit = min(deadline, time.monotonic() + args.correct_timeout_s)
-    if kind == "cuda":  # CPU, device and compile work overlap (the box has cores to spare)
-        for r in runs:
-            r.start()
-        done = [r.wait(limit) for r in runs]
-    else:  # --dry-run on a 2-core box: one after the other
-        done = [r.start().wait(limit) for r in runs]
-    checks = {"fp32_cpu_vs_device": agreement("fp32_cpu_vs_device", done[0], done[1], args.tol,
-                                              ("cpu fp32 eager", f"{kind} fp32 eager"), args.correct_steps),
-              "bf16_vs_fp32": agreement("bf16_vs_fp32", done[1], done[2], args.bf16_tol,
-                                        (f"{kind} fp32 eager", mixed), bf16_steps)}
-    passed = all(c["passed"] for c in checks.values())
+    for r in runs.values():  # side by side: CPU, device and compile work overlap
+        r.start()
+    done = {name: r.wait(limit) for name, r in runs.items()}
+    checks = {name: agreement(name, done[ref], done[cand], getattr(args, tol), labels, n)
+              for name, ref, cand, tol, labels, n in comparisons}
+    for name, why in skipped.items():
+        checks[name] = dict(name=name, passed=None, skipped=why)
+        print(f"\n{name}: skipped ({why})")
+    passed = all(c["passed"] for c in checks.values() if not c.get("skipped"))
     print(f"\nagreement: {'PASS' if passed else 'FAIL'}")
-    failures = [failure_reason(c) for c in checks.values() if not c["passed"]]
-    return dict(passed=passed, cut_short=any(r["timed_out"] for r in done), device=kind,
-                steps=args.correct_steps, bf16_steps=bf16_steps,
-                bf16_compiled=compile_, model=TINY_MODEL + CHECK_TRAIN, checks=checks, failures=failures)
+    failures = [failure_reason(c) for c in checks.values() if c["passed"] is False]
+    return dict(passed=passed, cut_short=any(r["timed_out"] for r in done.values()), device=kind,
+                steps=args.correct_steps, bf16_compiled=compile_, model=CHECK_MODEL + CHECK_TRAIN,
+                checks=checks, failures=failures)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,7 +715,7 @@ def timing_argv(args, preset, data, device_kind, out_dir):
     when it has some): the same stage table, TST phases and window blocks, compressed.
     """
     full, _ = T.parse_config(["--preset", preset])
-    shape = (DRY_RECIPE if full.stages != "flags" else TINY_MODEL[2:]) if args.dry_run else []
+    shape = (CHECK_SHAPE if full.stages != "flags" else FLAGS_DRY_SHAPE) if args.dry_run else []
     base = ["--preset", preset] + shape + data + shlex.split(args.trainer_args)
     cfg, _ = T.parse_config(base)
     window = ["--num-iterations", str(args.steps), "--max-steps", "0",
@@ -792,7 +851,11 @@ def check_rows(res):
     """Summary rows of the kernel checks, the profile and the trainer agreement runs, in the order they run."""
     rows, cc = [], res.get("correctness") or {}
     for c in (res.get("kernels") or {}).values():
-        rows.append(("kernel", f"{c['name']} (max rel diff; tolerance {c['tol']})",
+        if c.get("skipped"):
+            rows.append(("kernel", c["name"], f"skipped: {c['skipped']}", ""))
+            continue
+        grad = f", gradients {c['grad_tol']}" if c.get("grad_tol") else ""
+        rows.append(("kernel", f"{c['name']} (max rel diff; tolerance {c['tol']}{grad})",
                      f"{'PASS' if c['passed'] else 'FAIL'} {fmt(c['max_rel_diff'])}", ""))
     if not res.get("kernels"):
         rows.append(("kernel", "kernel agreement checks", "did not run", ""))
@@ -801,7 +864,10 @@ def check_rows(res):
         rows.append(("profile", f"one step: {part} ({pf['timer']} time)", f"{fmt(ms)} ({pct(pf['share'][part])}%)", "ms"))
     rows.append(("profile", "max_memory_reserved", pf.get("max_memory_reserved_mib"), "MiB"))
     for c in (cc.get("checks") or {}).values():
-        rows += [("correct", f"{c['reference']} vs {c['candidate']}, {c['steps_compared']} steps",
+        if c.get("skipped"):
+            rows.append(("correct", c["name"], f"skipped: {c['skipped']}", ""))
+            continue
+        rows += [("correct", f"{c['name']}: {c['reference']} vs {c['candidate']}, {c['steps_compared']} steps",
                   "PASS" if c["passed"] else "FAIL", ""),
                  ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
     if not cc.get("checks"):
@@ -901,7 +967,7 @@ def report(res, out_dir):
 # Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
 # skipped and named in the report. The kernel checks and the profile run as one subprocess stopped
 # at the deadline, so no section outlives the budget. On CUDA they compile FlexAttention and the
-# tiny model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
+# check model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
 MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
 TIMING_RESERVE_S = (45.0, 150.0)
 KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
@@ -977,11 +1043,12 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
         end = deadline - MIN_SECTION_S["agreement"][cuda] if deadline - time.monotonic() >= need else deadline
-        both = section("kernel agreement (flex vs sdpa, compiled vs eager, loss vs float64), one-step profile",
+        both = section("kernel agreement (flex vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs "
+                       "eager), one-step profile",
                        kernels_and_profile, device, args, out_dir, end)
         res["kernels"], res["profile"] = both or (None, None)
     if room("agreement"):
-        res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32)",
+        res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32; bf16 + fp8 vs bf16)",
                                      correctness, device, check_data, args, out_dir, deadline - 25)
 
 
@@ -992,29 +1059,30 @@ def parse_args(argv):
     parser = H._Parser if H else argparse.ArgumentParser  # the trainer's: a bad flag gets one line, not the usage
     p = parser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: checks this script")
+    p.add_argument("--dry-run", action="store_true", help="CPU, the check model's shape, few steps: checks this script")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
     p.add_argument("--preset", default="record_h200,baseline_h200",
                    help="trainer presets timed, comma-separated, in this order (--dry-run: at a small shape); the "
                         "first is profiled")
     p.add_argument("--steps", type=int, default=None,
                    help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
-                        "schedule (default 40; 9 with --dry-run)")
+                        "schedule (default 40; 6 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="hard wall-clock limit of the whole check, s (default 510: a 10-minute slot less start-up "
                         "and margin; 240 with --dry-run)")
     p.add_argument("--train-files", default=None, help="real train shards (glob); default: synthetic")
     p.add_argument("--val-files", default=None, help="real val shards (glob); default: synthetic")
-    p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 1024 dry)")
+    p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 256 dry)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile in the timing run (default: the trainer's, on with CUDA; off with --dry-run)")
     p.add_argument("--trainer-args", default="", help="extra train_gpt.py words for the timing run and projection")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size n of the n^3 benchmark")
-    p.add_argument("--correct-steps", type=int, default=5, help="steps of the agreement checks' runs")
+    p.add_argument("--correct-steps", type=int, default=CHECK_STEPS, help="steps of the agreement checks' runs")
     p.add_argument("--correct-timeout-s", type=float, default=180.0,
                    help="limit of the agreement checks' runs (the compiled one included), s")
     p.add_argument("--tol", type=float, default=1e-3, help="absolute loss tolerance, fp32 cpu vs device")
     p.add_argument("--bf16-tol", type=float, default=2e-2, help="absolute loss tolerance, bf16 vs fp32")
+    p.add_argument("--fp8-tol", type=float, default=5e-2, help="absolute loss tolerance, bf16 + FP8 vs bf16")
     p.add_argument("--keep-data", action="store_true", help="keep the synthetic shards under --out")
     args = p.parse_args(argv)
     d = args.dry_run
@@ -1022,13 +1090,13 @@ def parse_args(argv):
     unknown = [p for p in args.presets if T is not None and p not in T.PRESETS]
     if unknown or not args.presets:
         p.error(f"--preset {args.preset!r}: give trainer presets, comma-separated, from {sorted(T.PRESETS) if T else []}")
-    args.steps = args.steps or (9 if d else 40)
+    args.steps = args.steps or (6 if d else 40)
     args.budget_s = args.budget_s or (240.0 if d else 510.0)
-    args.val_tokens = args.val_tokens or (1024 if d else 65536)
+    args.val_tokens = args.val_tokens or (256 if d else 65536)
     if d and args.compile is None:
         args.compile = False
-    if args.steps < 4 or args.correct_steps < 2:
-        p.error("--steps must be >= 4 and --correct-steps >= 2")
+    if args.steps < 4 or args.correct_steps < 4:
+        p.error("--steps and --correct-steps must be >= 4 (the stage table's three stages and its extension step)")
     return args
 
 
@@ -1042,6 +1110,8 @@ def main(argv=None):
     # their own sessions, are stopped and the report is still written.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    if args.dry_run and "OMP_NUM_THREADS" not in os.environ:  # small CPU processes, some side by side
+        CHILD_THREADS["OMP_NUM_THREADS"] = "1"
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
     out_dir = os.path.abspath(args.out)
@@ -1098,7 +1168,7 @@ def main(argv=None):
 
     if STOP["reason"]:
         res["errors"].append(STOP["reason"])
-    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if not c["passed"]]
+    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if c["passed"] is False]
     res["errors"] += [f"kernel agreement: {n} failed" for n in kernels_failed]
     if not (res["correctness"] and res["correctness"]["passed"]):
         res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]

@@ -5,18 +5,25 @@ obviously-right reference, at tolerances that a window off by one fails (tests/t
 injects one):
 
 * ``attention_check``: FlexAttention under ``block_mask_from_bounds`` (compiled on CUDA) vs SDPA
-  under the materialized ``attention_mask``, forward and (CUDA) gradients, float32.
-* ``loss_check``: ``multi_target_loss`` vs a float64 log-softmax reference, value and gradient.
-* ``compiled_vs_eager_check`` (CUDA): the tiny model's loss and gradients, compiled vs eager, float32.
+  under the materialized ``attention_mask``, of the sequence and of the doubled sequence of
+  paired-head layers, forward and (CUDA) gradients, float32.
+* ``loss_check``: ``multi_target_loss`` under the tanh and the sigmoid cap vs a float64
+  log-softmax reference, value and gradient.
+* ``model_checks``: the check model (record #89's model at a tiny shape, every element on) on a
+  TST phase-1 and a phase-2 batch at their stage-table windows and YaRN tables, float32:
+  FlexAttention vs masked SDPA (compiled on CUDA: loss and every gradient; eager forward on
+  CPU: the logits) and, on CUDA, compiled vs eager (loss and every gradient).
 * ``profile_step``: one training step under ``torch.profiler`` split into attention, mask build,
   MLP, head + loss (forward), backward, optimizer, communication; ``max_memory_reserved``.
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -40,47 +47,70 @@ def random_documents(gen, batch, length, n_docs, device):
     return (pos[None, None, :] >= cuts[:, :, None]).sum(1).to(device)
 
 
+def attention_cases(gen, length, window, device):
+    """``attention_check``'s cases, each over ``length`` positions (one compiled shape on CUDA):
+    name -> (doc_ids int64 [2, length or length / 2], window, paired).
+
+    ``short``: three random documents a row under ``window`` (partial blocks: the window and the
+    documents bind inside blocks); ``paired``: the doubled sequence of paired-head layers (record #58)
+    of half as many tokens; ``long``: a first document longer than a window of ``length - 64``, so
+    the second block attends the first as a full block (no mask_mod) and the window binds further on.
+    """
+    cut = torch.randint(length - 32, length, (2, 1), generator=gen)
+    long_ids = (torch.arange(length)[None, :] >= cut).long().to(device)
+    return {"short": (random_documents(gen, 2, length, 3, device), window, False),
+            "paired": (random_documents(gen, 2, length // 2, 3, device), window, True),
+            "long": (long_ids, length - 64, False)}
+
+
 def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
-    """FlexAttention (block mask from bounds) vs masked SDPA on the same float32 q, k, v.
+    """FlexAttention (block mask from bounds) vs masked SDPA on the same float32 q, k, v, in each of
+    ``attention_cases``: windows in partial blocks, the doubled sequence of paired-head layers, full blocks.
 
     Args:
         T: the trainer module (``train_gpt``); its ``block_mask_from_bounds``, ``attention_mask``.
         device: torch.device; on CUDA FlexAttention is compiled and gradients are compared too,
             on CPU the forward only (FlexAttention has no CPU backward).
-        length: sequence length T (3 blocks of 128 by default: partial and full blocks both occur).
-        window: the window in positions, not a multiple of the block so partial blocks bind.
+        length: positions T of every case (3 blocks of 128 by default; >= 256 for a full block).
+        window: the short and paired cases' window, not a multiple of the block so partial blocks bind.
         tol: largest relative difference allowed (float32 kernels agree to ~1e-6; a window
             off by one moves outputs by ~1e-1).
         seed: random inputs' seed.
 
     Returns:
-        dict: passed, tol, max_rel_diff of the output (and of dq, dk, dv on CUDA).
+        dict: passed, tol, max_rel_diff, diffs: per case its output's (``short_out``, ...) and on
+        CUDA its gradients' (``short_dq``, ...) max relative differences.
     """
     gen = torch.Generator().manual_seed(seed)
-    B, H, D = 2, 2, 32
-    ids = random_documents(gen, B, length, 3, device)
-    q, k, v = (torch.randn(B, H, length, D, generator=gen).to(device).requires_grad_(device.type == "cuda")
-               for _ in range(3))
-    w = torch.tensor(window, device=device)
-    flex = torch.compile(_flex(), dynamic=False) if device.type == "cuda" else _flex()
-    with (contextlib.nullcontext() if device.type == "cuda" else torch.no_grad()):
-        out = flex(q, k, v, block_mask=T.block_mask_from_bounds(ids, w))
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=T.attention_mask(ids, window)[:, None])
-    diffs = dict(out=_max_rel(out.detach(), ref.detach()))
-    if device.type == "cuda":
-        g = torch.randn_like(ref)
-        got = torch.autograd.grad(out, (q, k, v), g)
-        want = torch.autograd.grad(ref, (q, k, v), g)
-        diffs.update({f"d{n}": _max_rel(a, b) for n, a, b in zip("qkv", got, want)})
+    H, D = 2, 32
+    cuda = device.type == "cuda"
+    flex = torch.compile(_flex(), dynamic=False) if cuda else _flex()
+    diffs = {}
+    for case, (ids, w, paired) in attention_cases(gen, length, window, device).items():
+        q, k, v = (torch.randn(2, H, length, D, generator=gen).to(device).requires_grad_(cuda) for _ in range(3))
+        with (contextlib.nullcontext() if cuda else torch.no_grad()):
+            out = flex(q, k, v, block_mask=T.block_mask_from_bounds(ids, torch.tensor(w, device=device), paired=paired))
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=T.attention_mask(ids, w, paired)[:, None])
+        diffs[f"{case}_out"] = _max_rel(out.detach(), ref.detach())
+        if cuda:
+            g = torch.randn_like(ref)
+            got = torch.autograd.grad(out, (q, k, v), g)
+            want = torch.autograd.grad(ref, (q, k, v), g)
+            diffs.update({f"{case}_d{x}": _max_rel(a, b) for x, a, b in zip("qkv", got, want)})
     worst = max(diffs.values())
     return dict(name="flex_vs_sdpa", passed=worst <= tol, tol=tol, max_rel_diff=worst, diffs=diffs,
-                shape=[B, H, length, D], window=window, grad=device.type == "cuda")
+                heads=H, head_dim=D, length=length, window=window, grad=cuda)
 
 
-def reference_loss(logits, targets, weights, softcap):
-    """float64 ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``, ``z = softcap tanh(x / softcap)``."""
+def reference_loss(logits, targets, weights, softcap, sigmoid=None):
+    """float64 ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``: ``z = softcap tanh(x / softcap)``
+    (softcap 0: z = x) or, given ``sigmoid`` = (A, B, C) (record #54's cap), ``z = A sigmoid((x + B) / C)``."""
     z = logits.double()
-    z = softcap * torch.tanh(z / softcap) if softcap > 0 else z
+    if sigmoid:
+        A, B, C = sigmoid
+        z = A * torch.sigmoid((z + B) / C)
+    elif softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
     logp = torch.log_softmax(z, dim=-1)
     valid = targets != -100
     picked = logp.gather(-1, targets.clamp_min(0))
@@ -88,7 +118,8 @@ def reference_loss(logits, targets, weights, softcap):
 
 
 def loss_check(T, device, n=300, vocab=1000, tol=1e-5, seed=0):
-    """``T.multi_target_loss`` (float32, tanh cap, chunked) vs ``reference_loss`` in float64.
+    """``T.multi_target_loss`` (float32, chunked; the tanh cap and record #89's sigmoid cap) vs
+    ``reference_loss`` in float64.
 
     Args:
         T: the trainer module. device: where the fused loss runs.
@@ -97,7 +128,7 @@ def loss_check(T, device, n=300, vocab=1000, tol=1e-5, seed=0):
         seed: random inputs' seed.
 
     Returns:
-        dict: passed, tol, max_rel_diff, diffs (value, grad).
+        dict: passed, tol, max_rel_diff, diffs (value and grad under each cap).
     """
     gen = torch.Generator().manual_seed(seed)
     logits = (4 * torch.randn(n, vocab, generator=gen)).to(device).requires_grad_(True)
@@ -105,52 +136,173 @@ def loss_check(T, device, n=300, vocab=1000, tol=1e-5, seed=0):
     targets[torch.rand(n, 3, generator=gen) < 0.2] = -100
     targets = targets.to(device)
     weights = torch.tensor([1.0, 0.5, 0.25], device=device)
-    got = T.multi_target_loss(logits, targets, weights, cap="tanh", softcap=15.0, chunk=128)
-    (g_got,) = torch.autograd.grad(got, logits)
-    leaf = logits.detach().double().requires_grad_(True)
-    want = reference_loss(leaf, targets, weights, 15.0)
-    (g_want,) = torch.autograd.grad(want, leaf)
-    diffs = dict(value=_max_rel(got.detach(), want.detach()), grad=_max_rel(g_got, g_want))
+    diffs = {}
+    for cap in ("tanh", "sigmoid"):
+        got = T.multi_target_loss(logits, targets, weights, cap=cap, softcap=15.0, chunk=128)
+        (g_got,) = torch.autograd.grad(got, logits)
+        leaf = logits.detach().double().requires_grad_(True)
+        want = reference_loss(leaf, targets, weights, 15.0, T.SIGMOID_CAP if cap == "sigmoid" else None)
+        (g_want,) = torch.autograd.grad(want, leaf)
+        diffs.update({f"value_{cap}": _max_rel(got.detach(), want.detach()), f"grad_{cap}": _max_rel(g_got, g_want)})
     worst = max(diffs.values())
     return dict(name="loss_vs_float64", passed=worst <= tol, tol=tol, max_rel_diff=worst, diffs=diffs)
 
 
 def _tiny_batch(T, cfg, device, seed=0):
-    """One micro-batch of the tiny model's next-token objective on random documents."""
+    """One micro-batch of ``cfg``'s next-token objective on random documents (the profiled step's)."""
     gen = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, 50256, (cfg.micro_batch_seqs, cfg.seq_len + 1), generator=gen)
     toks[torch.rand(toks.shape, generator=gen) < 1 / 40] = T.EOT_TOKEN
     return T.make_batch(toks.to(device), "full", 1)
 
 
-def compiled_vs_eager_check(T, cfg, device, tol=1e-4):
-    """Loss and gradients of the model ``cfg`` (float32, one micro-batch), compiled vs eager.
+def check_batches(T, cfg, device, seqs=2, mean_doc=100, seed=0):
+    """The model checks' batches: the first row of ``cfg``'s stage table (TST phase 1: bags) and its last
+    row (the final validation's windows, the YaRN tables after every long window of the run).
 
     Args:
-        T: the trainer module. cfg: its Config (the tiny model). device: CUDA (compiled FlexAttention).
-        tol: largest relative difference of the loss and of any parameter's gradient.
+        T: the trainer module. cfg: the check model's Config. device: where the tensors go.
+        seqs: sequences per batch. mean_doc: mean document length of the random tokens (geometric),
+            long enough that some 128-blocks lie inside one document. seed: the tokens' seed.
 
     Returns:
-        dict: passed, tol, max_rel_diff, diffs (loss, worst grad and its parameter).
+        list of ``(row, inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)``: a phase-2
+        batch with ``--objectives`` gets record #53's three multi-token columns, weights 1, .5, .25.
     """
-    torch.manual_seed(0)
-    model = T.GPT(cfg).to(device)
-    for p in model.parameters():  # the zero-initialized projections and head would hide differences
-        torch.nn.init.normal_(p, std=0.05)
-    inputs, targets = _tiny_batch(T, cfg, device)
-    results = []
-    for net in (model, torch.compile(model, dynamic=False)):
-        model.zero_grad(set_to_none=True)
-        loss = net(inputs, targets)
+    table = T.Schedule(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for row in (table[0], table[cfg.num_iterations]):
+        s, mode = row.stage.bag_size, row.stage.mode
+        toks = torch.randint(0, T.EOT_TOKEN, (seqs, T.sequence_layout(mode, s, cfg.seq_len)[0]), generator=gen)
+        toks[torch.rand(toks.shape, generator=gen) < 1 / mean_doc] = T.EOT_TOKEN
+        inputs, targets = T.make_batch(toks, mode, s)
+        weights = None
+        if s == 1 and cfg.objectives:
+            targets, weights = T.objective_targets(targets[..., 0]), torch.tensor([1.0, 0.5, 0.25])
+        out.append((row, inputs.to(device), targets.to(device), None if weights is None else weights.to(device)))
+    return out
+
+
+@contextlib.contextmanager
+def masks_of_kind(T, use_flex):
+    """Within: the model's attention masks are FlexAttention block masks (``use_flex`` True) or SDPA boolean
+    masks (False) whatever the device. ``GPT.masks_for`` picks by device (CUDA: flex), through
+    ``T.build_attention_mask``, whose ``flex`` argument this replaces (eager runs only: a compiled graph
+    keeps what it traced)."""
+    original = T.build_attention_mask
+
+    def forced(doc_ids, window, flex=None, block_size=128, paired=False):
+        return original(doc_ids, window, use_flex, block_size, paired)
+    T.build_attention_mask = forced
+    try:
+        yield
+    finally:
+        T.build_attention_mask = original
+
+
+def check_model(T, cfg, device, seed=0):
+    """The check model ``cfg`` in float32 on ``device``, every weight moved by N(0, 0.05^2) noise: the
+    zero-initialized projections, head, gates and tables would otherwise hide differences."""
+    torch.manual_seed(seed)
+    model = T.GPT(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.to(device)
+
+
+def model_outputs(model, net, batches, grads):
+    """``net`` (the model or its compiled form) on ``batches`` (``check_batches``), each at its row's
+    windows and YaRN tables. With ``grads``: float64 losses per batch (sum over labels / valid
+    next-token labels) and every parameter's gradient of their sum (None where a parameter gets none);
+    else (FlexAttention has no CPU backward) the logits per batch, a forward without autograd."""
+    model.zero_grad(set_to_none=True)
+    out = dict(loss=[], logits=[], grads=None)
+    for row, inputs, targets, weights in batches:
+        model.set_window(row.window, row.yarn)
+        if not grads:
+            with torch.no_grad():
+                out["logits"].append(net(inputs).double())
+            continue
+        loss = (net(inputs, targets) if weights is None else net(inputs, targets, weights))
+        loss = loss / (targets[..., :1] != -100).sum()
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (l_c, g_c), (l_e, g_e) = results[1], results[0]
-    grads = {n: _max_rel(g_c[n], g_e[n]) for n in g_e}
-    worst_param = max(grads, key=grads.get)
-    diffs = dict(loss=_max_rel(l_c, l_e), grad=grads[worst_param])
-    worst = max(diffs.values())
-    return dict(name="compiled_vs_eager_fp32", passed=worst <= tol, tol=tol, max_rel_diff=worst,
-                diffs=diffs, worst_grad_param=worst_param)
+        out["loss"].append(loss.detach().double())
+    if grads:
+        out["grads"] = {name: None if p.grad is None else p.grad.detach().double().clone()
+                        for name, p in model.named_parameters()}
+    return out
+
+
+def compare_outputs(got, want, floor=1e-4):
+    """Largest relative differences of two ``model_outputs``: ``loss`` and ``logits`` (max |a - b| /
+    max |b| per batch) and ``grad`` (per parameter ||a - b|| / max(||b||, floor x the largest ||b||):
+    compiled reductions reorder sums, so a gradient near zero is judged on the scale of the others).
+
+    Returns:
+        ``(diffs, worst_param)``; a gradient present in one output only counts as inf.
+    """
+    diffs = {}
+    for key in ("loss", "logits"):
+        if want[key] and got[key]:
+            diffs[key] = max(_max_rel(a, b) for a, b in zip(got[key], want[key]))
+    worst = None
+    if want["grads"] is not None and got["grads"] is not None:
+        scale = max((g.norm() for g in want["grads"].values() if g is not None), default=torch.tensor(0.0))
+        rel = {}
+        for name, b in want["grads"].items():
+            a = got["grads"][name]
+            if a is None or b is None:
+                rel[name] = 0.0 if a is None and b is None else float("inf")
+            else:
+                rel[name] = float((a - b).norm() / torch.clamp_min(b.norm(), float(floor * scale) + 1e-30))
+        worst = max(rel, key=rel.get)
+        diffs["grad"] = rel[worst]
+    return diffs, worst
+
+
+def _model_check(name, got, want, tol, grad_tol, **info):
+    diffs, worst_param = compare_outputs(got, want)
+    passed = bool(diffs) and all(v <= (grad_tol if k == "grad" else tol) for k, v in diffs.items())
+    return dict(name=name, passed=passed, tol=tol, grad_tol=grad_tol, max_rel_diff=max(diffs.values(), default=None),
+                diffs=diffs, worst_grad_param=worst_param, **info)
+
+
+def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backward=None):
+    """FlexAttention vs masked SDPA and compiled vs eager on the check model ``cfg``, float32.
+
+    Args:
+        T: the trainer module. cfg: the check model's Config (record #89's elements on).
+        device: on CUDA, the compiled model (FlexAttention fused by inductor) vs the eager model under
+            SDPA masks (``flex_vs_sdpa_model``) and vs the eager model under eager FlexAttention
+            (``compiled_vs_eager_fp32``), loss and every gradient; on CPU, where FlexAttention has no
+            backward and compiling takes minutes, eager FlexAttention vs SDPA, the logits.
+        tol: largest relative difference of losses and logits. grad_tol: of a gradient (norm-wise).
+        compile_fn: what compiles the model (default ``torch.compile(m, dynamic=False)``, as the trainer).
+        backward: run CUDA's comparisons (losses, gradients, the compiled model); default: on CUDA.
+            The tests set it on CPU, with the masks and ``compile_fn`` swapped for what a CPU runs.
+
+    Returns:
+        dict name -> check (passed, tol, grad_tol, max_rel_diff, diffs, worst_grad_param); a check
+        that cannot run here has ``passed`` None and ``skipped`` saying why.
+    """
+    cuda = device.type == "cuda" if backward is None else backward
+    model, batches = check_model(T, cfg, device), check_batches(T, cfg, device)
+    info = dict(shape=[len(batches[0][1]), cfg.seq_len], windows=[list(b[0].window) for b in batches])
+    with masks_of_kind(T, use_flex=False):
+        sdpa = model_outputs(model, model, batches, grads=cuda)
+    with masks_of_kind(T, use_flex=True):
+        flex = model_outputs(model, model, batches, grads=cuda)
+    if not cuda:
+        return {"flex_vs_sdpa_model": _model_check("flex_vs_sdpa_model", flex, sdpa, tol, grad_tol, **info),
+                "compiled_vs_eager_fp32": dict(name="compiled_vs_eager_fp32", passed=None, skipped=(
+                    "CUDA only: FlexAttention has no CPU backward and compiling on a CPU takes minutes"))}
+    compile_fn = compile_fn or (lambda m: torch.compile(m, dynamic=False))
+    compiled = model_outputs(model, compile_fn(model), batches, grads=True)
+    return {"flex_vs_sdpa_model": _model_check("flex_vs_sdpa_model", compiled, sdpa, tol, grad_tol, **info),
+            "compiled_vs_eager_fp32": _model_check("compiled_vs_eager_fp32", compiled, flex, tol, grad_tol, **info)}
 
 
 PROFILE_PARTS = ("mask build", "attention", "MLP", "head + loss", "forward (rest)", "backward", "optimizer",
@@ -181,7 +333,7 @@ def _event_ms(prof, label, cuda):
 
 
 def profile_step(T, cfg, device):
-    """One training step of ``cfg`` (eager, one micro-batch, the autocast of the run) under torch.profiler.
+    """One training step of ``cfg`` (eager, one micro-batch, the autocast and FP8 of the run) under torch.profiler.
 
     Args:
         T: the trainer module. cfg: the Config to profile (a shape eager attention fits).
@@ -192,6 +344,8 @@ def profile_step(T, cfg, device):
         shares of the step, and the profiled shape.
     """
     cuda = device.type == "cuda"
+    if cfg.fp8 and T.fp8_unavailable_reason(device):  # as the trainer: no FP8 where the GPU has none
+        cfg = dataclasses.replace(cfg, fp8=False)
     model = T.GPT(cfg).to(device)
     opts = T.build_optimizers(model, cfg)
     inputs, targets = _tiny_batch(T, cfg, device)
@@ -201,17 +355,18 @@ def profile_step(T, cfg, device):
             _labelled(block.attn, "attention", handles)
         _labelled(block.mlp, "MLP", handles)
     _labelled(model.lm_head, "head + loss", handles)
-    masks_for, mce = model.masks_for, T.mce_loss
+    masks_for, loss_sum = model.masks_for, T.loss_sum
 
     def timed_masks(x):
         with torch.profiler.record_function("mask build"):
             return masks_for(x)
 
-    def timed_loss(*a, **kw):
+    def timed_loss(*a, **kw):  # the loss of either cap (tanh: mce_loss; sigmoid: multi_target_loss)
         with torch.profiler.record_function("head + loss"):
-            return mce(*a, **kw)
-    model.masks_for, T.mce_loss = timed_masks, timed_loss
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and cfg.bf16 else contextlib.nullcontext()
+            return loss_sum(*a, **kw)
+    model.masks_for, T.loss_sum = timed_masks, timed_loss
+    bf16 = cuda and cfg.bf16 is not False  # the trainer's default: bf16 on CUDA unless --no-bf16
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -229,7 +384,7 @@ def profile_step(T, cfg, device):
                 torch.cuda.synchronize(device)
             step_ms = 1000 * (time.perf_counter() - t0)
     finally:
-        T.mce_loss = mce
+        T.loss_sum = loss_sum
         del model.masks_for
         for h in handles:
             h.remove()
@@ -255,22 +410,33 @@ def write_json(path, obj):
     os.replace(path + ".tmp", path)
 
 
-def run_checks(T, device, tiny_cfg, report=None):
+def print_check(c):
+    """One line: the check's name, PASS / FAIL / skipped and its differences."""
+    if c.get("skipped"):
+        print(f"{c['name']}: skipped ({c['skipped']})", flush=True)
+        return
+    grad = f", gradients {c['grad_tol']}" if c.get("grad_tol") else ""
+    print(f"{c['name']}: {'PASS' if c['passed'] else 'FAIL'} (max relative diff {c['max_rel_diff']:.2e} "
+          f"vs tolerance {c['tol']}{grad}; {c['diffs']})", flush=True)
+
+
+def run_checks(T, device, check_cfg, report=None):
     """The agreement checks in order; ``report(results)`` after each, so a stopped run keeps the finished ones.
 
+    Args:
+        T: the trainer module. device: torch.device. check_cfg: the check model's float32 Config.
+        report: called with the results so far after each check (None: not called).
+
     Returns:
-        dict name -> the check's dict (``attention_check``, ``loss_check``, and on CUDA
-        ``compiled_vs_eager_check`` of ``tiny_cfg``).
+        dict name -> the check's dict: ``attention_check``, ``loss_check``, then ``model_checks``
+        of ``check_cfg`` (``flex_vs_sdpa_model``, ``compiled_vs_eager_fp32``).
     """
-    steps = [lambda: attention_check(T, device), lambda: loss_check(T, device)]
-    if device.type == "cuda":  # compiling on CPU takes minutes: the dry run leaves this one out
-        steps.append(lambda: compiled_vs_eager_check(T, tiny_cfg, device))
     results = {}
-    for step in steps:
-        c = step()
-        results[c["name"]] = c
-        print(f"{c['name']}: {'PASS' if c['passed'] else 'FAIL'} (max relative diff {c['max_rel_diff']:.2e} "
-              f"vs tolerance {c['tol']}; {c['diffs']})", flush=True)
+    for step in (lambda: [attention_check(T, device)], lambda: [loss_check(T, device)],
+                 lambda: model_checks(T, check_cfg, device).values()):
+        for c in step():
+            results[c["name"]] = c
+            print_check(c)
         if report:
             report(results)
     return results
@@ -289,18 +455,20 @@ def main(argv=None):
     p.add_argument("--preset", default="record_h200")
     p.add_argument("--parts", default="kernels,profile")
     args = p.parse_args(argv)
-    import gpu_check as G  # the tiny model and the profiled shape are gpu_check's
+    # eager FlexAttention is the reference of the compiled one here (and all a CPU has), not a slip
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    import gpu_check as G  # the check model and the profiled shape are gpu_check's
     T = G.T
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tiny, _ = T.parse_config(G.TINY_MODEL + ["--no-bf16", "--device", device.type])
     out = {}
     if "kernels" in args.parts:
-        out["kernels"] = run_checks(T, device, tiny, lambda r: write_json(args.json, dict(out, kernels=r)))
+        cfg = G.check_config(device.type, *G.MODEL_CHECK_SHAPE)
+        out["kernels"] = run_checks(T, device, cfg, lambda r: write_json(args.json, dict(out, kernels=r)))
         write_json(args.json, out)
     if "profile" in args.parts:
-        cfg = tiny if args.dry_run else G.profile_config(args.preset, device)
+        cfg = G.check_config(device.type) if args.dry_run else G.profile_config(args.preset, device)
         out["profile"] = profile_step(T, cfg, device)
         pf = out["profile"]
         print(f"one step ({pf['timer']} time, seq_len {pf['seq_len']} x {pf['micro_batch_seqs']}): "

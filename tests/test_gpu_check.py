@@ -1,5 +1,4 @@
 """bench/gpu_check.py --dry-run: the one-shot GPU check runs end to end on CPU and reports sane numbers."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +15,8 @@ import gpu_check  # noqa: E402
 import gpu_kernels  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
+
+EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU reference
 
 
 @pytest.fixture(scope="module")
@@ -35,36 +36,82 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check summary" in proc.stdout
     for row in ("ms/step (mean / median)", "projected train time, FLOPs-weighted", "latent positions/s",
-                "windows timed", "cpu fp32 eager vs cpu fp32 eager", "cpu fp32 eager vs cpu bf16 eager",
-                "flex_vs_sdpa", "loss_vs_float64", "one step: attention", "one step: optimizer",
-                "max_memory_reserved", "wall time of this check / budget"):
+                "windows timed", "bf16_vs_fp32: cpu fp32 eager vs cpu bf16 eager", "flex_vs_sdpa (",
+                "flex_vs_sdpa_model (", "compiled_vs_eager_fp32", "loss_vs_float64", "fp8_vs_bf16",
+                "fp32_cpu_vs_device", "one step: attention", "one step: optimizer", "max_memory_reserved",
+                "wall time of this check / budget"):
         assert row in proc.stdout, row
-    # order of value: the timing run, then the kernel checks and profile, then the trainer agreement runs
+    # order of value: the timing runs, then the kernel checks and profile, then the trainer agreement runs
     order = [proc.stdout.index(s) for s in ("timing run of record_h200", "timing run of baseline_h200",
                                             "kernel agreement (", "trainer agreement (")]
     assert order == sorted(order)
-    # both columns of each agreement check are printed
-    assert "cpu fp32 eager (ref)" in proc.stdout and "fp32_cpu_vs_device: PASS" in proc.stdout
-    assert "bf16_vs_fp32: PASS" in proc.stdout
+    # both columns of the agreement check are printed, and why the others did not run here
+    assert "cpu fp32 eager (ref)" in proc.stdout and "bf16_vs_fp32: PASS" in proc.stdout
+    assert f"fp8_vs_bf16: skipped ({T.fp8_unavailable_reason('cpu')})" in proc.stdout
+    assert "fp32_cpu_vs_device: skipped (the device is the CPU" in proc.stdout
+
+
+def _elements_on(cfg):
+    """Record #89's model elements (MODEL89's fields that it switches on) that ``cfg`` has off; the layer
+    without attention is record #21's and SMOKE_MODEL89's 4 layers all attend."""
+    default = T.Config()
+    return [k for k, v in T.MODEL89.items() if getattr(default, k) in (False, "", 0, -1, "zero")
+            and v not in (False, "", 0, -1) and getattr(cfg, k) == getattr(default, k) and k != "no_attn_layers"]
 
 
 def test_dry_run_agreement_checks_ran_and_passed(dry_run):
-    _, r, _ = dry_run
+    _, r, out = dry_run
     c = r["correctness"]
-    assert c["passed"] is True and set(c["checks"]) == {"fp32_cpu_vs_device", "bf16_vs_fp32"}
-    # the tiny model has every architecture flag of the record on
-    for flag in ("--doc-mask", "--window-start", "--short-window-layers", "--no-attn-layers", "--value-embeds",
-                 "--unet", "--x0-mix", "--merged-qkv", "--attn-scale"):
-        assert flag in c["model"], flag
-    a, b = c["checks"]["fp32_cpu_vs_device"], c["checks"]["bf16_vs_fp32"]
-    assert a["passed"] and a["max_abs_diff"] == 0.0  # CPU vs CPU is bit for bit
-    assert a["steps_compared"] == 5 and a["reference_run"]["rc"] == a["candidate_run"]["rc"] == 0
-    assert "--no-bf16" in a["candidate_run"]["argv"] and "--bf16" in b["candidate_run"]["argv"]
-    # bf16 on CPU: 3 steps, eager; it differs from fp32 (so it did run in bf16), within the tolerance
-    assert b["passed"] and b["steps_compared"] == 3 and b["tol"] == 2e-2
-    assert 0 < b["max_abs_diff"] <= b["tol"] and c["bf16_compiled"] is False
-    train = {row["step"]: row for row in b["rows"] if row["what"] == "train_loss"}
-    assert train[1]["reference"] - train[3]["reference"] > 1.0  # the check run learns (Zipf data)
+    assert c["passed"] is True and set(c["checks"]) == {"fp32_cpu_vs_device", "bf16_vs_fp32", "fp8_vs_bf16"}
+    # the check model: record #89's recipe (stage table, TST) with every element of its model on
+    cfg, preset = T.parse_config(c["model"])
+    assert preset == "record_h200" and cfg.stages == "record89" and cfg.tst_frac > 0 and cfg.n_layer == 4
+    assert _elements_on(cfg) == [] and _elements_on(T.Config()) != []  # (the helper does see an element off)
+    assert cfg.paired_head_layers and cfg.xsa_layers and cfg.attn_gate_layers and cfg.key_offset and cfg.rope_yarn
+    b = c["checks"]["bf16_vs_fp32"]
+    assert b["passed"] and b["steps_compared"] == 2 and b["tol"] == 2e-2 and 0 <= b["max_abs_diff"] <= b["tol"]
+    assert b["reference_run"]["rc"] == b["candidate_run"]["rc"] == 0 and c["bf16_compiled"] is False
+    assert "--no-bf16" in b["reference_run"]["argv"] and "--bf16" in b["candidate_run"]["argv"]
+    assert "--no-fp8" in b["reference_run"]["argv"] and "--no-fp8" in b["candidate_run"]["argv"]
+    with open(b["candidate_run"]["log"], encoding="utf-8") as f:  # it did run in bf16
+        assert "bf16: True" in f.read().split(gpu_check.SEPARATOR)[1]
+    assert c["checks"]["fp8_vs_bf16"] == dict(name="fp8_vs_bf16", passed=None, skipped=T.fp8_unavailable_reason("cpu"))
+    assert c["checks"]["fp32_cpu_vs_device"]["passed"] is None
+
+
+def test_the_record_presets_run_fp8_and_the_trainer_turns_it_off_on_a_cpu_with_a_note(dry_run):
+    _, r, out = dry_run
+    for preset in ("baseline_h200", "record_h200", "record_8xb200", "cpu_smoke"):
+        assert T.parse_config(["--preset", preset])[0].fp8 is True, preset
+    assert T.Config().fp8 is False and T.parse_config(["--preset", "record21_h200"])[0].fp8 is False
+    with open(out / "logs" / "timing_record_h200.txt", encoding="utf-8") as f:  # --dry-run's record_h200 run
+        body = f.read().split(gpu_check.SEPARATOR)[1]
+    assert f"fp8: off ({T.fp8_unavailable_reason('cpu')}); the matmuls run in float32" in body
+    assert r["timing"]["record_h200"]["problems"] == []
+
+
+def test_agreement_plan_on_each_device():
+    runs, comps, skipped = gpu_check.agreement_plan("cuda", 5, True, None)
+    assert list(runs) == ["check_ref_cpu", "check_cuda", "check_cuda_bf16", "check_cuda_fp8"]
+    assert runs["check_ref_cpu"] == ("cpu", dict(max_steps=0)) and runs["check_cuda"] == ("cuda", {})
+    assert runs["check_cuda_fp8"] == ("cuda", dict(bf16=True, compile_=True, max_steps=0, fp8=True))
+    assert [(c[0], c[1], c[2], c[3], c[5]) for c in comps] == [
+        ("fp32_cpu_vs_device", "check_ref_cpu", "check_cuda", "tol", 5),
+        ("bf16_vs_fp32", "check_cuda", "check_cuda_bf16", "bf16_tol", 5),
+        ("fp8_vs_bf16", "check_cuda_bf16", "check_cuda_fp8", "fp8_tol", 5)] and skipped == {}
+    why = "fp8 matmuls need compute capability 8.9+"
+    runs, comps, skipped = gpu_check.agreement_plan("cuda", 5, True, why)  # e.g. an A100
+    assert "check_cuda_fp8" not in runs and skipped == {"fp8_vs_bf16": why} and len(comps) == 2
+    runs, comps, skipped = gpu_check.agreement_plan("cpu", 5, False, why)  # --dry-run
+    assert runs == {"check_ref_cpu": ("cpu", dict(max_steps=2)),
+                    "check_cpu_bf16": ("cpu", dict(bf16=True, compile_=False, max_steps=2))}
+    assert comps == [("bf16_vs_fp32", "check_ref_cpu", "check_cpu_bf16", "bf16_tol",
+                      ("cpu fp32 eager", "cpu bf16 eager"), 2)]
+    assert set(skipped) == {"fp32_cpu_vs_device", "fp8_vs_bf16"}
+    args = gpu_check.parse_args([])  # every tolerance key names an argument
+    assert (args.tol, args.bf16_tol, args.fp8_tol) == (1e-3, 2e-2, 5e-2)
+    argv = gpu_check.check_argv(args, [], "cuda", "/tmp", "x", bf16=True, compile_=True, fp8=True)
+    assert {"--bf16", "--fp8", "--compile", "--ns-dtype"} <= set(argv) and "--no-fp8" not in argv
 
 
 def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(dry_run):
@@ -76,9 +123,9 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
     assert r["microbench"]["matmul"]["tflops"] > 0 and r["microbench"]["copy"]["gbps"] > 0
     assert list(r["timing"]) == ["record_h200", "baseline_h200"]
     for preset, t in r["timing"].items():
-        assert t["problems"] == [] and t["steps_logged"] == 9, (preset, t["problems"])
-        cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the small shape, N = 9, 1 extension step
-        assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 9, 1, 128)
+        assert t["problems"] == [] and t["steps_logged"] == 6, (preset, t["problems"])
+        cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the check shape, N = 6, 1 extension step
+        assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 6, 1, 64)
         table = T.Schedule(cfg)
         assert list(t["stages"]) == [gpu_check.stage_key(st) for st in table.stages]  # every stage was timed
         assert len(t["stages"]) == 4  # the three recipe stages and the extension
@@ -88,7 +135,7 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
             step = table[row["step"] - 1]
             assert row["flops"] == step.flops_per_position * step.stage.batch_tokens
             assert tuple(row["window"]) == step.window and row["stage"] == gpu_check.stage_key(step.stage)
-        assert [row["positions"] for row in t["per_step"]] == [table[i].stage.batch_tokens for i in range(9)]
+        assert [row["positions"] for row in t["per_step"]] == [table[i].stage.batch_tokens for i in range(6)]
         pj = t["projection"]  # the full run: the preset's own N and extension at the same shape
         full, _ = T.parse_config(t["run"]["argv"][:t["run"]["argv"].index("--num-iterations")])
         switch = T.tst_switch_step(full)
@@ -102,12 +149,12 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         assert abs(pj["projected_train_time_ms"] - weighted) <= 1 and pj["missing"] == []
         assert t["peak_memory_mib"] > 0 and (out / "logs" / f"timing_{preset}.txt").exists()
     rec, base = r["timing"]["record_h200"], r["timing"]["baseline_h200"]
-    assert rec["switch_step"] == 3 and rec["phase1"]["steps_logged"] == 3 and base["phase1"] is None
+    assert rec["switch_step"] == 2 and rec["phase1"]["steps_logged"] == 2 and base["phase1"] is None
     # TST phase 1 reads s = 4 raw tokens per latent position (and the document tails it skips)
     assert rec["phase1"]["raw_tokens_per_step"] >= 4 * rec["phase1"]["positions_per_step"]
-    # the full record run has stage 1 on both sides of the TST switch; the 9-step run only phase 1 of it
+    # the full record run has stage 1 on both sides of the TST switch; the 6-step run only phase 1 of it
     p2s1 = [s for s in rec["projection"]["stages"] if s["stage"].startswith("phase 2") and "blocks (1, 3)" in s["stage"]]
-    assert len(p2s1) == 1 and p2s1[0]["timed_as"].startswith("phase 1 s=4: 128 positions, blocks (1, 3)")
+    assert len(p2s1) == 1 and p2s1[0]["timed_as"].startswith("phase 1 s=4: 64 positions, blocks (1, 3)")
     assert any("was not in the timing run" in w for w in r["warnings"]) and base["projection"]["untimed"] == []
     assert (out / "gpu_check_summary.txt").exists()
     for d in ("synthetic_data", "synthetic_check"):
@@ -206,8 +253,15 @@ def test_a_failed_agreement_check_says_why():
 def test_dry_run_kernel_checks_and_profile(dry_run):
     _, r, _ = dry_run
     k = r["kernels"]
-    assert set(k) == {"flex_vs_sdpa", "loss_vs_float64"} and all(c["passed"] for c in k.values())
-    assert k["flex_vs_sdpa"]["max_rel_diff"] < 1e-5 and k["loss_vs_float64"]["max_rel_diff"] < 1e-5
+    assert list(k) == ["flex_vs_sdpa", "loss_vs_float64", "flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
+    assert set(k["flex_vs_sdpa"]["diffs"]) == {"short_out", "paired_out", "long_out"}  # forward only on CPU
+    assert set(k["loss_vs_float64"]["diffs"]) == {"value_tanh", "grad_tanh", "value_sigmoid", "grad_sigmoid"}
+    assert set(k["flex_vs_sdpa_model"]["diffs"]) == {"logits"}
+    for name in ("flex_vs_sdpa", "loss_vs_float64", "flex_vs_sdpa_model"):
+        assert k[name]["passed"] and k[name]["max_rel_diff"] < 1e-5, name
+    # the model check ran the check model at its two stage-table rows: phase 1's windows, the final ones
+    assert k["flex_vs_sdpa_model"]["windows"] == [[24, 8], [160, 48]]
+    assert k["compiled_vs_eager_fp32"]["passed"] is None and "CUDA only" in k["compiled_vs_eager_fp32"]["skipped"]
     pf = r["profile"]
     assert set(pf["ms"]) == set(gpu_kernels.PROFILE_PARTS)
     assert all(pf["ms"][p] > 0 for p in ("attention", "MLP", "head + loss", "backward", "optimizer"))
@@ -215,27 +269,93 @@ def test_dry_run_kernel_checks_and_profile(dry_run):
     assert r["wall_s"] <= r["args"]["budget_s"]
 
 
-def _off_by_one(original):
-    """``block_mask_from_bounds`` with the window one position too long: the bug the check must catch."""
-    return lambda doc_ids, window, block_size=128: original(doc_ids, window + 1, block_size)
+@pytest.fixture(scope="module")
+def model_check_config():
+    return gpu_check.check_config("cpu", *gpu_check.MODEL_CHECK_SHAPE)
 
 
-def test_flex_check_fails_on_a_window_off_by_one(monkeypatch):
+def _wrong_window(original, paired_only=False):
+    """``block_mask_from_bounds`` with the window one position too long (only in paired-head layers'
+    doubled sequence with ``paired_only``): the bugs the checks must catch."""
+    def wrong(doc_ids, window, block_size=128, paired=False):
+        return original(doc_ids, window + 1 if paired or not paired_only else window, block_size, paired)
+    return wrong
+
+
+def test_attention_cases_cover_partial_and_full_blocks():
+    cases = gpu_kernels.attention_cases(torch.Generator().manual_seed(0), 384, 48, "cpu")
+    blocks = {}
+    for name, (ids, window, paired) in cases.items():
+        bm = T.block_mask_from_bounds(ids, window, paired=paired)
+        assert bm.shape[-2:] == (384, 384), name  # one shape: one compiled kernel on CUDA
+        blocks[name] = (int(bm.kv_num_blocks.sum()), int(bm.full_kv_num_blocks.sum()))
+    assert all(partial > 0 for partial, _ in blocks.values()) and blocks["long"][1] > 0  # full blocks too
+    assert cases["paired"][2] and not cases["short"][2] and (cases["short"][0][:, 1:] > cases["short"][0][:, :-1]).any()
+
+
+@EAGER_FLEX
+def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
     cpu = torch.device("cpu")
-    tiny, _ = T.parse_config(gpu_check.TINY_MODEL + ["--no-bf16", "--device", "cpu"])
-    good = gpu_kernels.run_checks(T, cpu, tiny)
-    assert good["flex_vs_sdpa"]["passed"] and good["loss_vs_float64"]["passed"]
-    monkeypatch.setattr(T, "block_mask_from_bounds", _off_by_one(T.block_mask_from_bounds))
-    bad = gpu_kernels.run_checks(T, cpu, tiny)
-    assert not bad["flex_vs_sdpa"]["passed"] and bad["flex_vs_sdpa"]["max_rel_diff"] > 100 * bad["flex_vs_sdpa"]["tol"]
-    assert bad["loss_vs_float64"]["passed"]  # only the broken kernel's check fails
+    monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds))
+    bad = gpu_kernels.attention_check(T, cpu)
+    assert not bad["passed"] and all(d > 100 * bad["tol"] for d in bad["diffs"].values())
+    model = gpu_kernels.model_checks(T, model_check_config, cpu)["flex_vs_sdpa_model"]
+    assert not model["passed"] and model["max_rel_diff"] > 10 * model["tol"]
+    assert gpu_kernels.loss_check(T, cpu)["passed"]  # only the broken kernel's checks fail
+
+
+@EAGER_FLEX
+def test_checks_fail_on_a_paired_head_mask_off_by_one(monkeypatch, model_check_config):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds, paired_only=True))
+    bad = gpu_kernels.attention_check(T, cpu)
+    assert bad["diffs"]["paired_out"] > 100 * bad["tol"]
+    assert bad["diffs"]["short_out"] < bad["tol"] and bad["diffs"]["long_out"] < bad["tol"]
+    model = gpu_kernels.model_checks(T, model_check_config, cpu)["flex_vs_sdpa_model"]
+    assert not model["passed"] and model["max_rel_diff"] > 10 * model["tol"]
+
+
+def test_the_cuda_branch_of_the_model_checks_runs(monkeypatch, model_check_config):
+    # CUDA's path (losses, every gradient, the compiled model) with what a CPU runs in place of
+    # FlexAttention (SDPA masks) and of the compiler (none): the same numbers, so both checks pass exactly
+    original = gpu_kernels.masks_of_kind
+    monkeypatch.setattr(gpu_kernels, "masks_of_kind", lambda T_, use_flex: original(T_, False))
+    checks = gpu_kernels.model_checks(T, model_check_config, torch.device("cpu"), compile_fn=lambda m: m, backward=True)
+    assert list(checks) == ["flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
+    for c in checks.values():
+        assert c["passed"] and c["diffs"] == dict(loss=0.0, grad=0.0) and c["grad_tol"] == 1e-3, c["name"]
+
+
+def test_gradient_comparison_of_the_cuda_checks(monkeypatch, model_check_config):
+    # the CUDA checks compare every gradient (FlexAttention has no CPU backward): on CPU's SDPA path,
+    # every parameter but the tied embedding's copy is trained, and a window off by one fails them
+    cpu = torch.device("cpu")
+    model = gpu_kernels.check_model(T, model_check_config, cpu)
+    batches = gpu_kernels.check_batches(T, model_check_config, cpu)
+    with gpu_kernels.masks_of_kind(T, use_flex=False):
+        ref = gpu_kernels.model_outputs(model, model, batches, grads=True)
+        original = T.attention_mask
+        monkeypatch.setattr(T, "attention_mask", lambda ids, window, paired=False: original(ids, window + 1, paired))
+        bad = gpu_kernels.model_outputs(model, model, batches, grads=True)
+    assert len(ref["loss"]) == 2 and not ref["logits"]
+    assert [n for n, g in ref["grads"].items() if g is None] == ["embed.weight"]
+    check = gpu_kernels._model_check("x", bad, ref, 1e-4, 1e-3)
+    assert not check["passed"] and check["diffs"]["grad"] > 100 * check["grad_tol"]
 
 
 def test_loss_check_fails_on_a_slightly_wrong_loss(monkeypatch):
     original = kernels.multi_target_loss
     monkeypatch.setattr(T, "multi_target_loss", lambda *a, **kw: original(*a, **kw) * (1 + 1e-4))
     c = gpu_kernels.loss_check(T, torch.device("cpu"))
-    assert not c["passed"] and c["diffs"]["value"] > 5e-5
+    assert not c["passed"] and c["diffs"]["value_tanh"] > 5e-5 and c["diffs"]["value_sigmoid"] > 5e-5
+
+
+def test_reference_loss_under_the_sigmoid_cap():
+    logits = torch.tensor([[1.0, 2.0, 0.5]], dtype=torch.float64)
+    A, B, C = T.SIGMOID_CAP
+    z = [A / (1 + np.exp(-(x + B) / C)) for x in (1.0, 2.0, 0.5)]
+    got = gpu_kernels.reference_loss(logits, torch.tensor([[2]]), torch.tensor([1.0]), 0.0, sigmoid=T.SIGMOID_CAP)
+    assert abs(float(got) - (np.log(sum(np.exp(z))) - z[2])) < 1e-12
 
 
 def test_reference_loss_is_the_textbook_cross_entropy():
