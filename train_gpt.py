@@ -26,7 +26,6 @@ import torch.nn.functional as F
 import harness
 from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
                      fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
-from kernels import attention_mask, block_mask_from_bounds, mask_mod  # noqa: F401 (the tools' and tests' T.*)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups)
 from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
@@ -739,6 +738,7 @@ class GPT(nn.Module):
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
+        self.flex = None  # FlexAttention block masks: None = on CUDA inputs; False = SDPA's bool masks anywhere
         if self.tied:  # HEAD's init of a tied head: N(0, 0.005^2), the embedding a copy
             with torch.no_grad():
                 nn.init.normal_(self.lm_head.weight, std=0.005)
@@ -800,11 +800,12 @@ class GPT(nn.Module):
         else:  # one document: only causality and the window
             doc_ids = torch.zeros(inputs.shape[:2], dtype=torch.int64, device=inputs.device)
         paired = {i in self.short for i in layer_set(cfg.paired_head_layers)}  # the windows paired layers use
+        flex = inputs.is_cuda if self.flex is None else self.flex
 
         def build(window, short):
             if not paired and not cfg.key_offset:
-                return build_attention_mask(doc_ids, window, flex=inputs.is_cuda)
-            return layer_masks(doc_ids, window, inputs.is_cuda, short in paired, cfg.key_offset and not short)
+                return build_attention_mask(doc_ids, window, flex)
+            return layer_masks(doc_ids, window, flex, short in paired, cfg.key_offset and not short)
         if not windowed(cfg):
             mask = build(0, False)
             return mask, mask

@@ -68,7 +68,8 @@ def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
     ``attention_cases``: windows in partial blocks, the doubled sequence of paired-head layers, full blocks.
 
     Args:
-        T: the trainer module (``train_gpt``); its ``block_mask_from_bounds``, ``attention_mask``.
+        T: the trainer module (``train_gpt``); the masks are kernels.py's ``block_mask_from_bounds``,
+            ``attention_mask``.
         device: torch.device; on CUDA FlexAttention is compiled and gradients are compared too,
             on CPU the forward only (FlexAttention has no CPU backward).
         length: positions T of every case (3 blocks of 128 by default; >= 256 for a full block).
@@ -81,6 +82,7 @@ def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
         dict: passed, tol, max_rel_diff, diffs: per case its output's (``short_out``, ...) and on
         CUDA its gradients' (``short_dq``, ...) max relative differences.
     """
+    import kernels  # the masks, beside the trainer (the repository root is on sys.path)
     gen = torch.Generator().manual_seed(seed)
     H, D = 2, 32
     cuda = device.type == "cuda"
@@ -89,8 +91,8 @@ def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
     for case, (ids, w, paired) in attention_cases(gen, length, window, device).items():
         q, k, v = (torch.randn(2, H, length, D, generator=gen).to(device).requires_grad_(cuda) for _ in range(3))
         with (contextlib.nullcontext() if cuda else torch.no_grad()):
-            out = flex(q, k, v, block_mask=T.block_mask_from_bounds(ids, torch.tensor(w, device=device), paired=paired))
-            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=T.attention_mask(ids, w, paired)[:, None])
+            out = flex(q, k, v, block_mask=kernels.block_mask_from_bounds(ids, torch.tensor(w, device=device), paired=paired))
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=kernels.attention_mask(ids, w, paired)[:, None])
         diffs[f"{case}_out"] = _max_rel(out.detach(), ref.detach())
         if cuda:
             g = torch.randn_like(ref)
@@ -185,20 +187,15 @@ def check_batches(T, cfg, device, seqs=2, mean_doc=100, seed=0):
 
 
 @contextlib.contextmanager
-def masks_of_kind(T, use_flex):
-    """Within: the model's attention masks are FlexAttention block masks (``use_flex`` True) or SDPA boolean
-    masks (False) whatever the device. ``GPT.masks_for`` picks by device (CUDA: flex), through
-    ``T.build_attention_mask``, whose ``flex`` argument this replaces (eager runs only: a compiled graph
-    keeps what it traced)."""
-    original = T.build_attention_mask
-
-    def forced(doc_ids, window, flex=None, block_size=128, paired=False):
-        return original(doc_ids, window, use_flex, block_size, paired)
-    T.build_attention_mask = forced
+def masks_of_kind(model, use_flex):
+    """Within: ``model``'s attention masks are FlexAttention block masks (``use_flex`` True) or SDPA boolean
+    masks (False) whatever the device (``GPT.flex``; eager runs only: a compiled graph keeps what it traced)."""
+    original = model.flex
+    model.flex = use_flex
     try:
         yield
     finally:
-        T.build_attention_mask = original
+        model.flex = original
 
 
 def check_model(T, cfg, device, seed=0):
@@ -291,9 +288,9 @@ def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backw
     cuda = device.type == "cuda" if backward is None else backward
     model, batches = check_model(T, cfg, device), check_batches(T, cfg, device)
     info = dict(shape=[len(batches[0][1]), cfg.seq_len], windows=[list(b[0].window) for b in batches])
-    with masks_of_kind(T, use_flex=False):
+    with masks_of_kind(model, use_flex=False):
         sdpa = model_outputs(model, model, batches, grads=cuda)
-    with masks_of_kind(T, use_flex=True):
+    with masks_of_kind(model, use_flex=True):
         flex = model_outputs(model, model, batches, grads=cuda)
     if not cuda:
         return {"flex_vs_sdpa_model": _model_check("flex_vs_sdpa_model", flex, sdpa, tol, grad_tol, **info),

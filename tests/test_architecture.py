@@ -338,7 +338,7 @@ def test_growing_window_changes_the_output():
 def brute_keys(L, window):
     """Mean allowed (q, k) pairs per query on one document, counted pair by pair and from attention_mask."""
     count = sum(1 for q in range(L) for k in range(L) if k <= q and (window == 0 or q - k < window))
-    mask = T.attention_mask(torch.zeros(L, dtype=torch.int64), window)
+    mask = kernels.attention_mask(torch.zeros(L, dtype=torch.int64), window)
     assert int(mask.sum()) == count
     return count / L
 

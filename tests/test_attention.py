@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 import conftest
+import kernels
 import train_gpt as T
 from conftest import PLAIN_ARCHITECTURE
 from test_tst import randomized_model  # a GPT with non-zero output layers
@@ -65,12 +66,12 @@ def test_document_ids_count_eots_at_or_before_each_position(seed):
 def test_attention_mask_matches_loop(window):
     tokens = random_tokens((3, 40), seed=window, p_eot=0.12)
     doc = T.document_ids(tokens)
-    mask = T.attention_mask(doc, window)
+    mask = kernels.attention_mask(doc, window)
     assert mask.dtype == torch.bool and mask.shape == (3, 40, 40)
     for b in range(3):
         expected = loop_mask(loop_document_ids(tokens[b]), window)
         assert mask[b].tolist() == expected
-        assert T.attention_mask(doc[b], window).tolist() == expected  # 1-D doc ids -> [T, T]
+        assert kernels.attention_mask(doc[b], window).tolist() == expected  # 1-D doc ids -> [T, T]
     assert mask.diagonal(dim1=-2, dim2=-1).all()  # every query sees itself: no empty softmax row
 
 
@@ -86,7 +87,7 @@ def test_tst_phase1_latent_mask_from_raw_tokens(mode, s, window):
     inputs, _ = T.make_batch(raw, mode, s)
     k = inputs.size(-1)
     doc = T.latent_document_ids(inputs)
-    mask = T.attention_mask(doc, window)
+    mask = kernels.attention_mask(doc, window)
     for b in range(2):
         # document of latent position i: EOTs among the raw tokens up to its slot's last token
         ref_doc = [sum(t == EOT for t in raw[b, :(i + 1) * k].tolist()) for i in range(L)]
@@ -100,7 +101,7 @@ def test_bag_document_is_its_last_tokens_by_hand():
     raw = torch.tensor([[a, a, a, a, EOT, a, a, a, a, a, a, EOT, a, a, a]])  # bags 0..3 + the labels' bag
     inputs, _ = T.make_batch(raw, "full", 3)
     assert T.latent_document_ids(inputs).tolist() == [[0, 1, 1, 2]]
-    assert T.attention_mask(T.latent_document_ids(inputs), 0).tolist() == [[[True, False, False, False],
+    assert kernels.attention_mask(T.latent_document_ids(inputs), 0).tolist() == [[[True, False, False, False],
                                                                              [False, True, False, False],
                                                                              [False, True, True, False],
                                                                              [False, False, False, True]]]
@@ -125,7 +126,7 @@ def test_flex_attention_forward_equals_masked_sdpa(window, block_size):
         assert isinstance(flex_mask, BlockMask) and dense_mask.shape == (B, 1, T_, T_)
         flex = T.attend(q, k, v, flex_mask)
         sdpa = T.attend(q, k, v, dense_mask)
-    ref = reference_attention(q, k, v, T.attention_mask(doc, window))
+    ref = reference_attention(q, k, v, kernels.attention_mask(doc, window))
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sdpa.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flex.double(), ref, rtol=1e-5, atol=1e-5)
@@ -140,7 +141,7 @@ def test_window_longer_than_sequence_is_causal_attention_within_each_document(fl
     tokens = random_tokens((B, T_), seed=4, p_eot=0.1)
     tokens[0, 0], tokens[0, 20], tokens[1, 31] = EOT, EOT, EOT
     doc = T.document_ids(tokens)
-    assert torch.equal(T.attention_mask(doc, T_ + 7), T.attention_mask(doc, 0))
+    assert torch.equal(kernels.attention_mask(doc, T_ + 7), kernels.attention_mask(doc, 0))
     with torch.no_grad():
         out = T.attend(q, k, v, T.build_attention_mask(doc, T_ + 7, flex=flex, block_size=16))
         for b in range(B):

@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+import kernels
 import train_gpt as T
 from test_attention import random_tokens, reference_attention
 
 
 def reference_block_mask(doc, window, block_size):
     B, T_ = doc.shape
-    return create_block_mask(T.mask_mod(doc, window), B, None, T_, T_, device="cpu", BLOCK_SIZE=block_size)
+    return create_block_mask(kernels.mask_mod(doc, window), B, None, T_, T_, device="cpu", BLOCK_SIZE=block_size)
 
 
 def dense_blocks(num, idx):
@@ -53,13 +54,13 @@ def test_block_structure_equals_create_block_mask(T_, block_size, window, p_eot)
     doc = T.document_ids(random_tokens((3, T_), seed=seed, p_eot=p_eot))
     ref = reference_block_mask(doc, window, block_size)
     for w in (window, torch.tensor(window)) if window else (0,):  # an int, and the schedule's 0-d tensor
-        assert_same_blocks(T.block_mask_from_bounds(doc, w, block_size), ref)
+        assert_same_blocks(kernels.block_mask_from_bounds(doc, w, block_size), ref)
 
 
 def test_cases_cover_every_kind_of_block():
     """The random cases above hold empty, partial and full blocks (else the equality tests prove little)."""
     doc = T.document_ids(random_tokens((3, 64), seed=64 + 16 + 40 + 3, p_eot=0.03))
-    m = T.block_mask_from_bounds(doc, 40, 16)
+    m = kernels.block_mask_from_bounds(doc, 40, 16)
     n_blocks = 3 * 4 * 4
     partial, full = int(m.kv_num_blocks.sum()), int(m.full_kv_num_blocks.sum())
     assert partial > 0 and full > 0 and partial + full < n_blocks
@@ -73,10 +74,10 @@ def test_flex_attention_output_equals_create_block_mask_and_float64(window):
     q, k, v = (torch.randn(B, H, T_, D, generator=g) for _ in range(3))
     doc = T.document_ids(random_tokens((B, T_), seed=window + 1, p_eot=0.05))
     with torch.no_grad():
-        got = T.attend(q, k, v, T.block_mask_from_bounds(doc, torch.tensor(window) if window else 0, bs))
+        got = T.attend(q, k, v, kernels.block_mask_from_bounds(doc, torch.tensor(window) if window else 0, bs))
         ref = T.attend(q, k, v, reference_block_mask(doc, window, bs))
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    torch.testing.assert_close(got.double(), reference_attention(q, k, v, T.attention_mask(doc, window)),
+    torch.testing.assert_close(got.double(), reference_attention(q, k, v, kernels.attention_mask(doc, window)),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -91,7 +92,7 @@ def test_compiles_once_across_window_values_without_a_host_sync():
     counts = torch._dynamo.testing.CompileCounter()
 
     def blocks(doc, window):
-        m = T.block_mask_from_bounds(doc, window, 16)
+        m = kernels.block_mask_from_bounds(doc, window, 16)
         return m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices
 
     compiled = torch.compile(blocks, backend=counts, fullgraph=True)

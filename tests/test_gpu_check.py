@@ -286,7 +286,7 @@ def test_attention_cases_cover_partial_and_full_blocks():
     cases = gpu_kernels.attention_cases(torch.Generator().manual_seed(0), 384, 48, "cpu")
     blocks = {}
     for name, (ids, window, paired) in cases.items():
-        bm = T.block_mask_from_bounds(ids, window, paired=paired)
+        bm = kernels.block_mask_from_bounds(ids, window, paired=paired)
         assert bm.shape[-2:] == (384, 384), name  # one shape: one compiled kernel on CUDA
         blocks[name] = (int(bm.kv_num_blocks.sum()), int(bm.full_kv_num_blocks.sum()))
     assert all(partial > 0 for partial, _ in blocks.values()) and blocks["long"][1] > 0  # full blocks too
@@ -296,7 +296,7 @@ def test_attention_cases_cover_partial_and_full_blocks():
 @EAGER_FLEX
 def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds))
+    monkeypatch.setattr(kernels, "block_mask_from_bounds", _wrong_window(kernels.block_mask_from_bounds))
     bad = gpu_kernels.attention_check(T, cpu)
     assert not bad["passed"] and all(d > 100 * bad["tol"] for d in bad["diffs"].values())
     model = gpu_kernels.model_checks(T, model_check_config, cpu)["flex_vs_sdpa_model"]
@@ -307,7 +307,7 @@ def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
 @EAGER_FLEX
 def test_checks_fail_on_a_paired_head_mask_off_by_one(monkeypatch, model_check_config):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(T, "block_mask_from_bounds", _wrong_window(T.block_mask_from_bounds, paired_only=True))
+    monkeypatch.setattr(kernels, "block_mask_from_bounds", _wrong_window(kernels.block_mask_from_bounds, paired_only=True))
     bad = gpu_kernels.attention_check(T, cpu)
     assert bad["diffs"]["paired_out"] > 100 * bad["tol"]
     assert bad["diffs"]["short_out"] < bad["tol"] and bad["diffs"]["long_out"] < bad["tol"]
@@ -319,7 +319,7 @@ def test_the_cuda_branch_of_the_model_checks_runs(monkeypatch, model_check_confi
     # CUDA's path (losses, every gradient, the compiled model) with what a CPU runs in place of
     # FlexAttention (SDPA masks) and of the compiler (none): the same numbers, so both checks pass exactly
     original = gpu_kernels.masks_of_kind
-    monkeypatch.setattr(gpu_kernels, "masks_of_kind", lambda T_, use_flex: original(T_, False))
+    monkeypatch.setattr(gpu_kernels, "masks_of_kind", lambda model, use_flex: original(model, False))
     checks = gpu_kernels.model_checks(T, model_check_config, torch.device("cpu"), compile_fn=lambda m: m, backward=True)
     assert list(checks) == ["flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
     for c in checks.values():
@@ -332,10 +332,10 @@ def test_gradient_comparison_of_the_cuda_checks(monkeypatch, model_check_config)
     cpu = torch.device("cpu")
     model = gpu_kernels.check_model(T, model_check_config, cpu)
     batches = gpu_kernels.check_batches(T, model_check_config, cpu)
-    with gpu_kernels.masks_of_kind(T, use_flex=False):
+    with gpu_kernels.masks_of_kind(model, use_flex=False):
         ref = gpu_kernels.model_outputs(model, model, batches, grads=True)
-        original = T.attention_mask
-        monkeypatch.setattr(T, "attention_mask", lambda ids, window, paired=False: original(ids, window + 1, paired))
+        original = kernels.attention_mask
+        monkeypatch.setattr(kernels, "attention_mask", lambda ids, window, paired=False: original(ids, window + 1, paired))
         bad = gpu_kernels.model_outputs(model, model, batches, grads=True)
     assert len(ref["loss"]) == 2 and not ref["logits"]
     assert [n for n, g in ref["grads"].items() if g is None] == ["embed.weight"]

@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import harness as H
 import conftest
+import kernels
 import train_gpt as T
 
 EOT = T.EOT_TOKEN
@@ -321,9 +322,9 @@ def test_flops_count_the_pairs_the_masks_allow(window):
     for i in range(cfg.n_layer):
         w = window[1] if i in short else window[0]
         if i in (0, 2):  # n_head/2 heads of d/n_head over 2L positions
-            brute += 12 * (d / 2) * T.attention_mask(torch.zeros(2 * L, dtype=torch.int64), w).sum().item() / L
+            brute += 12 * (d / 2) * kernels.attention_mask(torch.zeros(2 * L, dtype=torch.int64), w).sum().item() / L
         else:
-            brute += 12 * d * T.attention_mask(torch.zeros(L, dtype=torch.int64), w).sum().item() / L
+            brute += 12 * d * kernels.attention_mask(torch.zeros(L, dtype=torch.int64), w).sum().item() / L
     assert profile.per_position(window) - 6 * profile.n_matmul == pytest.approx(brute, rel=1e-12)
 
 
@@ -370,9 +371,9 @@ def test_paired_mask_is_the_mask_of_the_doubled_documents(window):
     the block build from bounds equals ``create_block_mask`` of it."""
     doc = T.latent_document_ids(random_tokens((2, 40, 1), seed=11, p_eot=0.1))
     doubled = doc.repeat_interleave(2, dim=1)
-    assert torch.equal(T.attention_mask(doc, window, paired=True), T.attention_mask(doubled, window))
-    ref = create_block_mask(T.mask_mod(doubled, window), 2, None, 80, 80, device="cpu", BLOCK_SIZE=16)
-    got = T.block_mask_from_bounds(doc, window, 16, paired=True)
+    assert torch.equal(kernels.attention_mask(doc, window, paired=True), kernels.attention_mask(doubled, window))
+    ref = create_block_mask(kernels.mask_mod(doubled, window), 2, None, 80, 80, device="cpu", BLOCK_SIZE=16)
+    got = kernels.block_mask_from_bounds(doc, window, 16, paired=True)
     assert torch.equal(got.to_dense(), ref.to_dense())
     assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks) and torch.equal(got.full_kv_num_blocks,
                                                                               ref.full_kv_num_blocks)
