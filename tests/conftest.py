@@ -3,7 +3,9 @@
 Everything the tests read is inside the repository: the real text is data/sample/ (English
 Wikipedia in GPT-2 token shards, see data/sample/README.md).
 """
+import functools
 import os
+import re
 import sys
 
 import numpy as np
@@ -13,6 +15,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 sys.path.insert(0, REPO)
+
+# pytest-xdist runs the suite in 2 worker processes (pytest.ini) on CI's 2 cores: one thread each, and
+# one for every process a test starts (the environment is inherited), so that no two fight over a core.
+# A test that needs another thread count sets OMP_NUM_THREADS in its subprocess's environment itself.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Flags that turn every architecture element of the presets off: the model before record #21's
 # architecture (plain causal attention, no value embeddings, skips or mixes), for tests whose
@@ -75,6 +84,35 @@ def loss_lines(text, kind="train_loss"):
             step = int(line.split()[0].split(":")[1].split("/")[0])
             out[step] = float(line.split(f"{kind}:")[1].split()[0])
     return out
+
+
+def shares_a_fixture(path):
+    """True if the test file defines a module- or session-scoped fixture (a trainer run that several of
+    its tests read, say)."""
+    with open(path, encoding="utf-8") as f:
+        return re.search(r'@pytest\.fixture\(scope="(module|package|session)"', f.read()) is not None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup (pytest.ini): a file that shares a fixture between its tests runs whole on one xdist
+    worker, so that the fixture is computed once, not once per worker; every other test goes alone to
+    whichever worker is free. The files come first, the most tests first (xdist's LoadScopeScheduling)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    root = str(config.rootpath)
+
+    class SharedFixtureFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return path if grouped(path) else nodeid
+
+    @functools.lru_cache(maxsize=None)
+    def grouped(path):
+        return shares_a_fixture(os.path.join(root, path))
+
+    return SharedFixtureFiles(config, log)
 
 
 @pytest.fixture

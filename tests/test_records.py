@@ -49,7 +49,8 @@ def fresh(tmp_path_factory):
         shutil.copyfile(os.path.join(REPO, name), tree / name)
     cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke_r21",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
-           "--num-iterations", "6", "--val-every", "3", "--val-tokens", "2048",
+           "--num-iterations", "6", "--val-every", "3", "--val-tokens", "1024",
+           "--batch-tokens", "512", "--micro-batch-seqs", "2",  # 2 micro-steps of 2 x 128 positions
            "--device", "cpu", "--no-compile", "--log-dir", str(root / "logs"), "--run-id", "fresh"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

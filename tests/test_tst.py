@@ -300,12 +300,19 @@ def test_phase_shapes_and_switch_step():
 # runs
 
 
+@pytest.fixture(scope="module")
+def plain_log(tmp_path_factory):
+    """The log of the tiny run without TST (one run for the three modes below)."""
+    root = tmp_path_factory.mktemp("off")
+    assert T.main(tiny_args(root, "--tst-frac", "0")) == 0
+    return read_log(root / "logs")
+
+
 @pytest.mark.parametrize("mode", ["full", "input", "output"])
-def test_bag_size_1_repeats_plain_training_bit_for_bit(tmp_path, mode):
-    assert T.main(tiny_args(tmp_path / "off", "--tst-frac", "0")) == 0
+def test_bag_size_1_repeats_plain_training_bit_for_bit(tmp_path, mode, plain_log):
     assert T.main(tiny_args(tmp_path / "s1", "--tst-bag-size", "1", "--tst-frac", "0.5",
                             "--tst-mode", mode)) == 0
-    off, s1 = read_log(tmp_path / "off" / "logs"), read_log(tmp_path / "s1" / "logs")
+    off, s1 = plain_log, read_log(tmp_path / "s1" / "logs")
     assert "tst_switch: step 4" in s1
     assert loss_lines(off) == loss_lines(s1) and len(loss_lines(off)) == 8
     assert loss_lines(off, "val_loss") == loss_lines(s1, "val_loss")
