@@ -443,7 +443,7 @@ def layers_past_end(cfg, lists):
     """
     named = dict(lists)
     for name in ("ve_layers", "skip_gate"):
-        named[name] = {int(t) for t in getattr(cfg, name).split(",") if t.strip().isdigit()}
+        named[name] = {int(t) for t in getattr(cfg, name).split(",") if t.strip().isdecimal()}
     named["attn_state_layer"] = {cfg.attn_state_layer + 1}
     return [flag_of(name) for name, found in named.items() if any(i >= cfg.n_layer for i in found)]
 
@@ -466,7 +466,7 @@ def skip_pair(cfg):
     if not cfg.skip_gate:
         return None
     entries = [t.strip() for t in cfg.skip_gate.split(",")]
-    if len(entries) != 2 or not all(t.isdigit() for t in entries):
+    if len(entries) != 2 or not all(t.isdecimal() for t in entries):
         raise ValueError("give two 0-based layer numbers 'a,b', e.g. 3,6")
     a, b = map(int, entries)
     if not a < b < cfg.n_layer:
@@ -498,8 +498,10 @@ def check_model89(cfg, need, no_attn):
         need(not idle, f"--{flag.replace('_', '-')} names layer(s) {idle} that --no-attn-layers leaves without "
              f"attention: drop them from one of the two")
     G = cfg.mudd_gates
-    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
+    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip),
          f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
+    need(not G or G <= skip[1], f"--mudd-gates {G}: give 1..{skip and skip[1]}; the skip's factor (--skip-gate "
+         f"{cfg.skip_gate!r}) comes from the second gate MLP, which must start by the skip's layer")
 
 
 def layer_set(text):
@@ -509,7 +511,7 @@ def layer_set(text):
         ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
     """
     entries = [t.strip() for t in text.split(",")] if text.strip() else []
-    if not all(t.isdigit() for t in entries):
+    if not all(t.isdecimal() for t in entries):
         raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
     layers = frozenset(map(int, entries))
     if len(layers) != len(entries):
