@@ -555,22 +555,26 @@ def check_eager_attention(cfg, use_compile, flex, device_bytes):
 
 
 def grad_accum_steps(cfg, world):
-    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
+    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches
+    (with --stages record89, stage 1's third of them too: a stage's batch is k thirds, k = 1, 2, 3).
 
     Raises:
         ConfigError: no even split; names the --micro-batch-seqs values that work, or, when no value
             can work with this many processes, the process counts that can.
     """
     seqs = cfg.batch_tokens // cfg.seq_len
-    if seqs % (cfg.micro_batch_seqs * world) == 0:
+    least = seqs // 3 if cfg.stages == "record89" else seqs  # the smallest step's sequences
+    if least % (cfg.micro_batch_seqs * world) == 0:
         return seqs // (cfg.micro_batch_seqs * world)
-    fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
+    what = (f"{least} sequences of stage 1's steps (--stages record89: a third of --batch-tokens / --seq-len)"
+            if least != seqs else f"{seqs} sequences of a step (--batch-tokens / --seq-len)")
+    fits = [m for m in range(1, least // world + 1) if least % (m * world) == 0]
     if fits:
         raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
-                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
-    counts = [w for w in range(1, min(seqs, 64) + 1) if seqs % w == 0]
-    raise ConfigError(f"{world} processes cannot share the {seqs} sequences of a step (--batch-tokens / --seq-len) "
-                      f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
+                          f"{what}; use one of {fits}")
+    counts = [w for w in range(1, min(least, 64) + 1) if least % w == 0]
+    raise ConfigError(f"{world} processes cannot share the {what} evenly, whatever --micro-batch-seqs; run with "
+                      f"a process count in {counts}")
 
 
 # Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the

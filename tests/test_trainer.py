@@ -193,6 +193,20 @@ def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
         H.grad_accum_steps(cfg, 2)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_record89_stages_split_stage_1s_third_of_the_batch_over_the_processes(world):
+    """cpu_smoke's stage 1 trains 1 of its 3 sequences: 2 or 3 processes are refused before the run, not by the
+    loader at step 1 (one traceback per rank)."""
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke"])
+    with pytest.raises(T.ConfigError, match=rf"^{world} processes cannot share the 1 sequences of stage 1's steps "
+                                            r".* run with a process count in \[1\]$"):
+        H.grad_accum_steps(cfg, world)
+    wide, _ = T.parse_config(["--preset", "cpu_smoke", "--batch-tokens", "4608", "--micro-batch-seqs", "2"])
+    with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 2 x 2 .* stage 1's .* use one of \[1\]$"):
+        H.grad_accum_steps(wide, 2)
+    assert H.grad_accum_steps(wide, 1) == 3  # the full batch's 6 sequences in micro-batches of 2
+
+
 # ---------------------------------------------------------------------------------------------
 # model
 
