@@ -773,6 +773,10 @@ def resolve_files(pattern, flag):
         raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
                         f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
     for f in files:  # a FIFO would block the first read, a folder fail it
+        if os.path.isdir(f) and f == pattern:  # a folder given for the glob: name the glob it meant
+            kind = "val" if "val" in flag else "train"
+            raise DataError(f"{flag} {pattern!r} is a folder; give a glob of its shard files, e.g. "
+                            f"'{os.path.join(f, f'*_{kind}_*.bin')}'")
         if not os.path.isfile(f):
             raise DataError(f"{f}: not a regular file (a folder, FIFO or device); {flag} must match shard files")
     return files

@@ -137,6 +137,17 @@ def test_empty_glob_names_the_flag(tmp_path):
         H.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
 
 
+def test_a_folder_for_the_glob_names_the_glob_it_meant_and_a_matched_folder_is_refused(tmp_path):
+    for flag, kind in (("--train-files", "train"), ("--val-files", "val")):
+        with pytest.raises(T.DataError) as e:
+            H.resolve_files(str(tmp_path), flag)
+        assert str(e.value) == f"{flag} {str(tmp_path)!r} is a folder; give a glob of its shard files, e.g. " \
+                               f"'{tmp_path}/*_{kind}_*.bin'"
+    (tmp_path / "x_train_000001.bin").mkdir()  # a folder the glob matches among the shards
+    with pytest.raises(T.DataError, match=r"x_train_000001.bin: not a regular file .* --train-files must match"):
+        H.resolve_files(str(tmp_path / "*_train_*.bin"), "--train-files")
+
+
 def test_token_stream_reads_across_shards_and_wraps(shard_dir):
     files = sorted(str(p) for p in shard_dir.glob("t_train_*.bin"))
     stream = T.TokenStream(files, wrap=True)
