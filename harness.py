@@ -443,7 +443,7 @@ def layers_past_end(cfg, lists):
     """
     named = dict(lists)
     for name in ("ve_layers", "skip_gate"):
-        named[name] = {int(t) for t in getattr(cfg, name).split(",") if t.strip().isdigit()}
+        named[name] = {int(t) for t in getattr(cfg, name).split(",") if t.strip().isdecimal()}
     named["attn_state_layer"] = {cfg.attn_state_layer + 1}
     return [flag_of(name) for name, found in named.items() if any(i >= cfg.n_layer for i in found)]
 
@@ -466,7 +466,7 @@ def skip_pair(cfg):
     if not cfg.skip_gate:
         return None
     entries = [t.strip() for t in cfg.skip_gate.split(",")]
-    if len(entries) != 2 or not all(t.isdigit() for t in entries):
+    if len(entries) != 2 or not all(t.isdecimal() for t in entries):
         raise ValueError("give two 0-based layer numbers 'a,b', e.g. 3,6")
     a, b = map(int, entries)
     if not a < b < cfg.n_layer:
@@ -498,8 +498,10 @@ def check_model89(cfg, need, no_attn):
         need(not idle, f"--{flag.replace('_', '-')} names layer(s) {idle} that --no-attn-layers leaves without "
              f"attention: drop them from one of the two")
     G = cfg.mudd_gates
-    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip and 0 < G <= skip[1]),
+    need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip),
          f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
+    need(not G or G <= skip[1], f"--mudd-gates {G}: give 1..{skip and skip[1]}; the skip's factor (--skip-gate "
+         f"{cfg.skip_gate!r}) comes from the second gate MLP, which must start by the skip's layer")
 
 
 def layer_set(text):
@@ -509,7 +511,7 @@ def layer_set(text):
         ValueError: an entry is not a non-negative integer (an empty one included), or repeats.
     """
     entries = [t.strip() for t in text.split(",")] if text.strip() else []
-    if not all(t.isdigit() for t in entries):
+    if not all(t.isdecimal() for t in entries):
         raise ValueError("give 0-based layer numbers separated by commas, e.g. 1,2,5 (no empty entry)")
     layers = frozenset(map(int, entries))
     if len(layers) != len(entries):
@@ -553,22 +555,26 @@ def check_eager_attention(cfg, use_compile, flex, device_bytes):
 
 
 def grad_accum_steps(cfg, world):
-    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches.
+    """Micro-batches per process per step: the step's sequences split evenly over processes and micro-batches
+    (with --stages record89, stage 1's third of them too: a stage's batch is k thirds, k = 1, 2, 3).
 
     Raises:
         ConfigError: no even split; names the --micro-batch-seqs values that work, or, when no value
             can work with this many processes, the process counts that can.
     """
     seqs = cfg.batch_tokens // cfg.seq_len
-    if seqs % (cfg.micro_batch_seqs * world) == 0:
+    least = seqs // 3 if cfg.stages == "record89" else seqs  # the smallest step's sequences
+    if least % (cfg.micro_batch_seqs * world) == 0:
         return seqs // (cfg.micro_batch_seqs * world)
-    fits = [m for m in range(1, seqs // world + 1) if seqs % (m * world) == 0]
+    what = (f"{least} sequences of stage 1's steps (--stages record89: a third of --batch-tokens / --seq-len)"
+            if least != seqs else f"{seqs} sequences of a step (--batch-tokens / --seq-len)")
+    fits = [m for m in range(1, least // world + 1) if least % (m * world) == 0]
     if fits:
         raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
-                          f"{seqs} sequences of a step (--batch-tokens / --seq-len); use one of {fits}")
-    counts = [w for w in range(1, min(seqs, 64) + 1) if seqs % w == 0]
-    raise ConfigError(f"{world} processes cannot share the {seqs} sequences of a step (--batch-tokens / --seq-len) "
-                      f"evenly, whatever --micro-batch-seqs; run with a process count in {counts}")
+                          f"{what}; use one of {fits}")
+    counts = [w for w in range(1, min(least, 64) + 1) if least % w == 0]
+    raise ConfigError(f"{world} processes cannot share the {what} evenly, whatever --micro-batch-seqs; run with "
+                      f"a process count in {counts}")
 
 
 # Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the
@@ -767,6 +773,10 @@ def resolve_files(pattern, flag):
         raise DataError(f"{flag} {pattern!r}: no file matches; download shards with "
                         f"`python data/cached_fineweb10B.py` or point {flag} (or DATA_DIR for run.sh) at shards")
     for f in files:  # a FIFO would block the first read, a folder fail it
+        if os.path.isdir(f) and f == pattern:  # a folder given for the glob: name the glob it meant
+            kind = "val" if "val" in flag else "train"
+            raise DataError(f"{flag} {pattern!r} is a folder; give a glob of its shard files, e.g. "
+                            f"'{os.path.join(f, f'*_{kind}_*.bin')}'")
         if not os.path.isfile(f):
             raise DataError(f"{f}: not a regular file (a folder, FIFO or device); {flag} must match shard files")
     return files

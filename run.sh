@@ -42,6 +42,12 @@ if [ -n "${NPROC:-}" ]; then
     nproc=$NPROC
 fi
 sample_note=""
+if [ -n "${DATA_DIR:-}" ] && [ ! -d "$DATA_DIR" ]; then
+    what=$([ -e "$DATA_DIR" ] && echo "is not a folder" || echo "does not exist")
+    echo "run.sh: DATA_DIR=$DATA_DIR $what; point it at a folder of *_train_*.bin / *_val_*.bin shards$([ "$n_gpus" -eq 0 ] \
+        && echo " or unset it for the repository's sample" || echo " (an empty folder gets FineWeb downloaded into it)")" >&2
+    exit 2
+fi
 if [ -z "${DATA_DIR:-}" ]; then
     if [ "$n_gpus" -eq 0 ]; then
         DATA_DIR=data/sample
@@ -54,7 +60,13 @@ fi
 shopt -s nullglob
 train_shards=("$DATA_DIR"/*_train_*.bin)
 val_shards=("$DATA_DIR"/*_val_*.bin)
-if [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ]; then
+if [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ] && [ "$n_gpus" -eq 0 ]; then
+    # the CPU preset trains on the shards it is given: no download behind the user's back
+    echo "run.sh: no *_train_*.bin / *_val_*.bin shards in $DATA_DIR; add some (python data/cached_fineweb10B.py 1" \
+         "--local-dir '$DATA_DIR' downloads FineWeb's; data/tokenize_text.py makes them from text) or unset DATA_DIR" \
+         "for the repository's sample" >&2
+    exit 2
+elif [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ]; then
     need=$("$PYTHON" - "$preset" "$@" <<'PY'
 import sys
 import train_gpt as T
@@ -80,6 +92,20 @@ echo "run.sh: preset $preset, $([ "$nproc" -le 1 ] && echo "1 process" || echo "
 if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"
 fi
+# a process count that cannot split the batch: one line here rather than one per rank and torchrun's report
+"$PYTHON" - "$nproc" "${args[@]}" >/dev/null <<'PY' || exit 2
+import sys
+import harness
+import train_gpt as T
+try:
+    cfg, _ = T.parse_config(sys.argv[2:])
+except T.ConfigError as e:
+    sys.exit(f"train_gpt.py: error: {e}")
+try:
+    harness.grad_accum_steps(cfg, int(sys.argv[1]))
+except T.ConfigError as e:
+    sys.exit(f"run.sh: NPROC={sys.argv[1]}: {e}")
+PY
 
 # torchrun exits 1 whatever its workers did: each rank leaves its exit status in a folder (harness.py,
 # TRAIN_GPT_EXIT_CODE_DIR); torchrun runs in its own session so that a Ctrl-C reaches it once, from here,
@@ -87,12 +113,13 @@ fi
 TRAIN_GPT_EXIT_CODE_DIR=$(mktemp -d)
 export TRAIN_GPT_EXIT_CODE_DIR
 signalled=""
-# torchrun's own traceback for the signal it was sent (SignalException) says nothing: drop that one
-# block of its stderr, pass every other line on as it comes (the ranks' lines included)
+# torchrun's own traceback for the signal it was sent (SignalException) or for a failed rank (ChildFailedError:
+# the rank said why, and torchrun's report after it names the exit codes) says nothing: drop that one block of
+# its stderr, pass every other line on as it comes (the ranks' lines included)
 drop_signal_traceback() {
     awk '/^Traceback \(most recent call last\):$/ { block = $0 "\n"; held = 1; next }
          held { block = block $0 "\n"
-                if ($0 != "" && $0 !~ /^ /) { if ($0 !~ /SignalException: /) printf "%s", block; held = 0; fflush() }
+                if ($0 != "" && $0 !~ /^ /) { if ($0 !~ /(SignalException|ChildFailedError): /) printf "%s", block; held = 0; fflush() }
                 next }
          { print; fflush() }
          END { if (held) printf "%s", block }'

@@ -36,9 +36,15 @@ CASES = [
     (["--rope-half", "--model-dim", "120", "--n-head", "4"], ["--rope-half", "multiple of 4"]),
     (["--bigram-vocab", "-1"], ["--bigram-vocab must be >= 0"]),
     (["--bigram-dim", "9999"], ["--bigram-dim 9999 exceeds --model-dim 128"]),
-    (["--mudd-gates", "99"], ["--mudd-gates 99", "b >= 99"]),
+    (["--mudd-gates", "99"], ["--mudd-gates 99: give 1..2", "--skip-gate '1,2'"]),  # 4 layers: no b >= 99
+    (["--mudd-gates", "3"], ["--mudd-gates 3: give 1..2"]),
+    (["--skip-gate", "", "--no-mudd"], ["--mudd-gates 2 needs", "--skip-gate 'a,b' with b >= 2"]),
     (["--attn-state-layer", "50"], ["--attn-state-layer 50", "below the last layer (3)"]),
     (["--xsa-layers", "x"], ["--xsa-layers 'x'", "0-based layer numbers"]),
+    # a digit that int() does not read (superscript two) is a bad entry like any other
+    (["--xsa-layers", "\u00b2"], ["--xsa-layers '\u00b2'", "0-based layer numbers"]),
+    (["--ve-layers", "1,\u00b2"], ["--ve-layers '1,\u00b2'", "0-based layer numbers"]),
+    (["--skip-gate", "1,\u00b2"], ["--skip-gate '1,\u00b2'", "two 0-based layer numbers"]),
     (["--attn-gate-layers", "1", "--model-dim", "8", "--n-head", "2", "--no-smear"], ["--attn-gate-layers", ">= 12"]),
     (["--smear", "--model-dim", "8", "--n-head", "2"], ["--smear reads 12 channels: --model-dim >= 12"]),
     (["--no-attn-layers", "0", "--attn-gate-layers", "3"], ["--bigram-vocab", "drop 0 from --no-attn-layers"]),

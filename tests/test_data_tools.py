@@ -1150,6 +1150,34 @@ def test_run_sh_with_data_dir_set_uses_it(tmp_path):
     assert "data/sample" not in res.stderr
 
 
+@pytest.mark.parametrize("kind, says", [("file", "is not a folder"), ("missing", "does not exist"),
+                                         ("empty", "no *_train_*.bin / *_val_*.bin shards in")])
+def test_run_sh_refuses_a_data_dir_without_shards_in_one_line_and_downloads_nothing(tmp_path, kind, says):
+    """Without a GPU a DATA_DIR that is a file, missing, or holds no shards is one refusal line (exit 2), started
+    from another folder with a relative path; no download is tried and nothing is created there."""
+    if kind == "file":
+        (tmp_path / "my data").write_text("x")
+    elif kind == "empty":
+        (tmp_path / "my data").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "DATA_DIR"} | {"CUDA_VISIBLE_DEVICES": "", "DATA_DIR": "my data"}
+    res = subprocess.run(["bash", os.path.join(REPO, "run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith("run.sh: ") and says in line and str(tmp_path / "my data") in line, line
+    assert "unset" in line and "Traceback" not in res.stdout + res.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ([] if kind == "missing" else ["my data"])
+
+
+def test_run_sh_refuses_a_process_count_that_cannot_split_the_batch_in_one_line(tmp_path):
+    res = _run_sh(tmp_path, {"NPROC": "3", "OMP_NUM_THREADS": "1"}, "--log-dir", str(tmp_path / "logs"))
+    assert res.returncode == 2, res.stderr
+    assert [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")] == [
+        "run.sh: NPROC=3: 3 processes cannot share the 1 sequences of stage 1's steps (--stages record89: a third of "
+        "--batch-tokens / --seq-len) evenly, whatever --micro-batch-seqs; run with a process count in [1]"], res.stderr
+    assert not (tmp_path / "logs").exists()  # refused before torchrun started a rank
+
+
 def test_trainer_start_up_refuses_what_check_shards_refuses(tmp_path):
     """harness.check_shard_tokens (the trainer's start-up scan, before step 0) and data/shard_format's
     rule agree on random streams with runs near the limit, runs across the scan's chunk edges,

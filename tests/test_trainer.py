@@ -137,6 +137,17 @@ def test_empty_glob_names_the_flag(tmp_path):
         H.resolve_files(str(tmp_path / "nothing_*.bin"), "--train-files")
 
 
+def test_a_folder_for_the_glob_names_the_glob_it_meant_and_a_matched_folder_is_refused(tmp_path):
+    for flag, kind in (("--train-files", "train"), ("--val-files", "val")):
+        with pytest.raises(T.DataError) as e:
+            H.resolve_files(str(tmp_path), flag)
+        assert str(e.value) == f"{flag} {str(tmp_path)!r} is a folder; give a glob of its shard files, e.g. " \
+                               f"'{tmp_path}/*_{kind}_*.bin'"
+    (tmp_path / "x_train_000001.bin").mkdir()  # a folder the glob matches among the shards
+    with pytest.raises(T.DataError, match=r"x_train_000001.bin: not a regular file .* --train-files must match"):
+        H.resolve_files(str(tmp_path / "*_train_*.bin"), "--train-files")
+
+
 def test_token_stream_reads_across_shards_and_wraps(shard_dir):
     files = sorted(str(p) for p in shard_dir.glob("t_train_*.bin"))
     stream = T.TokenStream(files, wrap=True)
@@ -191,6 +202,20 @@ def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
     cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--micro-batch-seqs", "3"])
     with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 3 x 2 .* use one of \[1, 2, 4, 8\]"):
         H.grad_accum_steps(cfg, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_record89_stages_split_stage_1s_third_of_the_batch_over_the_processes(world):
+    """cpu_smoke's stage 1 trains 1 of its 3 sequences: 2 or 3 processes are refused before the run, not by the
+    loader at step 1 (one traceback per rank)."""
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke"])
+    with pytest.raises(T.ConfigError, match=rf"^{world} processes cannot share the 1 sequences of stage 1's steps "
+                                            r".* run with a process count in \[1\]$"):
+        H.grad_accum_steps(cfg, world)
+    wide, _ = T.parse_config(["--preset", "cpu_smoke", "--batch-tokens", "4608", "--micro-batch-seqs", "2"])
+    with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 2 x 2 .* stage 1's .* use one of \[1\]$"):
+        H.grad_accum_steps(wide, 2)
+    assert H.grad_accum_steps(wide, 1) == 3  # the full batch's 6 sequences in micro-batches of 2
 
 
 # ---------------------------------------------------------------------------------------------
