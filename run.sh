@@ -42,10 +42,16 @@ if [ -n "${NPROC:-}" ]; then
     nproc=$NPROC
 fi
 sample_note=""
-if [ -n "${DATA_DIR:-}" ] && [ ! -d "$DATA_DIR" ]; then
-    what=$([ -e "$DATA_DIR" ] && echo "is not a folder" || echo "does not exist")
+# a DATA_DIR that is a file, or (without a GPU, where nothing is downloaded) a missing folder: one line
+what=""
+if [ -n "${DATA_DIR:-}" ] && [ -e "$DATA_DIR" ] && [ ! -d "$DATA_DIR" ]; then
+    what="is not a folder"
+elif [ -n "${DATA_DIR:-}" ] && [ ! -e "$DATA_DIR" ] && [ "$n_gpus" -eq 0 ]; then
+    what="does not exist"
+fi
+if [ -n "$what" ]; then
     echo "run.sh: DATA_DIR=$DATA_DIR $what; point it at a folder of *_train_*.bin / *_val_*.bin shards$([ "$n_gpus" -eq 0 ] \
-        && echo " or unset it for the repository's sample" || echo " (an empty folder gets FineWeb downloaded into it)")" >&2
+        && echo " or unset it for the repository's sample" || echo " (a missing or empty one gets FineWeb downloaded into it)")" >&2
     exit 2
 fi
 if [ -z "${DATA_DIR:-}" ]; then
