@@ -10,8 +10,8 @@
 # Under torchrun, a signal gives every rank SHUTDOWN_TIMEOUT seconds (default 120) to finish its step, write
 # the checkpoint (--save-on-interrupt) and close the log before torchrun kills it.
 set -euo pipefail
-if [ -n "${DATA_DIR:-}" ] && [[ "$DATA_DIR" != /* ]]; then
-    DATA_DIR="$PWD/$DATA_DIR"  # a relative DATA_DIR is relative to where run.sh was started
+if [ -n "${DATA_DIR:-}" ] && [[ "$DATA_DIR" != /* ]]; then  # relative to where run.sh was started
+    if [ -d "$DATA_DIR" ]; then DATA_DIR=$(cd "$DATA_DIR" && pwd); else DATA_DIR="$PWD/$DATA_DIR"; fi
 fi
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
