@@ -364,7 +364,7 @@ def test_a_three_bag_size_schedule_compiles_every_graph_before_the_clock(tmp_pat
     assert summary["graphs_compiled_during_training"] == 0
     text = read_log(tmp_path / "logs", "b3")
     assert "compile: warm-up of 3 phase graph(s)" in text
-    assert "stage: step 2: phase 1 -> 1 (bag_size 8 -> 4" in text and "tst_switch: step 4: phase 1 -> 2" in text
+    assert "stage: step 2: bag_size 8 -> 4;" in text and "tst_switch: step 4: phase 1 -> 2" in text
     seq, steps = 32, 256 // 32  # raw tokens per step: sequences x advance (L * s in phase 1)
     assert summary["raw_tokens"] == 2 * steps * seq * 8 + 2 * steps * seq * 4 + 2 * steps * seq
     assert T.train_tokens_needed(T.parse_config(tiny_args(tmp_path, "--num-iterations", "6"))[0]) == \
