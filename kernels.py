@@ -1,8 +1,8 @@
 """Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce,
 attention masks (one mask definition for FlexAttention and SDPA).
 
-Each is exact math with a float64 reference test (tests/test_objectives.py, test_fp8.py,
-test_grad_allreduce.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
+Each is exact math with a reference test (tests/test_objectives.py, test_fp8.py, test_grad_allreduce.py,
+test_attention.py, test_block_mask.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
 """
 import math
 import weakref
