@@ -1437,18 +1437,64 @@ def compiled_graphs():
 # ----------------------------------------------------------------------------------------------
 # Processes, signals, main
 
-def setup_runtime(cfg):
-    """Pick the device and join the process group when launched by torchrun.
+def check_start(cfg, world):
+    """The start-up checks every rank of a ``world``-process run makes alike, before its process group forms:
+    the device, the batch's split over the processes, the data files. Cheap (no model, no GPU memory): run.sh
+    runs them once before torchrun starts (``preflight``), so that a refusal is one line.
+
+    Returns:
+        ``(device kind "cuda" or "cpu", micro-batches per process, find_data's files)``.
+
+    Raises:
+        ConfigError: --device cuda without a visible CUDA device, or a batch that does not split
+            (``grad_accum_steps``).
+        DataError: a glob that matches nothing or names a folder, or train files holding a val
+            file's content (``find_data``).
+    """
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    return kind, grad_accum_steps(cfg, world), find_data(cfg)
+
+
+def preflight(argv, trainer, world):
+    """The flags, read as the trainer reads them, and ``check_start`` for ``world`` processes, in this one
+    process: run.sh's check before torchrun, so that a refusal is one line rather than one per rank and
+    torchrun's report.
+
+    Args:
+        argv: the trainer's command-line words (the preset included).
+        trainer: the ``Trainer`` whose flags they are.
+        world: the number of processes torchrun will start.
+
+    Returns:
+        0, or 2 after printing the refusal's one line on stderr (a split over the processes that
+        cannot work is named as ``NPROC=<world>``, run.sh's variable).
+
+    Raises:
+        SystemExit: argparse's own refusal (its one line already printed), exit status 2.
+    """
+    who = f"{trainer.name}: error"
+    try:
+        cfg, _ = parse_config(argv, trainer)
+        who = f"run.sh: NPROC={world}"  # the process count is run.sh's
+        grad_accum_steps(cfg, world)
+        who = f"{trainer.name}: error"
+        check_start(cfg, world)
+    except (ConfigError, DataError) as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def setup_runtime(cfg, kind, accum):
+    """Take the device (``kind``, from ``check_start``) and join the process group when launched by torchrun.
 
     The device index comes from LOCAL_RANK (multi-node safe); NCCL on CUDA, gloo on CPU, with
     a timeout so a rank that died never leaves the others hanging in a collective.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-    accum = grad_accum_steps(cfg, world)
     device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(device)
@@ -1690,14 +1736,12 @@ class RunLock:
                 pass
 
 
-def start(cfg, trainer):
-    """Everything that can be refused before a file is written: runtime, data files, resume, run id,
-    folders, and the run's lock (rank 0; None on other ranks). Returns ``(rt, data, resume, run_id, lock)``."""
-    rt = setup_runtime(cfg)
+def start(cfg, trainer, rt, data):
+    """What can be refused after ``check_start`` and before a file is written: eager attention's memory, the
+    resume, the run id, folders, and the run's lock (rank 0; None on other ranks). Returns ``(resume, run_id, lock)``."""
     if rt.device.type == "cuda" and trainer.flex_attention is not None:
         check_eager_attention(cfg, rt.compile, trainer.flex_attention(cfg),
                               torch.cuda.get_device_properties(rt.device).total_memory)
-    data = find_data(cfg)
     # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
     lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
     try:
@@ -1711,7 +1755,7 @@ def start(cfg, trainer):
         if lock is not None:
             lock.release()
         raise
-    return rt, data, resume, run_id, lock
+    return resume, run_id, lock
 
 
 def main(argv, trainer):
@@ -1721,27 +1765,36 @@ def main(argv, trainer):
     checkpoint folders, the run's lock) is checked before the log is created; from then on any
     failure closes the log with ``status:incomplete`` and the reason. Exit 2 for a refusal,
     130 for a signal (SIGINT/SIGTERM, handled at safe points), 1 for a failure of the run.
+    Under torchrun a start-up refusal that every rank makes alike is said by rank 0 alone.
     """
-    log, lock, rank, stop, handlers = None, None, os.environ.get("RANK", "0"), {"signal": None}, {}
-    status, reason, code = "incomplete", None, 1
+    log, lock, rank, stop, handlers = None, None, int(os.environ.get("RANK", "0")), {"signal": None}, {}
+    status, reason, code, world = "incomplete", None, 1, int(os.environ.get("WORLD_SIZE", "1"))
+    alike = True  # a refusal here is every rank's: the others keep quiet
     try:
-        cfg, preset = parse_config(argv, trainer)
+        if world > 1:  # torchrun's SIGTERM, sent when another rank refused, waits for rank 0's line
+            handlers = install_stop_handlers(stop)
+        with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():  # argparse's line
+            cfg, preset = parse_config(argv, trainer)
         known = build_parser(trainer).parse_known_args(argv)[0]
         if known.describe:
             print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
             return 0
         stop["save"] = cfg.save_on_interrupt
-        handlers = install_stop_handlers(stop)
-        rt, data, resume, run_id, lock = start(cfg, trainer)
-        rank = rt.rank
+        handlers = handlers or install_stop_handlers(stop)
+        kind, accum, data = check_start(cfg, world)
+        alike = False  # a rank that cannot join the process group says so itself
+        rt = setup_runtime(cfg, kind, accum)
+        rank, alike = rt.rank, True
+        resume, run_id, lock = start(cfg, trainer, rt, data)
         log = RunLog(cfg, rt, run_id, resume=resume is not None)
+        alike = False  # from here a failure may be one rank's own (a read error in training)
         status, reason = trainer.train(cfg, rt, log, data, preset, resume, stop)
         code = {"complete": 0, "stopped_early": 0, "interrupted": 130}.get(status, 1)
     except SystemExit as e:  # --help, or argparse's own exit
         code = e.code if isinstance(e.code, int) else 1
         raise
     except BaseException as e:
-        status, reason, code = "incomplete", *failure(e, rank, stop, log, trainer.name)
+        status, reason, code = "incomplete", *failure(e, rank, stop, log, trainer.name, quiet=alike and rank != 0)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -1757,8 +1810,9 @@ def main(argv, trainer):
     return code
 
 
-def failure(err, rank, stop, log, name):
-    """``(reason, exit code)`` of an exception that ended ``main``, its one line printed on stderr.
+def failure(err, rank, stop, log, name, quiet=False):
+    """``(reason, exit code)`` of an exception that ended ``main``, its one line printed on stderr (not for a
+    refusal when ``quiet``: a rank other than 0 whose refusal rank 0 makes alike).
 
     A refusal (ConfigError, DataError) exits 2, a non-finite loss 1, a signal 130: a StopRequested
     or KeyboardInterrupt anywhere in the cause chain, or any error after a stop signal came (a
@@ -1771,7 +1825,8 @@ def failure(err, rank, stop, log, name):
     """
     if isinstance(err, (ConfigError, DataError, FloatingPointError)):
         reason = f"rank {rank}: {err}"
-        print(f"{name}: error: {reason}", file=sys.stderr)
+        if not quiet:
+            print(f"{name}: error: {reason}", file=sys.stderr)
         return reason, 1 if isinstance(err, FloatingPointError) else 2
     interrupt = interrupt_in_chain(err)
     if interrupt is not None or stop["signal"] is not None:

@@ -98,20 +98,10 @@ echo "run.sh: preset $preset, $([ "$nproc" -le 1 ] && echo "1 process" || echo "
 if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"
 fi
-# a process count that cannot split the batch: one line here rather than one per rank and torchrun's report
-"$PYTHON" - "$nproc" "${args[@]}" >/dev/null <<'PY' || exit 2
-import sys
-import harness
-import train_gpt as T
-try:
-    cfg, _ = T.parse_config(sys.argv[2:])
-except T.ConfigError as e:
-    sys.exit(f"train_gpt.py: error: {e}")
-try:
-    harness.grad_accum_steps(cfg, int(sys.argv[1]))
-except T.ConfigError as e:
-    sys.exit(f"run.sh: NPROC={sys.argv[1]}: {e}")
-PY
+# the flags and the start-up checks every rank would make (harness.preflight), once here: a refusal is one line
+# rather than one per rank and torchrun's report
+"$PYTHON" -c 'import sys, harness, train_gpt as T; sys.exit(harness.preflight(sys.argv[2:], T.TRAINER, int(sys.argv[1])))' \
+    "$nproc" "${args[@]}" >/dev/null || exit $?
 
 # torchrun exits 1 whatever its workers did: each rank leaves its exit status in a folder (harness.py,
 # TRAIN_GPT_EXIT_CODE_DIR); torchrun runs in its own session so that a Ctrl-C reaches it once, from here,

@@ -636,7 +636,7 @@ class Block(nn.Module):
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
-        static = has_attn and not (cfg.mudd and layer == cfg.n_layer - 1)  # MUDD's layer: gates come per token
+        static = injects(cfg, layer)  # not MUDD's layer: MUDD gives its gates and lambdas per token
         const = static and not cfg.mudd_gates  # --mudd-gates: the x0 and bigram gates come per token
         self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary, layer) if has_attn else None
         self.mlp = MLP(cfg)
@@ -679,12 +679,18 @@ GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5}  # record #85's gate la
 VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads (HEAD)
 
 
+def injects(cfg, layer):
+    """Whether ``layer`` adds x0 and the bigram after attention by its own gates (a scalar, or a --mudd-gates
+    lane): it has attention and is not --mudd's last layer, whose gates MUDD gives per token (record #89, HEAD)."""
+    return layer not in layer_set(cfg.no_attn_layers) and not (cfg.mudd and layer == cfg.n_layer - 1)
+
+
 def gate_lanes(cfg):
     """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
     --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
     x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), and (second) the skip's factor."""
-    no_attn, G, H, n = layer_set(cfg.no_attn_layers), cfg.mudd_gates, cfg.n_head, cfg.n_layer
-    inject = [i for i in range(n) if i not in no_attn and not (cfg.mudd and i == n - 1)]
+    G, H = cfg.mudd_gates, cfg.n_head
+    inject = [i for i in range(cfg.n_layer) if injects(cfg, i)]
     lanes = ([], [])
     for kind, layers, w in (("xsa", layer_set(cfg.xsa_layers), H), ("attn", layer_set(cfg.attn_gate_layers), H)):
         for i in sorted(layers):

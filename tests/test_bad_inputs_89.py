@@ -107,3 +107,26 @@ def test_cli_exits_2_with_one_line(extra):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: ") and extra[0] in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("bad, says", [(["--train-files", "nowhere/*_train_*.bin"], "'nowhere/*_train_*.bin'"),
+                                       (["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+                                       (["--seq-len", "abc"], "argument --seq-len: invalid int value")],
+                         ids=["glob", "value", "argparse"])
+def test_under_torchrun_rank_0_alone_says_a_refusal_every_rank_makes(monkeypatch, capsys, bad, says):
+    """A start-up refusal that every rank makes alike (the flags, harness.check_start): rank 0's one line, the
+    other ranks exit 2 silently (torchrun would otherwise print one line per rank)."""
+    argv = [*SMOKE, "--batch-tokens", "4608", "--micro-batch-seqs", "1", "--log-dir", "/nonexistent/logs", *bad]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        try:
+            code = T.main(argv)
+        except SystemExit as e:  # argparse's own refusal
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        if rank == "1":
+            assert err == [], err
+        else:
+            assert len(err) == 1 and err[0].startswith("train_gpt.py: error: ") and says in err[0], err

@@ -1178,6 +1178,26 @@ def test_run_sh_refuses_a_process_count_that_cannot_split_the_batch_in_one_line(
     assert not (tmp_path / "logs").exists()  # refused before torchrun started a rank
 
 
+@pytest.mark.parametrize("bad, names", [(["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+                                        (["--train-files", "nowhere/*_train_*.bin"], "'nowhere/*_train_*.bin'")],
+                         ids=["flag", "glob"])
+def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names):
+    """NPROC=2: a bad flag value or a --train-files glob that matches nothing is the trainer's one line, said
+    once by run.sh's pre-flight (harness.preflight), exit 2; torchrun is never started (no rank's line, no report)."""
+    calls, python = tmp_path / "calls", tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\nexec "{sys.executable}" "$@"\n')  # records each start
+    python.chmod(0o755)
+    splits = ["--batch-tokens", "4608", "--micro-batch-seqs", "1"]  # 2 sequences in stage 1: 1 per process
+    res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, *splits,
+                  "--log-dir", str(tmp_path / "logs"), *bad)
+    assert res.returncode == 2, res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")]
+    assert line.startswith("train_gpt.py: error: ") and names in line and ": rank " not in line, res.stderr
+    assert "-c import sys, harness" in calls.read_text()  # the pre-flight ran ...
+    assert "torch.distributed.run" not in calls.read_text() and "FAILED" not in res.stdout + res.stderr  # ... alone
+    assert not (tmp_path / "logs").exists()
+
+
 def test_trainer_start_up_refuses_what_check_shards_refuses(tmp_path):
     """harness.check_shard_tokens (the trainer's start-up scan, before step 0) and data/shard_format's
     rule agree on random streams with runs near the limit, runs across the scan's chunk edges,

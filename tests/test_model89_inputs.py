@@ -369,3 +369,31 @@ def test_record_shape_parameter_count_on_meta_by_hand():
     assert sum(p.numel() for p in model.parameters()) == total
     assert attn == len(attn_layers) * 4 * d * d  # with --mudd-gates, XSA and output gates own no parameters
     assert total == 635_783_300 - 2 * 9 + 2 * 64 * d + 2 * 29 * 64 + 2 * 29 + 1  # what --describe prints
+
+
+@pytest.mark.parametrize("argv", [["--preset", "cpu_smoke"], ["--preset", "cpu_smoke", "--no-mudd"],
+                                  ["--preset", "cpu_smoke", "--mudd-gates", "0"], ["--preset", "baseline_h200"],
+                                  ["--preset", "baseline_h200", "--no-mudd"]], ids=" ".join)
+def test_each_attention_layer_takes_its_x0_and_bigram_gates_from_one_place(argv):
+    """An attention layer's x0 and bigram gates come from exactly one of: its own scalar (Block), a lane of the
+    --mudd-gates MLPs (gate_lanes), MUDD's per-token coefficients (--mudd's last layer); a layer without
+    attention has none. Built on the meta device (baseline_h200 has 635M parameters)."""
+    cfg, _ = T.parse_config(argv)
+    with torch.device("meta"):
+        model = T.GPT(cfg)
+    lanes = {(i, kind) for side in T.gate_lanes(cfg) for i, kind, _ in side}
+    n_attn = 0
+    for i, block in enumerate(model.blocks):
+        has_attn = block.attn is not None
+        n_attn += has_attn
+        for kind in ("x0", "bigram"):
+            sources = {"scalar": getattr(block, f"{kind}_gate") is not None,
+                       "lane": cfg.mudd_gates > 0 and (i, kind) in lanes,
+                       "mudd": has_attn and cfg.mudd and i == cfg.n_layer - 1}
+            assert sum(sources.values()) == has_attn, (i, kind, sources)
+        assert has_attn or not any(i == j for j, _ in lanes)  # no lane for a layer without attention
+    # the lanes name every attention layer but MUDD's: without --mudd-gates these own the scalars instead
+    listed = {i for i, kind in lanes if kind == "x0"}
+    assert len(listed) == n_attn - cfg.mudd
+    owners = {i for i, b in enumerate(model.blocks) if b.x0_gate is not None}
+    assert owners == (set() if cfg.mudd_gates else listed)
