@@ -1143,6 +1143,8 @@ class RunLog:
             if resume and os.path.exists(path):
                 if os.path.exists(json_path):
                     self.summary = self._read_summary(json_path)
+                if "final_val_loss" in self.summary:  # going on again: not final (an older trainer's name)
+                    self.summary["last_val_loss"] = self.summary.pop("final_val_loss")
                 self.file = open(path, "a", encoding="utf-8")
             else:
                 self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
@@ -1261,13 +1263,28 @@ def peak_memory_mib(rt):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def log_summary(run, end_step, compile_ms):
+def log_summary(run, end_step, compile_ms, complete):
+    """The summary line and JSON fields of a run that reached ``end_step``.
+
+    Args:
+        run: the trainer's run (``log``, ``rt``, ``progress``, ``loader``).
+        end_step: the steps done.
+        compile_ms: the warm-up's time.
+        complete: True when ``end_step`` is the run's last step: its last val loss (always at that
+            step) becomes ``final_val_loss``; a run stopped early by --max-steps names it
+            ``last_val_loss`` with its ``val_step`` instead, so that no earlier loss reads as a final one.
+    """
     p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
     log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=p.flops / max(p.positions, 1),
                train_epochs=round(run.loader.position / run.loader.stream.total, 4),
                peak_memory_mib=round(peak, 1), world_size=run.rt.world)
+    if complete and "last_val_loss" in log.summary:
+        log.summary["final_val_loss"] = log.summary.pop("last_val_loss")
+    nan = float("nan")
+    val = (f"final_val_loss:{log.summary.get('final_val_loss', nan):.4f}" if complete else
+           f"last_val_loss:{log.summary.get('last_val_loss', nan):.4f} val_step:{log.summary.get('val_step')}")
     log.line(SEPARATOR)
-    log.line(f"summary: final_val_loss:{log.summary.get('final_val_loss', float('nan')):.4f} "
+    log.line(f"summary: {val} "
              f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
              f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
              f"compile_time:{compile_ms:.0f}ms")
@@ -1292,7 +1309,7 @@ def run_outcome(run, end_step, stopped_at, compile_ms, graphs_before):
         return "interrupted", interrupt_reason(run, stopped_at)
     if run.rt.compile:
         log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
-    log_summary(run, end_step, compile_ms)
+    log_summary(run, end_step, compile_ms, complete=end_step == cfg.num_iterations)
     if end_step < cfg.num_iterations:
         return "stopped_early", f"--max-steps {cfg.max_steps}"
     return "complete", None
@@ -1381,7 +1398,10 @@ def log_train_line(run, step, loss, scale):
 
 
 def log_val_line(run, step, loss, phase, loss_tst=None):
-    """Log the val loss at ``step`` and record it as the run's final one so far.
+    """Log the val loss at ``step`` and record it as the run's ``last_val_loss`` (with ``val_step``).
+
+    Only the end of a complete run names it ``final_val_loss`` (``log_summary``): the JSON of a
+    run stopped or failed before that keeps ``last_val_loss``, never a ``final_val_loss``.
 
     Args:
         run: the trainer's run (``log``, ``cfg``, ``progress``).
@@ -1393,7 +1413,7 @@ def log_val_line(run, step, loss, phase, loss_tst=None):
     extra = dict(phase=phase, **({} if loss_tst is None else dict(val_loss_tst=f"{loss_tst:.4f}")))
     run.log.line(step_line(step, run.cfg, "val_loss", loss, run.progress.train_time_ms,
                            dict(extra, **_progress_fields(run.progress))))
-    run.log.update(final_val_loss=loss, val_step=step)
+    run.log.update(last_val_loss=loss, val_step=step)
 
 
 def log_stage(run, step):
