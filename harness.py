@@ -1021,11 +1021,12 @@ def checkpoint_path(run, step):
     return os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
 
 
-def save(run, step, log_line=True):
+def save(run, step, log_line=True, periodic=False):
     """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights.
 
     ``log_line=False``: the ``checkpoint:`` line is printed, not logged (the log's ``status:`` line,
-    written before, already names the file).
+    written before, already names the file). ``periodic``: a --save-every checkpoint, after which
+    the older ones beyond --keep-checkpoints are deleted (``prune_checkpoints``).
     """
     run.guard.check(run.model)
     if run.rt.master:
@@ -1035,8 +1036,37 @@ def save(run, step, log_line=True):
             run.log.line(f"checkpoint: step {step} -> {path}")
         else:
             print(f"checkpoint: step {step} -> {path}", flush=True)
+        if periodic:
+            prune_checkpoints(run, path)
     if run.rt.distributed:
         dist.barrier()
+
+
+def prune_checkpoints(run, path):
+    """Record the --save-every checkpoint ``path`` just written, then delete this process's older
+    --save-every checkpoints beyond the newest ``cfg.keep_checkpoints`` (0: keep all), one
+    ``checkpoint: removed`` line each.
+
+    Only the paths this process wrote as periodic checkpoints (``run.log.checkpoints``) are ever
+    deleted: never a --save-final or --save-on-interrupt one, the one a resume started from, or
+    a file of another run. A file that cannot be deleted is logged and the run goes on.
+
+    Args:
+        run: the trainer's run (``cfg``, ``log``); rank 0 only.
+        path: the checkpoint just written, the newest.
+    """
+    written, keep = run.log.checkpoints, run.cfg.keep_checkpoints
+    written.append(path)
+    while keep and len(written) > keep:
+        old = written.pop(0)
+        try:
+            os.remove(old)
+        except FileNotFoundError:  # removed by hand meanwhile: nothing to say
+            continue
+        except OSError as e:
+            run.log.line(f"checkpoint: could not remove {old} ({e.strerror}); it stays")
+            continue
+        run.log.line(f"checkpoint: removed {old} (--keep-checkpoints {keep})")
 
 
 def check_checkpoint_dir(cfg, run_id):
@@ -1132,6 +1162,7 @@ class RunLog:
     def __init__(self, cfg, rt, run_id, resume=False):
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
         self.marked = None  # (status, reason) of the status line written by mark()
+        self.checkpoints = []  # the --save-every checkpoints this process wrote, oldest first (prune_checkpoints)
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
