@@ -43,6 +43,7 @@ def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
     b = json.loads((tmp_path / "split" / "logs" / "r.json").read_text())
     assert a["train_losses"] == b["train_losses"] and a["raw_tokens"] == b["raw_tokens"]
     assert b["status"] == "complete" and b["steps"] == 8
+    assert b["final_val_loss"] == a["final_val_loss"] and "last_val_loss" not in b  # step 4's was only the last
 
 
 def steps_in(folder):
