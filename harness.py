@@ -1021,11 +1021,12 @@ def checkpoint_path(run, step):
     return os.path.join(run.cfg.checkpoint_dir, run.log.summary["run_id"], f"step_{step:06d}.pt")
 
 
-def save(run, step, log_line=True):
+def save(run, step, log_line=True, periodic=False):
     """Checkpoint ``<dir>/<run_id>/step_NNNNNN.pt`` (rank 0 writes; every rank waits). Never non-finite weights.
 
     ``log_line=False``: the ``checkpoint:`` line is printed, not logged (the log's ``status:`` line,
-    written before, already names the file).
+    written before, already names the file). ``periodic``: a --save-every checkpoint, after which
+    the older ones beyond --keep-checkpoints are deleted (``prune_checkpoints``).
     """
     run.guard.check(run.model)
     if run.rt.master:
@@ -1035,8 +1036,37 @@ def save(run, step, log_line=True):
             run.log.line(f"checkpoint: step {step} -> {path}")
         else:
             print(f"checkpoint: step {step} -> {path}", flush=True)
+        if periodic:
+            prune_checkpoints(run, path)
     if run.rt.distributed:
         dist.barrier()
+
+
+def prune_checkpoints(run, path):
+    """Record the --save-every checkpoint ``path`` just written, then delete this process's older
+    --save-every checkpoints beyond the newest ``cfg.keep_checkpoints`` (0: keep all), one
+    ``checkpoint: removed`` line each.
+
+    Only the paths this process wrote as periodic checkpoints (``run.log.checkpoints``) are ever
+    deleted: never a --save-final or --save-on-interrupt one, the one a resume started from, or
+    a file of another run. A file that cannot be deleted is logged and the run goes on.
+
+    Args:
+        run: the trainer's run (``cfg``, ``log``); rank 0 only.
+        path: the checkpoint just written, the newest.
+    """
+    written, keep = run.log.checkpoints, run.cfg.keep_checkpoints
+    written.append(path)
+    while keep and len(written) > keep:
+        old = written.pop(0)
+        try:
+            os.remove(old)
+        except FileNotFoundError:  # removed by hand meanwhile: nothing to say
+            continue
+        except OSError as e:
+            run.log.line(f"checkpoint: could not remove {old} ({e.strerror}); it stays")
+            continue
+        run.log.line(f"checkpoint: removed {old} (--keep-checkpoints {keep})")
 
 
 def check_checkpoint_dir(cfg, run_id):
@@ -1132,6 +1162,7 @@ class RunLog:
     def __init__(self, cfg, rt, run_id, resume=False):
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
         self.marked = None  # (status, reason) of the status line written by mark()
+        self.checkpoints = []  # the --save-every checkpoints this process wrote, oldest first (prune_checkpoints)
         self.summary = dict(run_id=run_id, status="running")
         if not rt.master:
             return
@@ -1143,6 +1174,8 @@ class RunLog:
             if resume and os.path.exists(path):
                 if os.path.exists(json_path):
                     self.summary = self._read_summary(json_path)
+                if "final_val_loss" in self.summary:  # going on again: not final (an older trainer's name)
+                    self.summary["last_val_loss"] = self.summary.pop("final_val_loss")
                 self.file = open(path, "a", encoding="utf-8")
             else:
                 self.file = open(path, "x", encoding="utf-8")  # exclusive: never overwrite a run's log
@@ -1261,13 +1294,28 @@ def peak_memory_mib(rt):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def log_summary(run, end_step, compile_ms):
+def log_summary(run, end_step, compile_ms, complete):
+    """The summary line and JSON fields of a run that reached ``end_step``.
+
+    Args:
+        run: the trainer's run (``log``, ``rt``, ``progress``, ``loader``).
+        end_step: the steps done.
+        compile_ms: the warm-up's time.
+        complete: True when ``end_step`` is the run's last step: its last val loss (always at that
+            step) becomes ``final_val_loss``; a run stopped early by --max-steps names it
+            ``last_val_loss`` with its ``val_step`` instead, so that no earlier loss reads as a final one.
+    """
     p, log, peak = run.progress, run.log, peak_memory_mib(run.rt)
     log.update(**dataclasses.asdict(p), steps=end_step, flops_per_position=p.flops / max(p.positions, 1),
                train_epochs=round(run.loader.position / run.loader.stream.total, 4),
                peak_memory_mib=round(peak, 1), world_size=run.rt.world)
+    if complete and "last_val_loss" in log.summary:
+        log.summary["final_val_loss"] = log.summary.pop("last_val_loss")
+    nan = float("nan")
+    val = (f"final_val_loss:{log.summary.get('final_val_loss', nan):.4f}" if complete else
+           f"last_val_loss:{log.summary.get('last_val_loss', nan):.4f} val_step:{log.summary.get('val_step')}")
     log.line(SEPARATOR)
-    log.line(f"summary: final_val_loss:{log.summary.get('final_val_loss', float('nan')):.4f} "
+    log.line(f"summary: {val} "
              f"train_time:{p.train_time_ms:.0f}ms steps:{end_step} raw_tokens:{p.raw_tokens} "
              f"positions:{p.positions} flops:{p.flops:.3e} peak_memory:{peak:.0f}MiB "
              f"compile_time:{compile_ms:.0f}ms")
@@ -1292,7 +1340,7 @@ def run_outcome(run, end_step, stopped_at, compile_ms, graphs_before):
         return "interrupted", interrupt_reason(run, stopped_at)
     if run.rt.compile:
         log.update(graphs_compiled_during_training=compiled_graphs() - graphs_before)
-    log_summary(run, end_step, compile_ms)
+    log_summary(run, end_step, compile_ms, complete=end_step == cfg.num_iterations)
     if end_step < cfg.num_iterations:
         return "stopped_early", f"--max-steps {cfg.max_steps}"
     return "complete", None
@@ -1381,7 +1429,10 @@ def log_train_line(run, step, loss, scale):
 
 
 def log_val_line(run, step, loss, phase, loss_tst=None):
-    """Log the val loss at ``step`` and record it as the run's final one so far.
+    """Log the val loss at ``step`` and record it as the run's ``last_val_loss`` (with ``val_step``).
+
+    Only the end of a complete run names it ``final_val_loss`` (``log_summary``): the JSON of a
+    run stopped or failed before that keeps ``last_val_loss``, never a ``final_val_loss``.
 
     Args:
         run: the trainer's run (``log``, ``cfg``, ``progress``).
@@ -1393,7 +1444,7 @@ def log_val_line(run, step, loss, phase, loss_tst=None):
     extra = dict(phase=phase, **({} if loss_tst is None else dict(val_loss_tst=f"{loss_tst:.4f}")))
     run.log.line(step_line(step, run.cfg, "val_loss", loss, run.progress.train_time_ms,
                            dict(extra, **_progress_fields(run.progress))))
-    run.log.update(final_val_loss=loss, val_step=step)
+    run.log.update(last_val_loss=loss, val_step=step)
 
 
 def log_stage(run, step):

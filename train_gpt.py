@@ -146,6 +146,8 @@ class Config:
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "where checkpoints go (<dir>/<run_id>/step_NNNNNN.pt)")
     save_every: int = _f(0, "checkpoint every this many steps (0 = never)", low=0)
+    keep_checkpoints: int = _f(2, "keep the newest this-many --save-every checkpoints of the run, deleting older "
+                                  "ones (0 = keep all); --save-final and --save-on-interrupt ones stay", low=0)
     save_final: bool = _f(False, "checkpoint at the end of the run")
     save_on_interrupt: bool = _f(False, "on SIGINT/SIGTERM, checkpoint after the current step, then stop")
     resume: str = _f("", "checkpoint file to continue from, or 'auto' (highest step under --checkpoint-dir)")
@@ -217,7 +219,8 @@ PRESETS = {
 # field defines the run, and --resume refuses a checkpoint that differs in one of those.
 OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
                          "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
-                         "checkpoint_dir", "save_every", "save_final", "save_on_interrupt", "resume", "resume_force"})
+                         "checkpoint_dir", "save_every", "keep_checkpoints", "save_final", "save_on_interrupt",
+                         "resume", "resume_force"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1532,7 +1535,7 @@ def training_loop(run, start_step, end_step):
                     harness.save_on_stop(run, done)  # the status line first, then the checkpoint
                     return done
                 if save_now:
-                    harness.save(run, done)
+                    harness.save(run, done, periodic=not (last and cfg.save_final))
     return None
 
 

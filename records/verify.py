@@ -23,7 +23,8 @@ Checks, in order:
    capped at the logged run's steps. The rerun must read data with the logged fingerprints, and
    it recomputes every number of steps 0..K: each logged ``train_loss`` and ``val_loss`` at a
    step <= K, and the step lines' token and FLOP counts. When K reaches the end of the run, also
-   the summary line's ``final_val_loss``, ``steps``, ``raw_tokens``, ``positions`` and ``flops``.
+   the summary line's ``final_val_loss`` (``last_val_loss`` of a run stopped by --max-steps),
+   ``steps``, ``raw_tokens``, ``positions`` and ``flops``.
    A mismatch fails, naming the step (or field) and both values. The temp dir is removed whatever
    the outcome (Ctrl-C too); ``--keep DIR`` copies the rerun's code and log there first.
 
@@ -453,17 +454,18 @@ def compare_val(old, new, last, tol):
 def compare_summary(old, new, tol):
     """The summary line of a log against that of a rerun of the whole run: ``(ok, report lines)``.
 
-    ``final_val_loss`` within ``tol`` at the last step (None: shown, not judged); the counts
-    ``SUMMARY_COUNTS`` must be equal.
+    Its val loss (``summary_val_key``) within ``tol`` at the last step (None: shown, not judged);
+    the counts ``SUMMARY_COUNTS`` must be equal.
     """
-    a, b = old.summary.get("final_val_loss"), new.summary.get("final_val_loss")
+    key = summary_val_key(old)
+    a, b = old.summary.get(key), new.summary.get(key)
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
-        ok, line = False, f"rerun: summary final_val_loss: logged {a}, rerun {b}: NOT reproduced"
+        ok, line = False, f"rerun: summary {key}: logged {a}, rerun {b}: NOT reproduced"
     else:
         t = tol(new.summary.get("steps", 0)) if tol is not None else None
         ok = t is None or same_loss(a, b, t)
         verdict = "shown" if t is None else "reproduced" if ok else f"NOT reproduced (tol {t:.2e})"
-        line = f"rerun: summary final_val_loss: logged {a:.4f}, rerun {b:.4f}, diff {abs(a - b):.2e}: {verdict}"
+        line = f"rerun: summary {key}: logged {a:.4f}, rerun {b:.4f}, diff {abs(a - b):.2e}: {verdict}"
     report = [line]
     def show(run, key):  # as the summary line prints it
         v = run.summary.get(key, "missing")
@@ -475,12 +477,18 @@ def compare_summary(old, new, tol):
     return ok and not differ, report
 
 
+def summary_val_key(run):
+    """The val loss a summary line names: ``final_val_loss``, or ``last_val_loss`` where a run stopped
+    by --max-steps logged it under that name (older trainers called every one final)."""
+    return "last_val_loss" if "last_val_loss" in run.summary else "final_val_loss"
+
+
 def coverage(old, last):
     """The report line saying which numbers of the log a rerun of steps 1..``last`` can check."""
     total = old.summary.get("steps") if isinstance(old.summary.get("steps"), int) else None
     if total is not None and last >= total:
         return (f"rerun: covers steps 0..{last} of {total}, the whole run: every val_loss and train_loss line "
-                f"and the summary's final_val_loss, {', '.join(SUMMARY_COUNTS)} are recomputed; no rerun can "
+                f"and the summary's {summary_val_key(old)}, {', '.join(SUMMARY_COUNTS)} are recomputed; no rerun can "
                 f"check {NOT_RERUNNABLE}")
     end = f"of {total}" if total is not None else "(the log has no summary line: the run did not finish)"
     final = f" (so not the final val loss at step {total}, the number a record stands on)" if total else ""

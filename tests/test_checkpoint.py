@@ -43,6 +43,55 @@ def test_resume_repeats_the_straight_run_exactly(tmp_path, tst_frac, switch):
     b = json.loads((tmp_path / "split" / "logs" / "r.json").read_text())
     assert a["train_losses"] == b["train_losses"] and a["raw_tokens"] == b["raw_tokens"]
     assert b["status"] == "complete" and b["steps"] == 8
+    assert b["final_val_loss"] == a["final_val_loss"] and "last_val_loss" not in b  # step 4's was only the last
+
+
+def steps_in(folder):
+    return sorted(int(n[len("step_"):-len(".pt")]) for n in os.listdir(folder))
+
+
+def test_save_every_keeps_the_newest_checkpoints_and_a_resume_from_them_repeats_the_straight_run(tmp_path):
+    # --save-every 1 for 5 of 8 steps: --keep-checkpoints 2 (the default) leaves steps 4 and 5, 0 leaves all five
+    n = ["--num-iterations", "8"]
+    assert run(tmp_path / "straight", "--run-id", "s", *n) == 0
+    assert run(tmp_path / "kept", "--run-id", "k", "--save-every", "1", "--max-steps", "5", *n) == 0
+    assert run(tmp_path / "all", "--run-id", "a", "--save-every", "1", "--max-steps", "5", "--keep-checkpoints", "0",
+               *n) == 0
+    folder = tmp_path / "kept" / "ckpt" / "k"
+    assert steps_in(folder) == [4, 5] and steps_in(tmp_path / "all" / "ckpt" / "a") == [1, 2, 3, 4, 5]
+    text = read_log(tmp_path / "kept" / "logs", "k")
+    assert [l for l in text.splitlines() if l.startswith("checkpoint: removed")] == [
+        f"checkpoint: removed {folder / f'step_{s:06d}.pt'} (--keep-checkpoints 2)" for s in (1, 2, 3)]
+    assert not [l for l in read_log(tmp_path / "all" / "logs", "a").splitlines() if l.startswith("checkpoint: removed")]
+    # the resume picks step 5; it deletes only what it wrote itself, never the checkpoints it found
+    assert run(tmp_path / "kept", "--resume", "auto", "--save-every", "1", *n) == 0
+    assert "resume: from " + str(folder / "step_000005.pt") in read_log(tmp_path / "kept" / "logs", "k")
+    assert steps_in(folder) == [4, 5, 7, 8]
+    straight, resumed = read_log(tmp_path / "straight" / "logs", "s"), read_log(tmp_path / "kept" / "logs", "k")
+    assert loss_lines(resumed) == loss_lines(straight) and len(loss_lines(straight)) == 8
+    assert loss_lines(resumed, "val_loss") == loss_lines(straight, "val_loss")
+
+
+def test_keep_checkpoints_never_counts_or_deletes_the_final_or_interrupt_checkpoint(tmp_path, monkeypatch):
+    # --keep-checkpoints 1: of the periodic ones only the newest stays, beside step 5's --save-final one
+    assert run(tmp_path, "--run-id", "f", "--save-every", "1", "--keep-checkpoints", "1", "--max-steps", "5",
+               "--save-final") == 0
+    assert steps_in(tmp_path / "ckpt" / "f") == [4, 5]
+    # a SIGTERM during the step-4 validation: the --save-on-interrupt checkpoint of step 4 beside step 3's
+    batches, calls = T.ValData.batches, []
+
+    def signalled_batches(self, *args):
+        calls.append(args)
+        for i, batch in enumerate(batches(self, *args)):
+            yield batch
+            if len(calls) == 2 and i == 0:  # the step-4 validation (no TST: one per val), after its first batch
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(T.ValData, "batches", signalled_batches)
+    assert run(tmp_path, "--run-id", "i", "--tst-frac", "0", "--save-every", "1", "--keep-checkpoints", "1",
+               "--save-on-interrupt") == 130
+    assert steps_in(tmp_path / "ckpt" / "i") == [3, 4]
+    assert "status:interrupted reason:SIGTERM after step 4" in read_log(tmp_path / "logs", "i")
 
 
 def test_checkpoint_holds_everything_a_run_needs(tmp_path):

@@ -1136,7 +1136,7 @@ def test_run_sh_without_gpu_or_data_dir_trains_on_the_sample(tmp_path):
     assert res.returncode == 0, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh:")]
     assert line == ("run.sh: preset cpu_smoke, 1 process on CPU, data data/sample (the repository's Wikipedia sample: no GPU "
-                    "and DATA_DIR not set), logs in logs/"), line
+                    f"and DATA_DIR not set), logs in {tmp_path / 'logs'}/"), line
     log = read_log(tmp_path / "logs")
     assert "data/sample/wikipedia_val_000000.bin" in log and "status:complete" in log
 
@@ -1196,6 +1196,23 @@ def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names)
     assert "-c import sys, harness" in calls.read_text()  # the pre-flight ran ...
     assert "torch.distributed.run" not in calls.read_text() and "FAILED" not in res.stdout + res.stderr  # ... alone
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("form", ["none", "--log-dir DIR", "--log-dir=DIR/", "relative, twice, abbreviated"])
+def test_run_sh_start_line_names_the_log_dir_the_trainer_writes_to(tmp_path, form):
+    """The start line names the folder of the run's log: logs/ by default, else the last --log-dir (any form
+    argparse reads), a relative one under the repository root, where the trainer runs. Checked cheaply on a
+    refused start (NPROC=3 cannot split the batch), which prints the start line first and writes nothing."""
+    words = {"none": [], "--log-dir DIR": ["--log-dir", str(tmp_path / "a b")],
+             "--log-dir=DIR/": [f"--log-dir={tmp_path / 'a b'}/"],
+             "relative, twice, abbreviated": ["--log-dir", str(tmp_path / "first"), "--seed", "1", "--log-d", "rel/x"]}
+    res = _run_sh(tmp_path, {"NPROC": "3", "OMP_NUM_THREADS": "1"}, *words[form])
+    assert res.returncode == 2, res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
+    shown = {"none": "logs/", "relative, twice, abbreviated": os.path.join(REPO, "rel", "x") + "/"}.get(
+        form, f"{tmp_path / 'a b'}/")
+    assert line.endswith(f", logs in {shown}"), line
+    assert not os.listdir(tmp_path)  # refused before the trainer made its folder
 
 
 def test_trainer_start_up_refuses_what_check_shards_refuses(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 
 def error_lines(stderr):
@@ -144,6 +144,9 @@ def test_too_little_free_space_is_said_before_writing(tmp_path, monkeypatch, cap
     assert "No space left" in err and "1 MB free" in err and "MB needed" in err and "--checkpoint-dir" in err
     assert no_temp_files(tmp_path / "ckpt") == []
     assert read_log(tmp_path / "logs", "s").splitlines()[-1].startswith("status:incomplete")
+    summary = json.loads((tmp_path / "logs" / "s.json").read_text())  # failed after the step-0 val only
+    assert summary["status"] == "incomplete" and "final_val_loss" not in summary
+    assert summary["val_step"] == 0 and "last_val_loss" in summary
 
 
 def test_a_log_that_cannot_be_written_stops_with_one_line(tmp_path):
@@ -291,6 +294,44 @@ def test_a_signal_during_validation_stops_it_marks_the_log_then_checkpoints(tmp_
     assert saved_with == [status]  # the log was marked before the checkpoint was written
     assert [l for l in text.splitlines() if l.startswith("status:")] == [status]
     assert H.load_checkpoint(path)["step"] == 4
+    summary = json.loads((tmp_path / "logs" / "v.json").read_text())  # step 0's val loss is no final one
+    assert summary["status"] == "interrupted" and "final_val_loss" not in summary
+    assert summary["val_step"] == 0 and summary["last_val_loss"] == pytest.approx(loss_lines(text, "val_loss")[0],
+                                                                                 abs=5e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# only a complete run names a final val loss: a log of a stopped run never shows step 0's as one
+
+
+def test_a_run_stopped_by_max_steps_records_its_last_val_loss_not_a_final_one(tmp_path):
+    """8 steps, val every 4: --max-steps 3 stops with step 0's val loss only, the complete run has step 8's;
+    verify.py's full rerun of the stopped run compares the summary's val loss under its name."""
+    assert T.main(tiny_args(tmp_path, "--run-id", "early", "--max-steps", "3")) == 0
+    assert T.main(tiny_args(tmp_path, "--run-id", "full")) == 0
+    logs = tmp_path / "logs"
+    early, full = (json.loads((logs / f"{r}.json").read_text()) for r in ("early", "full"))
+    text_early, text_full = read_log(logs, "early"), read_log(logs, "full")
+    val_early, val_full = loss_lines(text_early, "val_loss"), loss_lines(text_full, "val_loss")
+    assert sorted(val_early) == [0] and sorted(val_full) == [0, 4, 8]
+
+    assert early["status"] == "stopped_early" and "final_val_loss" not in early and early["val_step"] == 0
+    assert early["last_val_loss"] == pytest.approx(val_early[0], abs=5e-5)
+    [summary] = [l for l in text_early.splitlines() if l.startswith("summary: ")]
+    assert summary.startswith(f"summary: last_val_loss:{val_early[0]:.4f} val_step:0 train_time:"), summary
+    assert "final_val_loss" not in text_early.split("=" * 100 + "\n")[-1]
+
+    assert full["status"] == "complete" and "last_val_loss" not in full and full["val_step"] == 8
+    assert full["final_val_loss"] == pytest.approx(val_full[8], abs=5e-5)
+    [summary] = [l for l in text_full.splitlines() if l.startswith("summary: ")]
+    assert summary.startswith(f"summary: final_val_loss:{val_full[8]:.4f} train_time:"), summary
+
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "records", "verify.py"), str(logs / "early.txt"),
+                           "--rerun", "3"], cwd=REPO, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"rerun: summary last_val_loss: logged {val_early[0]:.4f}, rerun {val_early[0]:.4f}" in proc.stdout
+    assert "the summary's last_val_loss, steps" in " ".join(proc.stdout.split())
 
 
 # ---------------------------------------------------------------------------------------------
