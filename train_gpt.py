@@ -198,7 +198,7 @@ SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_laye
                      no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
                      paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3")
 PRESETS = {
-    "baseline_h200": RECORD89,     # record #89's recipe as its authors ran it: the A/B baseline on a GPU
+    "baseline_h200": RECORD89,     # record #89's recipe as HEAD's code runs it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
     "record_8xb200": RECORD89_OURS,  # ... and on 8 B200s: the same run
     "record21_h200": RECORD,       # the former record preset: record #21's recipe with Aurora and TST
