@@ -1069,11 +1069,27 @@ def prune_checkpoints(run, path):
         run.log.line(f"checkpoint: removed {old} (--keep-checkpoints {keep})")
 
 
-def check_checkpoint_dir(cfg, run_id):
-    """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
+def check_checkpoint_dir(cfg, run_id, resumed_run_id=None):
+    """Fail at start-up, not after hours of training, when checkpoints cannot be written, or when they would
+    overwrite (and --keep-checkpoints then delete) those another run left under the same run id.
+
+    Args:
+        cfg: the run's config (--checkpoint-dir, the --save-* flags).
+        run_id: the run's id: its checkpoints go to ``<checkpoint_dir>/<run_id>/``.
+        resumed_run_id: the run id of the checkpoint this run resumes (None: a new run); only a run
+            that continues its own run id may write where step_*.pt files already are.
+
+    Raises:
+        ConfigError: the folder cannot be written, or it holds checkpoints this run does not continue.
+    """
     if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
         return
     where = os.path.join(cfg.checkpoint_dir, run_id)
+    found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(where), "step_*.pt")))
+    if found and resumed_run_id != run_id:
+        raise ConfigError(f"--run-id {run_id}: {where} already holds checkpoints of a run under that id "
+                          f"({', '.join(found[:2])}{' ...' if len(found) > 2 else ''}); choose another --run-id, "
+                          f"continue that run with --resume auto --run-id {run_id}, or move them away")
     try:
         os.makedirs(where, exist_ok=True)
         probe = os.path.join(where, f".write_test.{os.getpid()}")
@@ -1800,7 +1816,7 @@ def start(cfg, trainer, rt, data):
         run_id = cfg.run_id or (resume[0]["run_id"] if resume else
                                 datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
         if rt.master:
-            check_checkpoint_dir(cfg, run_id)
+            check_checkpoint_dir(cfg, run_id, resume[0]["run_id"] if resume else None)
             lock = lock or RunLock(cfg.log_dir, run_id)
     except BaseException:
         if lock is not None:
