@@ -1504,6 +1504,25 @@ def compiled_graphs():
 # ----------------------------------------------------------------------------------------------
 # Processes, signals, main
 
+def answer_describe(argv, trainer, cfg, preset):
+    """Print ``describe``'s lines on stdout when ``argv`` asks for --describe.
+
+    Args:
+        argv: the command-line words; cfg, preset: what ``parse_config`` made of them.
+        trainer: the ``Trainer`` whose flags they are.
+
+    Returns:
+        True when the description was printed (the run stops there), else False.
+
+    Raises:
+        ConfigError: an unreadable --gpu-check report (``describe``).
+    """
+    known = build_parser(trainer).parse_known_args(argv)[0]
+    if known.describe:
+        print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
+    return known.describe
+
+
 def check_start(cfg, world):
     """The start-up checks every rank of a ``world``-process run makes alike, before its process group forms:
     the device, the batch's split over the processes, the data files. Cheap (no model, no GPU memory): run.sh
@@ -1534,20 +1553,30 @@ def preflight(argv, trainer, world):
         trainer: the ``Trainer`` whose flags they are.
         world: the number of processes torchrun will start.
 
+    Besides the flags and ``check_start``: the checkpoint to resume (``prepare_resume``) and the run's
+    checkpoint folder (``check_checkpoint_dir``), which rank 0 alone checks in the run. Only --help's
+    and --describe's answers go to stdout: run.sh prints them and starts no process.
+
     Returns:
         0, or 2 after printing the refusal's one line on stderr (a split over the processes that
         cannot work is named as ``NPROC=<world>``, run.sh's variable).
 
     Raises:
-        SystemExit: argparse's own refusal (its one line already printed), exit status 2.
+        SystemExit: --help (status 0), or argparse's own refusal (its one line already printed), status 2.
     """
     who = f"{trainer.name}: error"
     try:
-        cfg, _ = parse_config(argv, trainer)
+        cfg, preset = parse_config(argv, trainer)  # --help: its text on stdout, SystemExit(0)
+        if answer_describe(argv, trainer, cfg, preset):
+            return 0
         who = f"run.sh: NPROC={world}"  # the process count is run.sh's
         grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
-        check_start(cfg, world)
+        _, _, data = check_start(cfg, world)
+        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else "")
+        if run_id:  # an unnamed new run gets a fresh id: nothing can be in its way
+            check_checkpoint_dir(cfg, run_id, resume[0]["run_id"] if resume else None)
     except (ConfigError, DataError) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return 2
@@ -1842,9 +1871,7 @@ def main(argv, trainer):
             handlers = install_stop_handlers(stop)
         with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():  # argparse's line
             cfg, preset = parse_config(argv, trainer)
-        known = build_parser(trainer).parse_known_args(argv)[0]
-        if known.describe:
-            print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
+        if answer_describe(argv, trainer, cfg, preset):
             return 0
         stop["save"] = cfg.save_on_interrupt
         handlers = handlers or install_stop_handlers(stop)
