@@ -1163,6 +1163,12 @@ def git_description():
     return commit + (" (uncommitted changes)" if dirty else "")
 
 
+def log_exists(run_id, path):
+    """The refusal of a new run whose log ``path`` exists (a log is never replaced)."""
+    return ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
+                       f"(or continue that run with --resume)")
+
+
 class RunLog:
     """The run's log file and JSON summary. Only rank 0 writes; every rank may call it.
 
@@ -1199,8 +1205,7 @@ class RunLog:
         except FileExistsError:
             if not os.path.isdir(cfg.log_dir):
                 raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
-            raise ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
-                              f"(or continue that run with --resume)") from None
+            raise log_exists(run_id, path) from None
         except OSError as e:
             raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e.strerror}); "
                               f"choose another --log-dir") from None
@@ -1543,6 +1548,25 @@ def check_start(cfg, world):
     return kind, grad_accum_steps(cfg, world), find_data(cfg)
 
 
+def check_run_files(cfg, run_id, resumed_run_id):
+    """What rank 0 refuses at start for the files of run ``run_id``, checked without keeping anything: its
+    checkpoint folder (``check_checkpoint_dir``), its lock (a run of that id going now, an unwritable
+    --log-dir; ``RunLock``, released at once) and a log of that id that a new run would not replace.
+
+    Args:
+        cfg: the run's config; run_id: its id.
+        resumed_run_id: the run id of the checkpoint it resumes, None for a new run.
+
+    Raises:
+        ConfigError: any of these, naming the flag (as the run itself would).
+    """
+    check_checkpoint_dir(cfg, run_id, resumed_run_id)
+    RunLock(cfg.log_dir, run_id).release()
+    path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+    if resumed_run_id is None and os.path.exists(path):
+        raise log_exists(run_id, path)
+
+
 def preflight(argv, trainer, world):
     """The flags, read as the trainer reads them, and ``check_start`` for ``world`` processes, in this one
     process: run.sh's check before torchrun, so that a refusal is one line rather than one per rank and
@@ -1553,8 +1577,8 @@ def preflight(argv, trainer, world):
         trainer: the ``Trainer`` whose flags they are.
         world: the number of processes torchrun will start.
 
-    Besides the flags and ``check_start``: the checkpoint to resume (``prepare_resume``) and the run's
-    checkpoint folder (``check_checkpoint_dir``), which rank 0 alone checks in the run. Only --help's
+    Besides the flags and ``check_start``: the checkpoint to resume (``prepare_resume``) and, for a named
+    run, its files (``check_run_files``), which rank 0 alone checks in the run. Only --help's
     and --describe's answers go to stdout: run.sh prints them and starts no process.
 
     Returns:
@@ -1576,7 +1600,7 @@ def preflight(argv, trainer, world):
         resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
         run_id = cfg.run_id or (resume[0]["run_id"] if resume else "")
         if run_id:  # an unnamed new run gets a fresh id: nothing can be in its way
-            check_checkpoint_dir(cfg, run_id, resume[0]["run_id"] if resume else None)
+            check_run_files(cfg, run_id, resume[0]["run_id"] if resume else None)
     except (ConfigError, DataError) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return 2

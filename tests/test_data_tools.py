@@ -1190,19 +1190,28 @@ def _recording_python(tmp_path):
                                         (["--train-files", "nowhere/*_train_*.bin"], "'nowhere/*_train_*.bin'"),
                                         (["--resume", "{tmp}/nowhere.pt"], "{tmp}/nowhere.pt: no such checkpoint"),
                                         (["--run-id", "x", "--save-final", "--checkpoint-dir", "{tmp}/ckpt"],
-                                         "--run-id x: {tmp}/ckpt/x already holds checkpoints")],
-                         ids=["flag", "glob", "resume", "checkpoint-folder"])
+                                         "--run-id x: {tmp}/ckpt/x already holds checkpoints"),
+                                        (["--run-id", "x", "--log-dir", "{tmp}/old"], "{tmp}/old/x.txt already exists"),
+                                        (["--run-id", "x", "--log-dir", "{tmp}/busy"], "the run is already going (pid")],
+                         ids=["flag", "glob", "resume", "checkpoint-folder", "log", "lock"])
 def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names):
-    """NPROC=2: a bad flag value, a --train-files glob that matches nothing, a --resume file that is not there or
-    a run id whose checkpoint folder holds another run's checkpoints is the trainer's one line, said once by
-    run.sh's pre-flight (harness.preflight), exit 2; torchrun is never started (no rank's line, no report)."""
+    """NPROC=2: a bad flag value, a --train-files glob that matches nothing, a --resume file that is not there,
+    a run id whose checkpoint folder holds another run's checkpoints, whose log exists or whose run is going is
+    the trainer's one line, said once by run.sh's pre-flight (harness.preflight), exit 2; torchrun is never
+    started (no rank's line, no report)."""
     (tmp_path / "ckpt" / "x").mkdir(parents=True)
     (tmp_path / "ckpt" / "x" / "step_000002.pt").write_bytes(b"another run's")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "x.txt").write_text("another run's log")
+    busy = harness.RunLock(str(tmp_path / "busy"), "x")  # a run of id x going in this process
     bad, names = [w.format(tmp=tmp_path) for w in bad], names.format(tmp=tmp_path)
     calls, python = _recording_python(tmp_path)
     splits = ["--batch-tokens", "4608", "--micro-batch-seqs", "1"]  # 2 sequences in stage 1: 1 per process
-    res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, *splits,
-                  "--log-dir", str(tmp_path / "logs"), *bad)
+    try:
+        res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, *splits,
+                      "--log-dir", str(tmp_path / "logs"), *bad)
+    finally:
+        busy.release()
     assert res.returncode == 2, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")]
     assert line.startswith("train_gpt.py: error: ") and names in line and ": rank " not in line, res.stderr
@@ -1210,6 +1219,7 @@ def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names)
     assert "torch.distributed.run" not in calls.read_text() and "FAILED" not in res.stdout + res.stderr  # ... alone
     assert not (tmp_path / "logs").exists()
     assert (tmp_path / "ckpt" / "x" / "step_000002.pt").read_bytes() == b"another run's"
+    assert sorted(os.listdir(tmp_path / "old")) == ["x.txt"] and not (tmp_path / "busy").exists()
 
 
 @pytest.mark.parametrize("ask, says", [("--help", "usage: train_gpt.py"), ("--describe", "describe: preset cpu_smoke")])
