@@ -341,6 +341,8 @@ def validate_config(cfg):
             need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
         elif low is not None:
             need(value >= low, f"{flag_of(f.name)} must be >= {low} (got {value})")
+        if f.name in ("log_dir", "checkpoint_dir"):  # '' would drop the run's files into the current folder
+            need(value != "", f"{flag_of(f.name)} '': name a folder (default {f.default!r})")
     check_config(cfg, need)
     need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
     need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
