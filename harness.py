@@ -336,7 +336,7 @@ def validate_config(cfg):
         if isinstance(value, float):
             need(math.isfinite(value), f"{flag_of(f.name)} must be finite (got {value})")
         if isinstance(value, int) and not isinstance(value, bool):  # sizes, counts, seeds: int32 is plenty
-            need(value < 2**31, f"{flag_of(f.name)} must be < 2**31 (got {value})")
+            need(abs(value) < 2**31, f"{flag_of(f.name)} must be < 2**31 in magnitude (got {value})")
         if high is not None:
             need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
         elif low is not None:
