@@ -1552,8 +1552,8 @@ def check_start(cfg, world):
 
 def check_run_files(cfg, run_id, resumed_run_id):
     """What rank 0 refuses at start for the files of run ``run_id``, checked without keeping anything: its
-    checkpoint folder (``check_checkpoint_dir``), its lock (a run of that id going now, an unwritable
-    --log-dir; ``RunLock``, released at once) and a log of that id that a new run would not replace.
+    lock (a run of that id going now, an unwritable --log-dir; ``RunLock``, released at once), a log of
+    that id that a new run would not replace, and its checkpoint folder (``check_checkpoint_dir``).
 
     Args:
         cfg: the run's config; run_id: its id.
@@ -1562,11 +1562,11 @@ def check_run_files(cfg, run_id, resumed_run_id):
     Raises:
         ConfigError: any of these, naming the flag (as the run itself would).
     """
-    check_checkpoint_dir(cfg, run_id, resumed_run_id)
-    RunLock(cfg.log_dir, run_id).release()
+    RunLock(cfg.log_dir, run_id).release()  # first: it leaves nothing behind (check_checkpoint_dir makes the folder)
     path = os.path.join(cfg.log_dir, f"{run_id}.txt")
     if resumed_run_id is None and os.path.exists(path):
         raise log_exists(run_id, path)
+    check_checkpoint_dir(cfg, run_id, resumed_run_id)
 
 
 def preflight(argv, trainer, world):
