@@ -336,11 +336,13 @@ def validate_config(cfg):
         if isinstance(value, float):
             need(math.isfinite(value), f"{flag_of(f.name)} must be finite (got {value})")
         if isinstance(value, int) and not isinstance(value, bool):  # sizes, counts, seeds: int32 is plenty
-            need(value < 2**31, f"{flag_of(f.name)} must be < 2**31 (got {value})")
+            need(abs(value) < 2**31, f"{flag_of(f.name)} must be < 2**31 in magnitude (got {value})")
         if high is not None:
             need(low <= value < high, f"{flag_of(f.name)} must be in [{low}, {high}) (got {value})")
         elif low is not None:
             need(value >= low, f"{flag_of(f.name)} must be >= {low} (got {value})")
+        if f.name in ("log_dir", "checkpoint_dir"):  # '' would drop the run's files into the current folder
+            need(value != "", f"{flag_of(f.name)} '': name a folder (default {f.default!r})")
     check_config(cfg, need)
     need(cfg.dist_timeout >= 1, f"--dist-timeout must be >= 1 s (got {cfg.dist_timeout})")
     need(cfg.run_id == "" or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run_id) is not None,
@@ -1069,11 +1071,27 @@ def prune_checkpoints(run, path):
         run.log.line(f"checkpoint: removed {old} (--keep-checkpoints {keep})")
 
 
-def check_checkpoint_dir(cfg, run_id):
-    """Fail at start-up, not after hours of training, when checkpoints cannot be written."""
+def check_checkpoint_dir(cfg, run_id, resumed_run_id=None):
+    """Fail at start-up, not after hours of training, when checkpoints cannot be written, or when they would
+    overwrite (and --keep-checkpoints then delete) those another run left under the same run id.
+
+    Args:
+        cfg: the run's config (--checkpoint-dir, the --save-* flags).
+        run_id: the run's id: its checkpoints go to ``<checkpoint_dir>/<run_id>/``.
+        resumed_run_id: the run id of the checkpoint this run resumes (None: a new run); only a run
+            that continues its own run id may write where step_*.pt files already are.
+
+    Raises:
+        ConfigError: the folder cannot be written, or it holds checkpoints this run does not continue.
+    """
     if not (cfg.save_every or cfg.save_final or cfg.save_on_interrupt):
         return
     where = os.path.join(cfg.checkpoint_dir, run_id)
+    found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(where), "step_*.pt")))
+    if found and resumed_run_id != run_id:
+        raise ConfigError(f"--run-id {run_id}: {where} already holds checkpoints of a run under that id "
+                          f"({', '.join(found[:2])}{' ...' if len(found) > 2 else ''}); choose another --run-id, "
+                          f"continue that run with --resume auto --run-id {run_id}, or move them away")
     try:
         os.makedirs(where, exist_ok=True)
         probe = os.path.join(where, f".write_test.{os.getpid()}")
@@ -1147,6 +1165,12 @@ def git_description():
     return commit + (" (uncommitted changes)" if dirty else "")
 
 
+def log_exists(run_id, path):
+    """The refusal of a new run whose log ``path`` exists (a log is never replaced)."""
+    return ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
+                       f"(or continue that run with --resume)")
+
+
 class RunLog:
     """The run's log file and JSON summary. Only rank 0 writes; every rank may call it.
 
@@ -1183,8 +1207,7 @@ class RunLog:
         except FileExistsError:
             if not os.path.isdir(cfg.log_dir):
                 raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
-            raise ConfigError(f"--run-id {run_id}: {path} already exists; choose another --run-id "
-                              f"(or continue that run with --resume)") from None
+            raise log_exists(run_id, path) from None
         except OSError as e:
             raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e.strerror}); "
                               f"choose another --log-dir") from None
@@ -1488,6 +1511,25 @@ def compiled_graphs():
 # ----------------------------------------------------------------------------------------------
 # Processes, signals, main
 
+def answer_describe(argv, trainer, cfg, preset):
+    """Print ``describe``'s lines on stdout when ``argv`` asks for --describe.
+
+    Args:
+        argv: the command-line words; cfg, preset: what ``parse_config`` made of them.
+        trainer: the ``Trainer`` whose flags they are.
+
+    Returns:
+        True when the description was printed (the run stops there), else False.
+
+    Raises:
+        ConfigError: an unreadable --gpu-check report (``describe``).
+    """
+    known = build_parser(trainer).parse_known_args(argv)[0]
+    if known.describe:
+        print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
+    return known.describe
+
+
 def check_start(cfg, world):
     """The start-up checks every rank of a ``world``-process run makes alike, before its process group forms:
     the device, the batch's split over the processes, the data files. Cheap (no model, no GPU memory): run.sh
@@ -1508,6 +1550,25 @@ def check_start(cfg, world):
     return kind, grad_accum_steps(cfg, world), find_data(cfg)
 
 
+def check_run_files(cfg, run_id, resumed_run_id):
+    """What rank 0 refuses at start for the files of run ``run_id``, checked without keeping anything: its
+    lock (a run of that id going now, an unwritable --log-dir; ``RunLock``, released at once), a log of
+    that id that a new run would not replace, and its checkpoint folder (``check_checkpoint_dir``).
+
+    Args:
+        cfg: the run's config; run_id: its id.
+        resumed_run_id: the run id of the checkpoint it resumes, None for a new run.
+
+    Raises:
+        ConfigError: any of these, naming the flag (as the run itself would).
+    """
+    RunLock(cfg.log_dir, run_id).release()  # first: it leaves nothing behind (check_checkpoint_dir makes the folder)
+    path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+    if resumed_run_id is None and os.path.exists(path):
+        raise log_exists(run_id, path)
+    check_checkpoint_dir(cfg, run_id, resumed_run_id)
+
+
 def preflight(argv, trainer, world):
     """The flags, read as the trainer reads them, and ``check_start`` for ``world`` processes, in this one
     process: run.sh's check before torchrun, so that a refusal is one line rather than one per rank and
@@ -1518,20 +1579,30 @@ def preflight(argv, trainer, world):
         trainer: the ``Trainer`` whose flags they are.
         world: the number of processes torchrun will start.
 
+    Besides the flags and ``check_start``: the checkpoint to resume (``prepare_resume``) and, for a named
+    run, its files (``check_run_files``), which rank 0 alone checks in the run. Only --help's
+    and --describe's answers go to stdout: run.sh prints them and starts no process.
+
     Returns:
         0, or 2 after printing the refusal's one line on stderr (a split over the processes that
         cannot work is named as ``NPROC=<world>``, run.sh's variable).
 
     Raises:
-        SystemExit: argparse's own refusal (its one line already printed), exit status 2.
+        SystemExit: --help (status 0), or argparse's own refusal (its one line already printed), status 2.
     """
     who = f"{trainer.name}: error"
     try:
-        cfg, _ = parse_config(argv, trainer)
+        cfg, preset = parse_config(argv, trainer)  # --help: its text on stdout, SystemExit(0)
+        if answer_describe(argv, trainer, cfg, preset):
+            return 0
         who = f"run.sh: NPROC={world}"  # the process count is run.sh's
         grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
-        check_start(cfg, world)
+        _, _, data = check_start(cfg, world)
+        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
+        run_id = cfg.run_id or (resume[0]["run_id"] if resume else "")
+        if run_id:  # an unnamed new run gets a fresh id: nothing can be in its way
+            check_run_files(cfg, run_id, resume[0]["run_id"] if resume else None)
     except (ConfigError, DataError) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return 2
@@ -1800,7 +1871,7 @@ def start(cfg, trainer, rt, data):
         run_id = cfg.run_id or (resume[0]["run_id"] if resume else
                                 datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
         if rt.master:
-            check_checkpoint_dir(cfg, run_id)
+            check_checkpoint_dir(cfg, run_id, resume[0]["run_id"] if resume else None)
             lock = lock or RunLock(cfg.log_dir, run_id)
     except BaseException:
         if lock is not None:
@@ -1826,9 +1897,7 @@ def main(argv, trainer):
             handlers = install_stop_handlers(stop)
         with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():  # argparse's line
             cfg, preset = parse_config(argv, trainer)
-        known = build_parser(trainer).parse_known_args(argv)[0]
-        if known.describe:
-            print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
+        if answer_describe(argv, trainer, cfg, preset):
             return 0
         stop["save"] = cfg.save_on_interrupt
         handlers = handlers or install_stop_handlers(stop)

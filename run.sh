@@ -113,9 +113,10 @@ if [ "$nproc" -le 1 ]; then
     exec "$PYTHON" train_gpt.py "${args[@]}"
 fi
 # the flags and the start-up checks every rank would make (harness.preflight), once here: a refusal is one line
-# rather than one per rank and torchrun's report
-"$PYTHON" -c 'import sys, harness, train_gpt as T; sys.exit(harness.preflight(sys.argv[2:], T.TRAINER, int(sys.argv[1])))' \
-    "$nproc" "${args[@]}" >/dev/null || exit $?
+# rather than one per rank and torchrun's report; --help and --describe are answered here (its only stdout)
+answer=$("$PYTHON" -c 'import sys, harness, train_gpt as T; sys.exit(harness.preflight(sys.argv[2:], T.TRAINER, int(sys.argv[1])))' \
+    "$nproc" "${args[@]}") || exit $?
+if [ -n "$answer" ]; then printf '%s\n' "$answer"; exit 0; fi
 
 # torchrun exits 1 whatever its workers did: each rank leaves its exit status in a folder (harness.py,
 # TRAIN_GPT_EXIT_CODE_DIR); torchrun runs in its own session so that a Ctrl-C reaches it once, from here,

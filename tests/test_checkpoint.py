@@ -94,6 +94,28 @@ def test_keep_checkpoints_never_counts_or_deletes_the_final_or_interrupt_checkpo
     assert "status:interrupted reason:SIGTERM after step 4" in read_log(tmp_path / "logs", "i")
 
 
+
+def test_a_new_run_never_overwrites_or_prunes_checkpoints_left_under_its_run_id(tmp_path, capsys):
+    # the same --run-id and --checkpoint-dir from another --log-dir (so no log is in the way): a new run, or
+    # another run's checkpoint resumed under that id, is refused before step 0; the folder stays as it was
+    assert run(tmp_path, "--run-id", "x", "--save-every", "1", "--max-steps", "3") == 0
+    assert run(tmp_path, "--run-id", "y", "--max-steps", "1", "--save-final") == 0
+    folder = tmp_path / "ckpt" / "x"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert sorted(before) == ["step_000002.pt", "step_000003.pt"]
+    capsys.readouterr()
+    other = ["--log-dir", str(tmp_path / "other_logs")]
+    for extra in ([], ["--resume", str(tmp_path / "ckpt" / "y" / "step_000001.pt")]):
+        assert run(tmp_path, "--run-id", "x", "--save-every", "1", "--max-steps", "2", *other, *extra) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert f"--run-id x: {folder} already holds checkpoints" in line and "--resume auto --run-id x" in line, line
+        assert "step_000002.pt" in line and "Traceback" not in line
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not (tmp_path / "other_logs").exists()
+    # continuing that run is what the folder is for
+    assert run(tmp_path, "--run-id", "x", "--resume", "auto", "--save-every", "1", "--max-steps", "1") == 0
+    assert steps_in(folder) == [2, 3, 4]
+
 def test_checkpoint_holds_everything_a_run_needs(tmp_path):
     assert run(tmp_path, "--run-id", "c", "--max-steps", "3", "--save-every", "3") == 0
     state = H.load_checkpoint(str(tmp_path / "ckpt" / "c" / "step_000003.pt"))

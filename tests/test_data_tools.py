@@ -1178,24 +1178,60 @@ def test_run_sh_refuses_a_process_count_that_cannot_split_the_batch_in_one_line(
     assert not (tmp_path / "logs").exists()  # refused before torchrun started a rank
 
 
-@pytest.mark.parametrize("bad, names", [(["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
-                                        (["--train-files", "nowhere/*_train_*.bin"], "'nowhere/*_train_*.bin'")],
-                         ids=["flag", "glob"])
-def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names):
-    """NPROC=2: a bad flag value or a --train-files glob that matches nothing is the trainer's one line, said
-    once by run.sh's pre-flight (harness.preflight), exit 2; torchrun is never started (no rank's line, no report)."""
+def _recording_python(tmp_path):
+    """A python that appends its arguments to ``tmp_path/calls`` before it starts: (calls, python)."""
     calls, python = tmp_path / "calls", tmp_path / "python"
-    python.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\nexec "{sys.executable}" "$@"\n')  # records each start
+    python.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
+    return calls, python
+
+
+@pytest.mark.parametrize("bad, names", [(["--dist-timeout", "0"], "--dist-timeout must be >= 1"),
+                                        (["--train-files", "nowhere/*_train_*.bin"], "'nowhere/*_train_*.bin'"),
+                                        (["--resume", "{tmp}/nowhere.pt"], "{tmp}/nowhere.pt: no such checkpoint"),
+                                        (["--run-id", "x", "--save-final", "--checkpoint-dir", "{tmp}/ckpt"],
+                                         "--run-id x: {tmp}/ckpt/x already holds checkpoints"),
+                                        (["--run-id", "x", "--log-dir", "{tmp}/old"], "{tmp}/old/x.txt already exists"),
+                                        (["--run-id", "x", "--log-dir", "{tmp}/busy"], "the run is already going (pid")],
+                         ids=["flag", "glob", "resume", "checkpoint-folder", "log", "lock"])
+def test_run_sh_refuses_before_torchrun_starts_in_one_line(tmp_path, bad, names):
+    """NPROC=2: a bad flag value, a --train-files glob that matches nothing, a --resume file that is not there,
+    a run id whose checkpoint folder holds another run's checkpoints, whose log exists or whose run is going is
+    the trainer's one line, said once by run.sh's pre-flight (harness.preflight), exit 2; torchrun is never
+    started (no rank's line, no report)."""
+    (tmp_path / "ckpt" / "x").mkdir(parents=True)
+    (tmp_path / "ckpt" / "x" / "step_000002.pt").write_bytes(b"another run's")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "x.txt").write_text("another run's log")
+    busy = harness.RunLock(str(tmp_path / "busy"), "x")  # a run of id x going in this process
+    bad, names = [w.format(tmp=tmp_path) for w in bad], names.format(tmp=tmp_path)
+    calls, python = _recording_python(tmp_path)
     splits = ["--batch-tokens", "4608", "--micro-batch-seqs", "1"]  # 2 sequences in stage 1: 1 per process
-    res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, *splits,
-                  "--log-dir", str(tmp_path / "logs"), *bad)
+    try:
+        res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, *splits,
+                      "--log-dir", str(tmp_path / "logs"), *bad)
+    finally:
+        busy.release()
     assert res.returncode == 2, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")]
     assert line.startswith("train_gpt.py: error: ") and names in line and ": rank " not in line, res.stderr
     assert "-c import sys, harness" in calls.read_text()  # the pre-flight ran ...
     assert "torch.distributed.run" not in calls.read_text() and "FAILED" not in res.stdout + res.stderr  # ... alone
     assert not (tmp_path / "logs").exists()
+    assert (tmp_path / "ckpt" / "x" / "step_000002.pt").read_bytes() == b"another run's"
+    assert sorted(os.listdir(tmp_path / "old")) == ["x.txt"] and not (tmp_path / "busy").exists()
+
+
+@pytest.mark.parametrize("ask, says", [("--help", "usage: train_gpt.py"), ("--describe", "describe: preset cpu_smoke")])
+def test_run_sh_answers_help_and_describe_once_without_torchrun(tmp_path, ask, says):
+    """NPROC=2 (which cannot split cpu_smoke's batch, a refusal for a run): --help and --describe are answered
+    once, on stdout, by the pre-flight, exit 0; torchrun never starts its ranks, each of which would answer."""
+    calls, python = _recording_python(tmp_path)
+    res = _run_sh(tmp_path, {"NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": str(python)}, ask)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count(says) == 1 and res.stdout.endswith("\n"), res.stdout[-2000:]
+    assert [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")] == [], res.stderr
+    assert "torch.distributed.run" not in calls.read_text()
 
 
 @pytest.mark.parametrize("form", ["none", "--log-dir DIR", "--log-dir=DIR/", "relative, twice, abbreviated"])

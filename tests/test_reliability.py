@@ -187,10 +187,11 @@ def test_a_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, m
     assert os.listdir(tmp_path / "ckpt") == []
 
 
+@pytest.mark.parametrize("sign", [1, -1])  # a seed of -2**64 once reached torch.manual_seed (a traceback)
 @pytest.mark.parametrize("flag", ["--seed", "--window", "--n-layer", "--vocab-size", "--num-iterations"])
-def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag):
-    with pytest.raises(T.ConfigError, match=f"^{flag} must be < 2\\*\\*31"):
-        T.parse_config([flag, str(2**64)])
+def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag, sign):
+    with pytest.raises(T.ConfigError, match=f"^{flag} must be < 2\\*\\*31 in magnitude"):
+        T.parse_config([flag, str(sign * 2**64)])
 
 
 def test_out_of_memory_is_one_line_naming_the_flags_to_lower():

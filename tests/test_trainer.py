@@ -473,6 +473,13 @@ def test_run_ids_that_are_not_plain_file_names_are_refused(run_id):
         T.parse_config(["--run-id", run_id])
 
 
+@pytest.mark.parametrize("flag", ["--log-dir", "--checkpoint-dir"])
+def test_an_empty_folder_flag_is_refused_naming_it(flag):
+    # --checkpoint-dir '' once put the checkpoints in the folder the trainer was started from
+    with pytest.raises(T.ConfigError, match=f"^{flag} '': name a folder"):
+        T.parse_config([flag, ""])
+
+
 def test_log_dir_that_is_a_file_names_the_flag(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert T.main(tiny_args(tmp_path, "--log-dir", str(tmp_path / "afile"))) == 2
