@@ -246,10 +246,19 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """A bad flag gets its one error line, not the 40-line usage above it."""
+    """A bad flag gets its one error line, not the 40-line usage above it. Flags are taken whole, never
+    by a prefix (``--lr`` would otherwise set --lr-floor): an unknown flag that starts a known one is
+    answered with the flags it could mean."""
+
+    def __init__(self, **kw):
+        super().__init__(allow_abbrev=False, **kw)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+        words = re.findall(r"(?<![\w-])--[\w-]+", message) if message.startswith("unrecognized") else []
+        known = [o for a in self._actions for o in a.option_strings]
+        could = sorted({o for w in words for o in known if o.startswith(w.split("=")[0])})
+        hint = f"; did you mean {', '.join(could[:6])}?" if could else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (--help lists every flag)\n")
 
 
 def build_parser(trainer):

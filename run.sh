@@ -94,14 +94,14 @@ fi
 # the trainer takes globs: escape glob characters in the folder name itself
 data_glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')
 args=(--preset "$preset" --train-files "$data_glob/*_train_*.bin" --val-files "$data_glob/*_val_*.bin" "$@")
-# where the trainer writes its log: the last --log-dir among the arguments (as argparse reads them: --log-dir DIR,
-# --log-dir=DIR or a unique prefix such as --log-d), relative to this folder, where it runs; else logs/
+# where the trainer writes its log: the last --log-dir DIR or --log-dir=DIR among the arguments (the trainer takes
+# no abbreviated flags), relative to this folder, where it runs; else logs/
 log_dir=logs/ next_is_log_dir=""
 for a in "$@"; do
     if [ -n "$next_is_log_dir" ]; then log_dir=$a; next_is_log_dir=""; continue; fi
     case "$a" in
-        --log-d|--log-di|--log-dir) next_is_log_dir=1 ;;
-        --log-d=*|--log-di=*|--log-dir=*) log_dir=${a#*=} ;;
+        --log-dir) next_is_log_dir=1 ;;
+        --log-dir=*) log_dir=${a#*=} ;;
     esac
 done
 if [ "$log_dir" != logs/ ]; then

@@ -1234,18 +1234,18 @@ def test_run_sh_answers_help_and_describe_once_without_torchrun(tmp_path, ask, s
     assert "torch.distributed.run" not in calls.read_text()
 
 
-@pytest.mark.parametrize("form", ["none", "--log-dir DIR", "--log-dir=DIR/", "relative, twice, abbreviated"])
+@pytest.mark.parametrize("form", ["none", "--log-dir DIR", "--log-dir=DIR/", "relative, twice"])
 def test_run_sh_start_line_names_the_log_dir_the_trainer_writes_to(tmp_path, form):
-    """The start line names the folder of the run's log: logs/ by default, else the last --log-dir (any form
-    argparse reads), a relative one under the repository root, where the trainer runs. Checked cheaply on a
+    """The start line names the folder of the run's log: logs/ by default, else the last --log-dir (DIR or
+    =DIR), a relative one under the repository root, where the trainer runs. Checked cheaply on a
     refused start (NPROC=3 cannot split the batch), which prints the start line first and writes nothing."""
     words = {"none": [], "--log-dir DIR": ["--log-dir", str(tmp_path / "a b")],
              "--log-dir=DIR/": [f"--log-dir={tmp_path / 'a b'}/"],
-             "relative, twice, abbreviated": ["--log-dir", str(tmp_path / "first"), "--seed", "1", "--log-d", "rel/x"]}
+             "relative, twice": ["--log-dir", str(tmp_path / "first"), "--seed", "1", "--log-dir", "rel/x"]}
     res = _run_sh(tmp_path, {"NPROC": "3", "OMP_NUM_THREADS": "1"}, *words[form])
     assert res.returncode == 2, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
-    shown = {"none": "logs/", "relative, twice, abbreviated": os.path.join(REPO, "rel", "x") + "/"}.get(
+    shown = {"none": "logs/", "relative, twice": os.path.join(REPO, "rel", "x") + "/"}.get(
         form, f"{tmp_path / 'a b'}/")
     assert line.endswith(f", logs in {shown}"), line
     assert not os.listdir(tmp_path)  # refused before the trainer made its folder

@@ -33,6 +33,21 @@ def test_preset_then_explicit_flags_override():
     assert T.parse_config([])[0].model_dim == 768  # default
 
 
+@pytest.mark.parametrize("words, means, whole", [
+    (["--lr", "0.05"], "--lr-floor", ["--lr-floor", "0.05"]),
+    (["--log-d=x"], "--log-dir", ["--log-dir=x"]),
+    (["--tst-frac", "0", "--momentum-s", "0.9"], "--momentum-start", ["--tst-frac", "0", "--momentum-start", "0.9"])])
+def test_a_flag_is_taken_whole_and_a_prefix_is_refused_with_what_it_could_mean(words, means, whole, capsys):
+    """argparse would read --lr as --lr-floor, its only completion, and set the wrong field without a word."""
+    with pytest.raises(SystemExit) as e:
+        T.parse_config(words)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("train_gpt.py: error: unrecognized arguments: ") and f"did you mean {means}" in err
+    cfg, _ = T.parse_config(whole)  # the whole flag sets its field
+    assert str(getattr(cfg, means[2:].replace("-", "_"))) == whole[-1].split("=")[-1]
+
+
 def test_record_presets_share_global_batch_and_dynamics():
     h200, _ = T.parse_config(["--preset", "record_h200"])
     b200, _ = T.parse_config(["--preset", "record_8xb200"])
