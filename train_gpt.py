@@ -974,6 +974,12 @@ def sequence_layout(mode, bag_size, seq_len):
     raise ValueError(f"unknown TST mode {mode!r}")
 
 
+def enters_new_pass(old, new, total):
+    """Whether a step's stream positions [old, new) reach a pass over the ``total``-token stream that the
+    steps before ([0, old)) did not: a wrap, logged once, also when ``old`` sits exactly on a pass boundary."""
+    return new > old and (new - 1) // total > max(old - 1, 0) // total
+
+
 class TrainLoader:
     """Flat train batches: chunk ``rank * accum + micro`` of a step's sequences to each rank and micro-step
     (any process count sees the same batch); ``position`` is the whole state, ``wrapped`` a new epoch."""
@@ -993,9 +999,9 @@ class TrainLoader:
             n = (self.micro_seqs - 1) * advance + seq_tokens
             flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
             micro.append(flat.unfold(0, seq_tokens, advance))
-        epoch = self.position // self.stream.total
+        old = self.position
         self.position += global_seqs * advance
-        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        self.wrapped = enters_new_pass(old, self.position, self.stream.total)
         return micro
 
 
@@ -1056,9 +1062,9 @@ class PackedLoader:
         offset = np.cumsum(piece) - piece                           # where each piece lands
         index = np.repeat(starts[lo:hi] - self.position - offset, piece) + np.arange(accum * micro_seqs * seq_tokens)
         tokens = torch.from_numpy(window[index]).view(accum, micro_seqs, seq_tokens)
-        epoch, old = self.position // self.stream.total, self.position
+        old = self.position
         self.position = int(ends[last[-1]])
-        self.wrapped = (self.position - 1) // self.stream.total > epoch
+        self.wrapped = enters_new_pass(old, self.position, self.stream.total)
         return list(tokens.unbind(0)), self.position - old, global_seqs * seq_len
 
     def _plan(self, n_seqs, seq_tokens, cap):
