@@ -79,7 +79,7 @@ def sample_docs():
     return out
 
 
-def run_cli(script, *args, env=None, timeout=120, no_torch=None):
+def run_cli(script, *args, env=None, timeout=300, no_torch=None):
     """Run ``python data/<script> args`` from the repo root; returns CompletedProcess (text).
 
     ``no_torch``: a folder put first on PYTHONPATH (the ``no_torch`` fixture) so the tool runs
