@@ -462,8 +462,9 @@ def test_resume_check_names_the_data_by_its_order_folder_and_the_code_by_its_has
 
 
 def run_script(tmp_path, *args):
+    # timeout: a hang guard only (a loaded machine took over 120 s for the dry run)
     return subprocess.run([sys.executable, "bench/small_scale.py", "--out", str(tmp_path / "o"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)  # a hang guard: a loaded machine took over 120 s
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
