@@ -456,6 +456,34 @@ def adam_finish_(p, g, exp_avg, exp_avg_sq, b1, b2, eps, step_size, wd_lr2):
     p.copy_(P - u)
 
 
+@torch.no_grad()
+def warm_step(opt):
+    """Run ``opt.step()`` through every compiled graph it will use (each parameter shape, group
+    hyperparameters, the update call of an every-k optimizer) and leave ``opt`` and the parameters as they were.
+
+    The steps run at lr 0 with no gradients, which changes no parameter (every update here is
+    ``p - lr * (...)`` or ``p (1 - lr wd)``); the state the steps create or move is put back
+    (clones taken before), and so are grads, lrs and ``CautiousAdam``'s call count.
+    """
+    saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads, lrs, calls = [p.grad for p in params], [g["lr"] for g in opt.param_groups], getattr(opt, "calls", None)
+    for p in params:
+        p.grad = None
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for _ in range(getattr(opt, "every", 1)):  # CautiousAdam updates on its every-th call only
+        opt.step()
+    opt.state.clear()
+    opt.state.update(saved_state)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    if calls is not None:
+        opt.calls = calls
+
+
 # Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of HEAD's param table.
 RECORD89_ADAM = {
     "embed": ((0.5, 0.95), 1.0, 150.0),          # token embedding (tied to the head until stage 3)

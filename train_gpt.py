@@ -8,13 +8,14 @@ fused kernels in kernels.py (every log snapshots all four); the math is in docs/
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
+import copy
 import dataclasses
 import functools
 import math
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,12 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import harness
 from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
                      fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
-                        record89_matrix_groups)
+                        record89_matrix_groups, warm_step)
 from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
                      layer_set, log_wrap)
 
@@ -947,6 +949,9 @@ def loss_sum(logits, targets, weights, cfg):
     if weights is None:  # the MCE under the sigmoid cap
         weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
     cap = "tanh" if cfg.logit_cap == "tanh" and cfg.logit_softcap > 0 else cfg.logit_cap
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps each chunk's
+        # float32 capped logits for the backward (4 bytes a logit, the eager path 2); recompute them from the bf16 logits
+        return checkpoint(multi_target_loss, logits, targets, weights, cap, cfg.logit_softcap, use_reentrant=False)
     return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 
 
@@ -1465,37 +1470,65 @@ def validate(run, step):
     return True
 
 
+def graph_batches(run):
+    """``{key: (inputs, targets, weights, tied, train)}``: one batch per graph the run will call, made by the loop's
+    own functions (a copy of the loader, ``Objectives``, ``ValData.batches``), keyed on what a graph guards on:
+    shapes, weights or not, the tie, train or eval. Nothing here knows a stage's shape."""
+    cfg, rt, split, out = run.cfg, run.rt, run.split_step, {}
+    tied_at = lambda step: run.model.tied if split is None else step <= split  # noqa: E731 -- untied after split
+    add = lambda i, t, w, tied, train: out.setdefault(  # noqa: E731
+        (tuple(i.shape), tuple(t.shape), w is None, tied, train), (i, t, w, tied, train))
+    for st in run.schedule.stages:
+        micro, _ = next_micro_batches(copy.copy(run.loader), st, cfg.seq_len, rt, cfg.micro_batch_seqs)
+        micro, weights = micro[:1], None
+        if run.objectives is not None:
+            micro, weights = run.objectives.batches(micro, run.schedule[st.start], st.start)
+        for tied in (tied_at(st.start), tied_at(st.end - 1)):  # both sides of an untie inside the stage
+            add(*micro[0], weights, tied, True)
+    N, evals = cfg.num_iterations, set()
+    for step in {0, N, *(range(cfg.val_every, N, cfg.val_every) if cfg.val_every else ())}:
+        stage = run.schedule[max(step - 1, 0)].stage  # as ``validate``: the metric, and the TST objective in phase 1
+        evals |= {("full", 1, tied_at(step)), *([(stage.mode, stage.bag_size, tied_at(step))] * (stage.phase == 1))}
+    for mode, s, tied in sorted(evals):
+        for inputs, targets in run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt):  # as ``evaluate``
+            add(inputs, targets, None, tied, False)  # moved to the device by ``warm_up``
+    return out
+
+
 def warm_up(run):
-    """Compile every graph the stage table implies (one per objective, train and val) before the clock; returns ms."""
+    """Compile every graph the run calls before the clock: the model's (``graph_batches``) and the optimizers'
+    (``warm_step``: every parameter variant); logs each one's time, returns the total ms."""
     cfg, rt = run.cfg, run.rt
     if not rt.compile:
         return 0.0
-    t0 = time.perf_counter()
-    graphs = list(dict.fromkeys(run.schedule.graphs() + [(1, "full")]))  # + the val metric's next-token
-    for s, mode in graphs:
-        seq_tokens, _ = sequence_layout(mode, s, cfg.seq_len)
-        dummy = torch.zeros(cfg.micro_batch_seqs, seq_tokens, dtype=torch.int64)
-        micro, weights = [make_batch(rt.to_device(dummy), mode, s)], None
-        if run.objectives is not None:  # the stage's training targets (multi-token and prefix columns)
-            first = next((st.start for st in run.schedule.stages if (st.bag_size, st.mode) == (s, mode)), None)
-            if first is not None:
-                micro, weights = run.objectives.batches(micro, run.schedule[first], first)
-        vi, vt = next(run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt))
-        tied = run.model.tied
-        for run.model.tied in ({tied, False} if run.split_step is not None else {tied}):  # both sides of the untie
-            with rt.autocast():
-                (run.net(*micro[0]) if weights is None else run.net(*micro[0], weights)).backward()
+    # why: each variant is compiled here on purpose (stage shapes x tie x train/eval; one optimizer graph per
+    # parameter shape and group); torch's default of 8 per function would run the rest uncompiled all run
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    t0, graphs0, tied0 = time.perf_counter(), compiled_graphs(), run.model.tied
+    batches = graph_batches(run)
+    for (in_shape, t_shape, _, tied, train), (inputs, targets, weights, _, _) in batches.items():
+        t1, g1, run.model.tied = time.perf_counter(), compiled_graphs(), tied
+        inputs, targets = (inputs, targets) if train else (rt.to_device(inputs), rt.to_device(targets))
+        with (nullcontext() if train else eval_mode(run.net)), rt.autocast():
+            loss = run.net(inputs, targets) if weights is None else run.net(inputs, targets, weights)
+        if train:
+            loss.backward()
             run.model.zero_grad(set_to_none=True)
-            with eval_mode(run.net), rt.autocast():
-                run.net(rt.to_device(vi), rt.to_device(vt))
-        run.model.tied = tied
+        rt.sync()
+        run.log.line(f"compile: {'train' if train else 'val'} {list(in_shape)} -> {list(t_shape)} tied:{int(tied)} "
+                     f"took {1000 * (time.perf_counter() - t1):.0f}ms, {compiled_graphs() - g1} graph(s)")
         harness.should_stop(run.stop, can_save=False)  # a safe point between graphs: no step to save yet
+    run.model.tied = tied0
     for opt in run.opts:
-        if isinstance(opt, Aurora):
-            opt.warmup()
-    rt.sync()
+        if isinstance(opt, (Aurora, CautiousAdam)):
+            t1, g1 = time.perf_counter(), compiled_graphs()
+            warm_step(opt)
+            rt.sync()
+            run.log.line(f"compile: optimizer {type(opt).__name__} took {1000 * (time.perf_counter() - t1):.0f}ms, "
+                         f"{compiled_graphs() - g1} graph(s)")
     ms = 1000 * (time.perf_counter() - t0)
-    run.log.line(f"compile: warm-up of {len(graphs)} phase graph(s) took {ms:.0f}ms (not in train_time)")
+    run.log.line(f"compile: warm-up of {len(run.schedule.graphs())} phase graph(s) took {ms:.0f}ms (not in "
+                 f"train_time): {len(batches)} model graph keys, {compiled_graphs() - graphs0} graphs in all")
     return ms
 
 

@@ -7,6 +7,8 @@ injects one):
 * ``attention_check``: FlexAttention under ``block_mask_from_bounds`` (compiled on CUDA) vs SDPA
   under the materialized ``attention_mask``, of the sequence and of the doubled sequence of
   paired-head layers, forward and (CUDA) gradients, float32.
+* ``fp8_check``: ``kernels.fp8_linear`` forward and backward, each fp8 product vs its float64 emulation
+  with the scales the op chose, and the results vs the unquantized float64 products (record shapes on CUDA).
 * ``loss_check``: ``multi_target_loss`` under the tanh and the sigmoid cap vs a float64
   log-softmax reference, value and gradient.
 * ``model_checks``: the check model (record #89's model at a tiny shape, every element on) on a
@@ -102,6 +104,91 @@ def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
     worst = max(diffs.values())
     return dict(name="flex_vs_sdpa", passed=worst <= tol, tol=tol, max_rel_diff=worst, diffs=diffs,
                 heads=H, head_dim=D, length=length, window=window, grad=cuda)
+
+
+# FP8 (kernels.fp8_linear): each product the op computes vs the float64 product of the same fp8 operands
+# times the scales it passed (bf16 output: 2^-9 per element; fast accumulation), and the op's output and
+# gradients vs the float64 product of the unquantized operands (e4m3 rounds by up to 2^-4, e5m2 2^-3, per
+# element; measured on CPU: 2-6%). A dropped scale is off by the scale itself, a doubled one by 100%.
+FP8_KERNEL_TOL = 2e-2
+FP8_VALUE_TOL = 0.25
+
+
+def _frob_rel(a, b):
+    """||a - b|| / ||b||, float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fp8_cases(gen, shapes):
+    """``{name: (x [M, K], w [N, K], g [M, N], fp8_grad)}`` float32 on ``gen``'s device at ``shapes`` = (positions,
+    model_dim, hidden, vocab): the LM head (unit-scale normed input, its softmax-minus-onehot gradient over the
+    positions), the MLP's input and output projections (relu^2 activations), at magnitudes like a trained model's."""
+    M, d, h, V = shapes
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=gen.device)  # noqa: E731
+    x, w_head = randn(M, d), 0.05 * randn(V, d)
+    g_head = torch.softmax(x @ w_head.t(), dim=-1)
+    g_head[torch.arange(M), torch.randint(0, V, (M,), generator=gen, device=gen.device)] -= 1
+    w_fc = randn(h, d) / d ** 0.5
+    return {"fp8_head": (x, w_head, g_head / M, True),
+            "fp8_mlp_fc": (x, w_fc, 1e-3 * randn(M, h), False),
+            "fp8_mlp_proj": (torch.relu(x @ w_fc.t()).square(), 0.5 * randn(d, h) / h ** 0.5, 1e-3 * randn(M, d), False)}
+
+
+def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
+    """``kernels.fp8_linear`` forward and backward against float64, at ``shapes`` (positions, model_dim, hidden, vocab).
+
+    On a GPU with FP8 the op runs ``torch._scaled_mm`` on bf16 inputs; elsewhere its ``emulate`` path (the
+    same scaling and rounding, float32 products). Every ``kernels.fp8_mm`` call is recorded with the fp8
+    operands and the scales the op itself chose (whatever its scaling rule), and each product is compared
+    with ``(a a_scale) @ (b b_scale).T`` in float64 (``FP8_KERNEL_TOL``); the output and both gradients are
+    compared with the float64 products of the unquantized operands (``FP8_VALUE_TOL``).
+
+    Returns:
+        dict: name ``fp8_linear``, passed, tol, max_rel_diff, diffs (per case: ``<case>_mm<i>``, ``_out``,
+        ``_dx``, ``_dw``), emulated, shapes.
+    """
+    import kernels
+    gen = torch.Generator(device).manual_seed(seed)
+    emulate = kernels.fp8_unavailable_reason(device) is not None
+    dtype = torch.float32 if emulate else torch.bfloat16
+    diffs, calls, real_mm = {}, [], kernels.fp8_mm
+
+    def spy(a, a_scale, b, b_scale, *args, **kw):
+        out = real_mm(a, a_scale, b, b_scale, *args, **kw)
+        calls.append((a, a_scale, b, b_scale, out))
+        return out
+    kernels.fp8_mm = spy
+    try:
+        for name, (x, w, g, fp8_grad) in fp8_cases(gen, shapes).items():
+            calls.clear()
+            x, w = (t.to(device, dtype).requires_grad_(True) for t in (x, w))
+            g = g.to(device, dtype)
+            y = kernels.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=emulate)
+            dx, dw = torch.autograd.grad(y, (x, w), g)
+            for i, (a, a_s, b, b_s, out) in enumerate(calls):
+                want = (a.double() * a_s.double()) @ (b.double() * b_s.double()).t()
+                diffs[f"{name}_mm{i}"] = _frob_rel(out, want)
+            x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+            diffs[f"{name}_out"] = _frob_rel(y.detach(), x64 @ w64.t())
+            diffs[f"{name}_dx"] = _frob_rel(dx, g64 @ w64)
+            diffs[f"{name}_dw"] = _frob_rel(dw, g64.t() @ x64)
+            del x, w, g, y, dx, dw, x64, w64, g64, want
+            calls.clear()
+    finally:
+        kernels.fp8_mm = real_mm
+    worst_mm = max((v for k, v in diffs.items() if "_mm" in k), default=0.0)
+    worst = max(v for k, v in diffs.items() if "_mm" not in k)
+    passed = worst_mm <= FP8_KERNEL_TOL and worst <= FP8_VALUE_TOL
+    return dict(name="fp8_linear", passed=passed, tol=FP8_VALUE_TOL, kernel_tol=FP8_KERNEL_TOL,
+                max_rel_diff=max(worst, worst_mm), diffs={k: float(f"{v:.3g}") for k, v in diffs.items()},
+                emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
+
+
+def fp8_record_shapes(T):
+    """(positions of one micro-batch, model_dim, MLP hidden, vocab) of ``record_h200``."""
+    cfg, _ = T.parse_config(["--preset", "record_h200"])
+    return cfg.seq_len * cfg.micro_batch_seqs, cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
 
 
 def reference_loss(logits, targets, weights, softcap, sigmoid=None):
@@ -425,11 +512,14 @@ def run_checks(T, device, check_cfg, report=None):
         report: called with the results so far after each check (None: not called).
 
     Returns:
-        dict name -> the check's dict: ``attention_check``, ``loss_check``, then ``model_checks``
+        dict name -> the check's dict: ``fp8_check`` (record_h200's shapes on CUDA), ``attention_check``,
+        ``loss_check``, then ``model_checks``
         of ``check_cfg`` (``flex_vs_sdpa_model``, ``compiled_vs_eager_fp32``).
     """
     results = {}
-    for step in (lambda: [attention_check(T, device)], lambda: [loss_check(T, device)],
+    fp8_shapes = fp8_record_shapes(T) if device.type == "cuda" else (256, 128, 512, 1024)
+    for step in (lambda: [fp8_check(T, device, fp8_shapes)], lambda: [attention_check(T, device)],
+                 lambda: [loss_check(T, device)],
                  lambda: model_checks(T, check_cfg, device).values()):
         for c in step():
             results[c["name"]] = c

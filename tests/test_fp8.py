@@ -6,8 +6,12 @@ dequantized operands. ``emulate=True`` runs the op's own scaling and rounding on
 products in float64; the CUDA path (``torch._scaled_mm``) is traced on the meta device, which
 checks its shapes, dtypes and layouts.
 """
+import os
+import sys
+
 import pytest
 import torch
+from conftest import REPO
 
 import kernels
 import train_gpt as T
@@ -186,3 +190,34 @@ def test_scaled_mm_path_equals_the_emulation_to_bf16_rounding(fp8_grad):
         rounded = [t.detach().bfloat16().float() for t in (x, w)]
         torch.testing.assert_close(dx, G @ rounded[1], **bf16)
         torch.testing.assert_close(dw, G.t() @ rounded[0], **bf16)
+
+
+# bench/gpu_kernels.fp8_check: the GPU box's kernel check, run here through the emulation path
+
+def _fp8_check(**kw):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import gpu_kernels
+    return gpu_kernels.fp8_check(T, torch.device("cpu"), shapes=(64, 32, 128, 256), **kw)
+
+
+def test_the_gpu_kernel_check_passes_through_the_emulation_path():
+    c = _fp8_check()
+    assert c["passed"] and c["emulated"]
+    mm = {k: v for k, v in c["diffs"].items() if "_mm" in k}
+    assert len(mm) == 5  # the head: forward, dx, dW in fp8; the MLP: the forward
+    assert max(mm.values()) < 1e-6  # float32 products of the same fp8 operands
+    assert 5e-3 < max(v for k, v in c["diffs"].items() if k.endswith("_out")) < 0.1  # e4m3 rounding, not zero
+
+
+@pytest.mark.parametrize("bug", ["dropped", "doubled", "doubled_in_quantize"])
+def test_the_gpu_kernel_check_fails_a_dropped_or_doubled_scale(monkeypatch, bug):
+    real_mm, real_q = kernels.fp8_mm, kernels.fp8_quantize
+    if bug == "dropped":  # the product ignores the scale it is given
+        monkeypatch.setattr(kernels, "fp8_mm", lambda a, s, b, t, *r, **k: real_mm(a, torch.ones_like(s), b, t, *r, **k))
+    elif bug == "doubled":  # the product uses twice the scale it is given
+        monkeypatch.setattr(kernels, "fp8_mm", lambda a, s, b, t, *r, **k: real_mm(a, 2 * s, b, t, *r, **k))
+    else:  # operands quantized at twice the scale the product is given (halves every result)
+        monkeypatch.setattr(kernels, "fp8_quantize", lambda t, s, *r: real_q(t, 2 * s, *r))
+    c = _fp8_check()
+    assert not c["passed"]
+    assert max(v for k, v in c["diffs"].items() if k.endswith("_out")) > 0.4
