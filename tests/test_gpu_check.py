@@ -386,3 +386,89 @@ def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monk
         gpu_check.run_sections(section, res, cpu, args, [], [], "", gpu_check.time.monotonic() + left)
         assert calls == ran, (left, calls)
         assert len(res["skipped"]) == 2 - (len(ran) - len(timed))  # each skipped section is named in the report
+
+
+# ----------------------------------------------------------------------------------------------
+# No compile inside the clock (train_gpt.warm_up, aurora_opt.warm_step), the compiled loss's memory
+
+SMOKE_TINY = ["--seq-len", "128", "--batch-tokens", "384", "--window-block", "8", "--val-tokens", "512",
+              "--num-iterations", "8", "--extension-steps", "1", "--val-every", "0"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--tst-bag-size", "1", "--tst-frac", "0.3"]], ids=["cpu_smoke", "tst_s1"])
+def test_a_compiled_cpu_smoke_run_compiles_nothing_after_the_warm_up(tmp_path, monkeypatch, capfd, extra):
+    """cpu_smoke at a tiny shape (8 steps: TST, record #89's three stages, the extension), compiled with the
+    "eager" backend: graphs and recompiles are Dynamo's, whatever the backend, and it compiles in seconds."""
+    from conftest import sample_args
+    monkeypatch.setattr(torch, "compile", __import__("functools").partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's default: warm_up raises it
+        assert T.main(["--preset", "cpu_smoke", *sample_args(), "--compile", *SMOKE_TINY, *extra, "--log-dir",
+                       str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck"), "--run-id", "c"]) == 0
+    summary = json.loads((tmp_path / "logs" / "c.json").read_text())
+    text = (tmp_path / "logs" / "c.txt").read_text()
+    assert summary["graphs_compiled_during_training"] == 0
+    # the optimizers' graphs are warmed (and counted) too: CautiousAdam's exceed torch's default limit of 8
+    counts = {l.split()[2]: int(l.split(", ")[-1].split()[0]) for l in text.splitlines()
+              if l.startswith("compile: optimizer")}
+    assert counts["NorMuon"] > 0 and counts["CautiousAdam"] > 8, counts
+    keys = [l for l in text.splitlines() if l.startswith(("compile: train", "compile: val"))]
+    assert len(keys) == (4 if not extra else 3), keys  # TST s=4: its own train and val shapes
+    err = capfd.readouterr().err
+    assert "recompile_limit" not in err and "cache_size_limit" not in err
+
+
+def test_warm_step_runs_the_optimizer_steps_and_changes_nothing():
+    from aurora_opt import CautiousAdam, NorMuon, warm_step
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8, 8)),
+          torch.nn.Parameter(torch.randn(8))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    make = lambda q: [NorMuon([dict(params=q[:2])]), CautiousAdam([dict(params=q[2:])], lr=0.05)]  # noqa: E731
+    opts, ref = make(ps), make(twins)
+    for step in range(3):  # state, an odd CautiousAdam call count and live grads at the warm-up
+        for q in (ps, twins):
+            for p in q:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+        if step < 2:
+            for o in opts + ref:
+                o.step()
+    for o in opts:
+        warm_step(o)
+    for o in opts + ref:
+        o.step()
+    for a, b in zip(ps, twins):
+        assert torch.equal(a, b)
+    assert opts[1].calls == ref[1].calls == 3
+
+
+def test_the_compiled_loss_saves_no_float32_logits_for_the_backward():
+    """Bytes the autograd graph keeps per position, compiled (inductor's decompositions and min-cut
+    partitioner, without its code generation) vs eager, through ``loss_sum`` as the model calls it."""
+    import types
+    cfg = types.SimpleNamespace(logit_cap="sigmoid", logit_softcap=0.0)
+    N, V = 256, 512
+    logits = torch.randn(N, V, dtype=torch.bfloat16, requires_grad=True)
+    targets, weights = torch.randint(0, V, (N, 4)), torch.tensor([1.0, 0.5, 0.25, 0.25])
+
+    def saved_per_position(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = fn(logits, targets, weights)
+        loss.backward()
+        return sum(sizes) / N, loss.detach()
+
+    torch._dynamo.reset()
+    compile = lambda f: torch.compile(f, dynamic=False, backend="aot_eager_decomp_partition")  # noqa: E731
+    loss_fn = lambda x, t, w: T.loss_sum(x, t, w, cfg)  # noqa: E731
+    eager, eager_loss = saved_per_position(loss_fn)
+    compiled_fn = compile(loss_fn)
+    compiled_fn(logits, targets, weights).backward()  # compile first
+    compiled, compiled_loss = saved_per_position(compiled_fn)
+    assert 2 * V <= eager < 2.2 * V  # the bf16 logits, plus small per-position tensors
+    assert compiled <= eager and torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
+    # the measurement sees the float32 copies: the bare loss, compiled, keeps one (4 bytes a logit)
+    bare = compile(lambda x, t, w: kernels.multi_target_loss(x, t, w, cap="sigmoid"))
+    bare(logits, targets, weights).backward()
+    assert saved_per_position(bare)[0] > 4 * V
