@@ -1,22 +1,25 @@
-"""One-shot CUDA check of train_gpt.py, ordered by value, inside a stated time budget.
+"""One-shot CUDA check of train_gpt.py for a short slot, ordered by value, inside a stated time budget.
 
-    python bench/gpu_check.py                 # on the GPU box: --budget-s 510 (a 10-minute slot, margin)
-    python bench/gpu_check.py --dry-run       # anywhere, on CPU, in under 2 minutes (CI runs it)
+    OUT=<folder> python bench/gpu_check.py    # on the GPU box: --budget-s 530 (fits a 570 s slot, cold cache)
+    OUT=<folder> python bench/gpu_check.py --dry-run   # the same plan on CPU at a tiny shape (CI runs it)
 
 Sections, in this order (each starts only while the budget leaves it room):
 1. environment and micro-benchmarks (matmul TFLOP/s, copy GB/s, SDPA backends);
-2. the timing runs: each preset (--preset; record_h200, then baseline_h200) compiled, N = --steps
-   steps covering every stage of its stage table and both TST phases; ms/step, tokens/s and MFU
-   per phase and per stage, peak memory, the full run's time projected stage by stage;
-3. kernel agreement (in-process, float32, random inputs): FlexAttention vs masked SDPA (forward,
-   and gradients on CUDA), fused loss vs float64, and on the check model (record #89's model at a
-   tiny shape, every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
+2. the timing runs: baseline_h200 (record #89 as HEAD runs it), then record_h200 only if the time the
+   first one took (its measured compile of each graph, its steps) is left; compiled, N = --steps steps
+   covering every stage of the stage table and both TST phases; per stage the median ms/step without
+   its first two steps, tokens/s, MFU, memory, the full run's time projected stage by stage;
+3. kernel agreement (float32 or FP8, random inputs): fp8_linear vs float64 (record shapes on CUDA),
+   FlexAttention vs masked SDPA, the fused loss vs float64, and on the check model (record #89's model
+   at a tiny shape, every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
 4. a one-step torch.profiler breakdown and max_memory_reserved;
 5. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
    vs bf16 where the GPU has FP8 (compute capability 8.9+; else said skipped);
-6. summary: a table, <out>/gpu_check.json and gpu_check_summary.txt, written even when cut short.
+6. report: three files in $OUT (else --out), the JSON and the logs' archive rewritten after every
+   section (a kill keeps what was measured): gpu_check.json, gpu_check_summary.txt,
+   gpu_check_logs.tar.gz; the summary (<= 3,000 characters: timing, PASS/FAIL, what was cut) printed last.
 Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
-Details (tolerances and why, the projection, the time each section takes): docs/GPU_CHECK.md.
+Details (what to read, tolerances, the projection, where the time goes): docs/GPU_CHECK.md.
 """
 import argparse
 import datetime
@@ -31,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -76,6 +80,10 @@ CHECK_STEPS = 5
 FLAGS_DRY_SHAPE = ["--n-layer", "4", "--model-dim", "64", "--n-head", "2", "--seq-len", "64", "--batch-tokens", "256",
                    "--micro-batch-seqs", "2", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
                    "--no-attn-layers", "2", "--value-embeds", "1"]
+DROP_FIRST_STEPS = 2  # steps at the start of each stage (and phase) left out of its median ms/step
+RECORD89_H100_MIN = 9.84  # record #89 (2026-07-17): 8 x H100 for 1.23 min = 9.84 H100-minutes
+GOAL_MIN = 8.0            # this repository's goal: record_h200's train time on one H200, minutes
+SUMMARY_CHARS = 3000      # the summary printed last: what a job runner's output tail surely keeps
 CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
 TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
@@ -98,6 +106,7 @@ def child_env():
     return {**CHILD_THREADS, **env}
 
 
+POLL_GPU = {"on": False}  # on CUDA (main): trainer runs sample nvidia-smi's memory in use
 STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, no new section starts
 
 
@@ -115,6 +124,7 @@ class TrainerRun:
         self.log_dir = os.path.join(out_dir, "logs")
         self.console_path = os.path.join(self.log_dir, f"{name}.console.txt")
         self.proc, self.rc, self.timed_out, self.wall_s = None, None, False, 0.0
+        self.gpu_mem_mib = None  # the most GPU memory nvidia-smi saw in use during the run (POLL_GPU)
 
     def start(self):
         os.makedirs(self.log_dir, exist_ok=True)
@@ -131,6 +141,8 @@ class TrainerRun:
                                      bufsize=1, start_new_session=True)
         self.reader = threading.Thread(target=self._tee, daemon=True)
         self.reader.start()
+        if POLL_GPU["on"]:
+            threading.Thread(target=self._poll_gpu, daemon=True).start()
         TrainerRun.running.append(self)
         return self
 
@@ -143,6 +155,14 @@ class TrainerRun:
                     print(f"[{self.name} {time.monotonic() - self.t0:6.1f}s] {line.rstrip()}", flush=True)
         except (ValueError, OSError):  # console closed by wait() while a straggler still held the pipe
             pass
+
+    def _poll_gpu(self):
+        """Every second while the run lives: the GPU's memory in use (the trainer's reserved pool + context)."""
+        while self.proc.poll() is None:
+            used = _quiet(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]).splitlines()
+            if used and used[0].strip().isdigit():
+                self.gpu_mem_mib = max(self.gpu_mem_mib or 0, int(used[0]))
+            time.sleep(1.0)
 
     def _signal_group(self, sig):
         try:
@@ -195,12 +215,13 @@ class TrainerRun:
                 summary = json.load(f)
         out = dict(name=self.name, argv=self.argv, rc=self.rc, timed_out=self.timed_out,
                    wall_s=round(self.wall_s, 1), log=log_path, console=self.console_path,
-                   summary=summary)
+                   summary=summary, gpu_memory_used_max_mib=self.gpu_mem_mib)
         out.update(parse_log(text))
         return out
 
 
 COMPILE_RE = re.compile(r"^compile: warm-up of (\d+) phase graph\(s\) took (\d+)ms")
+GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+) graph")  # one per warm-up item
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
 
 
@@ -209,12 +230,13 @@ def parse_log(text):
 
     Returns dict ``train`` (list of {step, loss, train_time_ms, phase, tokens, positions}),
     ``val`` (list of {step, loss, loss_tst}), ``compile_ms`` (float or None),
-    ``n_compiled_phases`` and ``switch_step`` (ints or None), ``status`` (the ``status:`` line).
+    ``n_compiled_phases`` and ``switch_step`` (ints or None), ``status`` (the ``status:`` line),
+    ``compile_graphs`` (the warm-up's items: {what, ms, graphs}).
     ``train_time_ms`` is ``step_avg * step`` (0.01 ms resolution per step) rather than the
     integer ``train_time`` field.
     """
     body = text.split(SEPARATOR + "\n", 1)[1] if SEPARATOR and SEPARATOR + "\n" in text else text
-    train, val, compile_ms, n_phases, switch, status = [], [], None, None, None, None
+    train, val, compile_ms, n_phases, switch, status, graphs = [], [], None, None, None, None, []
     for line in body.splitlines():
         parsed = parse_step_line(line)
         if parsed:
@@ -227,6 +249,9 @@ def parse_log(text):
                 tst = f.get("val_loss_tst")
                 val.append(dict(step=step, loss=float(f["val_loss"]), loss_tst=float(tst) if tst is not None else None))
             continue
+        m = GRAPH_RE.match(line)
+        if m:
+            graphs.append(dict(what=f"{m.group(1)} {m.group(2)}", ms=int(m.group(3)), graphs=int(m.group(4))))
         m = COMPILE_RE.match(line)
         if m:
             n_phases, compile_ms = int(m.group(1)), float(m.group(2))
@@ -236,7 +261,7 @@ def parse_log(text):
         if line.startswith("status:"):
             status = line.split()[0].split(":", 1)[1]
     return dict(train=train, val=val, compile_ms=compile_ms, n_compiled_phases=n_phases,
-                switch_step=switch, status=status)
+                switch_step=switch, status=status, compile_graphs=graphs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,28 +688,29 @@ def step_times(train, flops_at=None):
     return rows
 
 
-def group_stats(rs, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
-    """ms/step (mean over kept steps; median too), tokens/s, positions/s, FLOPs, TFLOP/s and MFU of rows ``rs``
-    (``step_times``' rows of one phase or one stage). None when ``rs`` is empty.
+def group_stats(rs, matmul_tflops, nominal_tflops, drop_first=DROP_FIRST_STEPS):
+    """ms/step (the median of the kept steps; mean too), tokens/s, positions/s, FLOPs, TFLOP/s and MFU of rows
+    ``rs`` (``step_times``' rows of one phase or one stage). None when ``rs`` is empty.
 
-    The first row is dropped when it is > ``warmup_ratio`` x the median of the others. FLOPs per
-    step are the mean of the kept rows' ``flops`` (windows and batches differ between steps);
-    achieved TFLOP/s = their FLOPs / their time.
+    The first ``drop_first`` rows of the group are dropped (a stage's first steps pay for its new batch
+    shape, allocator growth and lazy kernel choices), fewer when that would leave none. FLOPs per
+    step are the mean of the kept rows' ``flops``; achieved TFLOP/s = that / the median ms.
     """
     if not rs:
         return None
     ms = [r["ms"] for r in rs]
-    drop = len(ms) >= 3 and ms[0] > warmup_ratio * statistics.median(ms[1:])
-    kept_rows = rs[1:] if drop else rs
+    n_drop = min(drop_first, len(rs) - 1)
+    kept_rows = rs[n_drop:]
     kept = [r["ms"] for r in kept_rows]
-    mean = sum(kept) / len(kept)
+    mean = statistics.median(kept)  # the step time every rate below is computed from
     tokens = sum(r["tokens"] for r in kept_rows) / len(kept_rows)
     positions = sum(r["positions"] for r in kept_rows) / len(kept_rows)
     flops = sum(r.get("flops", 0) for r in kept_rows) / len(kept_rows)
     achieved = flops / (mean / 1e3) / 1e12 if flops else None
     out = dict(steps_logged=len(ms), steps_used=len(kept), first_step=rs[0]["step"], last_step=rs[-1]["step"],
-               first_step_ms=round(ms[0], 2), first_step_dropped=drop, ms_per_step=round(mean, 2),
-               ms_median=round(statistics.median(kept), 2), ms_min=round(min(kept), 2), ms_max=round(max(kept), 2),
+               first_step_ms=round(ms[0], 2), first_steps_dropped=n_drop, ms_per_step=round(mean, 2),
+               ms_median=round(mean, 2), ms_mean=round(sum(kept) / len(kept), 2), ms_min=round(min(kept), 2),
+               ms_max=round(max(kept), 2),
                raw_tokens_per_step=round(tokens), positions_per_step=round(positions),
                raw_tokens_per_s=round(tokens / (mean / 1e3)), positions_per_s=round(positions / (mean / 1e3)),
                flops_per_step=flops, achieved_tflops=float(f"{achieved:.4g}") if achieved else None,
@@ -695,9 +721,9 @@ def group_stats(rs, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
     return out
 
 
-def phase_stats(rows, phase, matmul_tflops, nominal_tflops, warmup_ratio=1.25):
+def phase_stats(rows, phase, matmul_tflops, nominal_tflops):
     """``group_stats`` of the rows of TST ``phase`` (1 or 2); None when no row is of this phase."""
-    return group_stats([r for r in rows if r["phase"] == phase], matmul_tflops, nominal_tflops, warmup_ratio)
+    return group_stats([r for r in rows if r["phase"] == phase], matmul_tflops, nominal_tflops)
 
 
 def stage_key(stage):
@@ -712,7 +738,7 @@ def timing_argv(args, preset, data, device_kind, out_dir):
     """``(base, argv)``: the preset (+ --dry-run's small shape) + data + --trainer-args, then the timing flags.
 
     The timing run is the preset with N = --steps and its extension steps scaled to N (at least 1
-    when it has some): the same stage table, TST phases and window blocks, compressed.
+    when it has some): the same stage table, TST phases and window blocks, compressed; untied head.
     """
     full, _ = T.parse_config(["--preset", preset])
     shape = (CHECK_SHAPE if full.stages != "flags" else FLAGS_DRY_SHAPE) if args.dry_run else []
@@ -723,6 +749,8 @@ def timing_argv(args, preset, data, device_kind, out_dir):
               "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", f"timing_{preset}"]
     if cfg.extension_steps:
         window += ["--extension-steps", str(max(1, round(cfg.extension_steps * args.steps / cfg.num_iterations)))]
+    if cfg.tied_embed:  # why: the tie changes which table the embedding reads, not a step's work; untied
+        window.append("--no-tied-embed")  # the run compiles one train and one val graph fewer (cold: minutes)
     if args.compile is not None:
         window.append("--compile" if args.compile else "--no-compile")
     return base, base + window
@@ -782,8 +810,8 @@ def timing_problems(res, p1, p2, pj):
         problems.append("no projection (stages not timed: " + "; ".join(pj["missing"]) + ")")
     warnings += [f"stage {u} was not in the timing run" for u in pj["untimed"]]
     if res.get("graphs_compiled"):
-        warnings.append(f"{res['graphs_compiled']} graph(s) compiled inside the timed window "
-                        f"(recompilation: the step times include compile time)")
+        problems.append(f"{res['graphs_compiled']} graph(s) compiled inside the timed window "
+                        f"(the warm-up missed them: the step times include compile time)")
     if p1 and p2 and p2["first_step_ms"] > 2 * p2["ms_median"]:
         warnings.append(f"the first phase-2 step (the TST switch) took {p2['first_step_ms']:.0f} ms vs "
                         f"{p2['ms_median']:.0f} ms median: something is (re)built at the switch")
@@ -811,7 +839,8 @@ def timing(device, data, args, preset, out_dir, deadline, micro, env):
     out = dict(run=dict((k, res[k]) for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")),
                preset=preset, steps_requested=args.steps, steps_logged=len(rows),
                switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
-               compiled_phases=res["n_compiled_phases"],
+               compiled_phases=res["n_compiled_phases"], compile_graphs=res["compile_graphs"],
+               gpu_memory_used_max_mib=res.get("gpu_memory_used_max_mib"),
                graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
                peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
                flops_per_position_step0=table[0].flops_per_position, micro_batch_seqs=cfg.micro_batch_seqs,
@@ -882,8 +911,8 @@ def timing_rows(preset, tm, dry_run):
             ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
     for name in ("phase1", "phase2"):
         p = tm.get(name) or {}
-        rows += [(name, "ms/step (mean / median)", slash(p.get("ms_per_step"), p.get("ms_median")), "ms"),
-                 (name, "first step (dropped as warm-up?)", f"{fmt(p.get('first_step_ms'))} ({fmt(p.get('first_step_dropped'))})", "ms"),
+        rows += [(name, "ms/step (median after the first steps / mean)", slash(p.get("ms_per_step"), p.get("ms_mean")), "ms"),
+                 (name, "first step (steps dropped)", f"{fmt(p.get('first_step_ms'))} ({fmt(p.get('first_steps_dropped'))})", "ms"),
                  (name, "raw text tokens/s", p.get("raw_tokens_per_s"), "tokens/s"),
                  (name, "latent positions/s", p.get("positions_per_s"), "positions/s"),
                  (name, "windows timed, first / last (long, short)",
@@ -946,22 +975,98 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
-def report(res, out_dir):
-    """Print the summary table, warnings and errors; write them and ``res`` (JSON) under ``out_dir``."""
+ARCHIVE = "gpu_check_logs.tar.gz"  # the trainer logs and consoles (logs/) and kernels.json, one file
+
+
+def save(res, out_dir, work):
+    """The JSON and the logs' archive into ``out_dir``, each replaced whole: after every section, so a
+    kill keeps what was measured."""
+    write_json(os.path.join(out_dir, "gpu_check.json"), res)
+    tmp = os.path.join(out_dir, ARCHIVE + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in ("logs", "kernels.json"):
+            if os.path.exists(os.path.join(work, name)):
+                tar.add(os.path.join(work, name), arcname=name)
+    os.replace(tmp, os.path.join(out_dir, ARCHIVE))
+
+
+def _stage_line(key, p):
+    """One stage's timing: ms/step (median after its first steps), raw tokens/s, MFU (measured / datasheet)."""
+    mfu = pct(p.get("mfu_measured")) + ("" if p.get("mfu_nominal") is None else f"/{pct(p['mfu_nominal'])}")
+    return (f"  {key}: {fmt(p['ms_per_step'])} ms/step (n={p['steps_used']}), {fmt(p['raw_tokens_per_s'])} tok/s, "
+            f"MFU {mfu}%")
+
+
+def timing_summary(preset, tm, dry_run):
+    """Summary lines of one preset's timing run: compile, memory, each stage, the projection."""
+    graphs = tm.get("compile_graphs") or []
+    slowest = max(graphs, key=lambda g: g["ms"], default=None)
+    lines = [f"{preset}: {tm.get('steps_logged')} steps timed; compile {fmt((tm.get('compile_time_ms') or 0) / 1e3, 1)} s "
+             f"over {len(graphs)} items, {sum(g['graphs'] for g in graphs)} graphs (slowest: {slowest['what']} "
+             f"{slowest['ms'] / 1e3:.1f} s)" if slowest else f"{preset}: {tm.get('steps_logged')} steps timed; no compile",
+             f"  memory: peak allocated {fmt(tm.get('peak_memory_mib'), 0)} MiB, in use (nvidia-smi, reserved + "
+             f"context) {fmt(tm.get('gpu_memory_used_max_mib'), 0)} MiB; compiled in the timed window: "
+             f"{tm.get('graphs_compiled_during_training')}"]
+    lines += [_stage_line(k, p) for k, p in (tm.get("stages") or {}).items() if p]
+    pj = tm.get("projection") or {}
+    minutes = pj.get("projected_train_time_min")
+    note = " (dry run: the tiny model's times)" if dry_run else ""
+    lines.append(f"  projected full run ({pj.get('num_iterations')} steps): {fmt(minutes)} min on this device{note} | "
+                 f"record #89: {RECORD89_H100_MIN} H100-min | goal: {GOAL_MIN:g} min"
+                 + (f" | steps x median: {fmt(pj['unweighted_train_time_ms'] / 60e3)} min"
+                    if pj.get("unweighted_train_time_ms") else ""))
+    return lines
+
+
+def short_summary(res):
+    """At most ``SUMMARY_CHARS`` characters, printed last: timing first, then PASS/FAIL rows, then what was cut."""
+    env, m = res.get("env") or {}, (res.get("microbench") or {}).get("matmul") or {}
+    lines = [f"==== gpu_check summary: {res['mode']}, {env.get('gpu') or env.get('cpu')}, torch {env.get('torch')}, "
+             f"compile {'on' if str(env.get('compile', '')).startswith('on') else 'off'}, inductor cache warm before: "
+             f"{fmt(env.get('inductor_cache_warm'))} ====",
+             f"TIMING (ms/step: each stage's median without its first {DROP_FIRST_STEPS} steps; MFU vs the measured "
+             f"matmul {m.get('tflops')} TFLOP/s / the datasheet peak)"]
+    for preset in res["args"]["presets"]:
+        tm = (res.get("timing") or {}).get(preset)
+        lines += timing_summary(preset, tm, res["args"].get("dry_run")) if tm else [f"{preset}: not timed"]
+    lines.append("CHECKS")
+    for c in list((res.get("kernels") or {}).values()) + list(((res.get("correctness") or {}).get("checks") or {}).values()):
+        if c.get("skipped"):
+            lines.append(f"  skip {c['name']}: {c['skipped'][:90]}")
+            continue
+        diff = c.get("max_rel_diff", c.get("max_abs_diff"))
+        lines.append(f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']} (max diff {fmt(diff)}, tolerance {c['tol']})")
+    cut = list(res.get("skipped") or [])
+    cut += [f"timing {p} stopped at the budget" for p, tm in (res.get("timing") or {}).items()
+            if tm and tm["run"]["timed_out"]]
+    lines.append("CUT SHORT: " + ("; ".join(cut) if cut else "nothing"))
+    lines += [f"error: {e[:160]}" for e in res["errors"][:4]]
+    lines.append(f"status {res.get('status')} (exit {res.get('exit_code')}); wall {res.get('wall_s')} s of "
+                 f"{res['args'].get('budget_s'):.0f} s; files: gpu_check.json, gpu_check_summary.txt, {ARCHIVE}")
+    text = "\n".join(lines)
+    if len(text) > SUMMARY_CHARS:  # keep the head (timing) and the status line
+        text = text[:SUMMARY_CHARS - len(lines[-1]) - 5] + "\n...\n" + lines[-1]
+    return text
+
+
+def report(res, out_dir, work):
+    """Print the long table, warnings and errors, then the short summary last; write the JSON, the summary and
+    the logs' archive into ``out_dir``."""
     table = render_table(summary_rows(res))
-    banner("summary")
+    banner("details")
     print(table)
     for w in res["warnings"]:
         print(f"warning: {w}")
     for e in res["errors"]:
         print(f"error: {e}")
     res["summary_table"] = table
-    write_json(os.path.join(out_dir, "gpu_check.json"), res)
+    summary = short_summary(res)
+    res["summary"] = summary
+    save(res, out_dir, work)
     with open(os.path.join(out_dir, "gpu_check_summary.txt"), "w", encoding="utf-8") as f:
-        f.write(table + "\n" + "".join(f"warning: {w}\n" for w in res["warnings"])
-                + "".join(f"error: {e}\n" for e in res["errors"]))
-    print(f"\nwrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check_summary.txt "
-          f"(trainer logs in {os.path.join(out_dir, 'logs')})")
+        f.write(summary + "\n")
+    print(f"\nwrote gpu_check.json, gpu_check_summary.txt and {ARCHIVE} (logs/, kernels.json) in {out_dir}\n")
+    print(summary, flush=True)
 
 
 # Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
@@ -1013,6 +1118,14 @@ def kernels_and_profile(device, args, out_dir, deadline):
     return out.get("kernels"), out.get("profile")
 
 
+def timing_need_s(prev):
+    """Seconds the next preset's timing run is expected to take: the previous run's wall time (its start-up,
+    the measured compile of each of its graphs, its steps) x 1.25 for the TST phase's extra graphs; 0 if none."""
+    if not prev:
+        return 0.0
+    return 1.25 * prev["run"]["wall_s"]
+
+
 def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
     """The timing run, kernel checks + profile, trainer agreement runs: in that order, each only if it fits.
 
@@ -1033,7 +1146,14 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
             print(f"skipping {name}: {left:.0f} s of the budget left", flush=True)
             return False
         return True
-    for preset in args.presets:  # one after the other, each until the timing deadline
+    for i, preset in enumerate(args.presets):  # one after the other, each until the timing deadline
+        left = deadline - TIMING_RESERVE_S[cuda] - time.monotonic()
+        need = timing_need_s(res["timing"].get(args.presets[i - 1])) if i else 0.0
+        if STOP["reason"] or left < need:  # a later preset only with the time the earlier one measured
+            res["skipped"].append(f"timing {preset} (needs ~{need:.0f} s by {args.presets[i - 1]}'s compile and "
+                                  f"steps, {left:.0f} s left)")
+            print(f"skipping the timing run of {preset}: ~{need:.0f} s needed, {left:.0f} s left", flush=True)
+            continue
         tm = res["timing"][preset] = section(f"timing run of {preset}", timing, device, data, args, preset, out_dir,
                                              deadline - TIMING_RESERVE_S[cuda], res["microbench"], res["env"])
         if tm:
@@ -1060,16 +1180,18 @@ def parse_args(argv):
     p = parser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, the check model's shape, few steps: checks this script")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "gpu_check"), help="output dir")
-    p.add_argument("--preset", default="record_h200,baseline_h200",
-                   help="trainer presets timed, comma-separated, in this order (--dry-run: at a small shape); the "
-                        "first is profiled")
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench", "out", "gpu_check"),
+                   help="where the 3 result files go: gpu_check.json, gpu_check_summary.txt, gpu_check_logs.tar.gz "
+                        "(default: $OUT when set); the work (logs, synthetic data) is in a temporary folder")
+    p.add_argument("--preset", default="baseline_h200,record_h200",
+                   help="trainer presets timed, comma-separated, in this order, a later one only if the time the "
+                        "earlier one took is left (--dry-run: at a small shape); the first is profiled")
     p.add_argument("--steps", type=int, default=None,
                    help="steps N of the timing run, both TST phases (phase 1: round(r N)) over the whole window "
-                        "schedule (default 40; 6 with --dry-run)")
+                        "schedule (default 40; 12 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="hard wall-clock limit of the whole check, s (default 510: a 10-minute slot less start-up "
-                        "and margin; 240 with --dry-run)")
+                   help="hard wall-clock limit of the whole check, s (default 530: a 570 s slot less interpreter "
+                        "start-up and the final report; 240 with --dry-run)")
     p.add_argument("--train-files", default=None, help="real train shards (glob); default: synthetic")
     p.add_argument("--val-files", default=None, help="real val shards (glob); default: synthetic")
     p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 256 dry)")
@@ -1083,15 +1205,15 @@ def parse_args(argv):
     p.add_argument("--tol", type=float, default=1e-3, help="absolute loss tolerance, fp32 cpu vs device")
     p.add_argument("--bf16-tol", type=float, default=2e-2, help="absolute loss tolerance, bf16 vs fp32")
     p.add_argument("--fp8-tol", type=float, default=5e-2, help="absolute loss tolerance, bf16 + FP8 vs bf16")
-    p.add_argument("--keep-data", action="store_true", help="keep the synthetic shards under --out")
+    p.add_argument("--keep-data", action="store_true", help="keep the work folder (logs, synthetic shards)")
     args = p.parse_args(argv)
     d = args.dry_run
     args.presets = [p for p in args.preset.split(",") if p]
     unknown = [p for p in args.presets if T is not None and p not in T.PRESETS]
     if unknown or not args.presets:
         p.error(f"--preset {args.preset!r}: give trainer presets, comma-separated, from {sorted(T.PRESETS) if T else []}")
-    args.steps = args.steps or (6 if d else 40)
-    args.budget_s = args.budget_s or (240.0 if d else 510.0)
+    args.steps = args.steps or (12 if d else 40)
+    args.budget_s = args.budget_s or (240.0 if d else 530.0)
     args.val_tokens = args.val_tokens or (256 if d else 65536)
     if d and args.compile is None:
         args.compile = False
@@ -1114,8 +1236,9 @@ def main(argv=None):
         CHILD_THREADS["OMP_NUM_THREADS"] = "1"
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
-    out_dir = os.path.abspath(args.out)
+    out_dir = os.path.abspath(args.out)  # the result files only
     os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_check_")  # logs, synthetic shards, kernels.json: archived into out_dir
     res = dict(schema=SCHEMA, mode="dry-run (cpu)" if args.dry_run else "cuda",
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
@@ -1135,14 +1258,14 @@ def main(argv=None):
             return None
         finally:
             res["section_wall_s"][name] = round(time.monotonic() - t0, 1)
-
-    synthetic_dirs = []
+            save(res, out_dir, work)
     try:
         if args.dry_run:
             device = torch.device("cpu")
         elif torch.cuda.is_available():
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
+            POLL_GPU["on"] = True
         else:
             device = None
             res["errors"].append("no CUDA device visible (torch.cuda.is_available() is False); "
@@ -1154,17 +1277,14 @@ def main(argv=None):
             if res["env"]:
                 print(json.dumps(res["env"], indent=1, default=str))
             res["microbench"] = section("micro-benchmarks", microbench, device, args)
-            data = section("data", data_args, args, out_dir)
+            data = section("data", data_args, args, work)
             if data:
-                data, check_data, synthetic_dirs = data
-                run_sections(section, res, device, args, data, check_data, out_dir, deadline)
+                data, check_data, _ = data
+                run_sections(section, res, device, args, data, check_data, work, deadline)
     except KeyboardInterrupt as e:
         STOP["reason"] = STOP["reason"] or f"interrupted ({e or 'KeyboardInterrupt'})"
         for run in list(TrainerRun.running):
             run.stop()
-    finally:
-        for d in synthetic_dirs if not args.keep_data else []:
-            shutil.rmtree(d, ignore_errors=True)
 
     if STOP["reason"]:
         res["errors"].append(STOP["reason"])
@@ -1179,7 +1299,11 @@ def main(argv=None):
     res["exit_code"] = 1 if failed else (2 if res["errors"] else 0)
     res["status"] = "ok" if res["exit_code"] == 0 else "failed"
     res["wall_s"] = round(time.monotonic() - t_start, 1)
-    report(res, out_dir)
+    report(res, out_dir, work)
+    if args.keep_data:
+        print(f"kept the work folder (logs, synthetic shards): {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return res["exit_code"]
 
 
