@@ -1121,9 +1121,7 @@ def kernels_and_profile(device, args, out_dir, deadline):
 def timing_need_s(prev):
     """Seconds the next preset's timing run is expected to take: the previous run's wall time (its start-up,
     the measured compile of each of its graphs, its steps) x 1.25 for the TST phase's extra graphs; 0 if none."""
-    if not prev:
-        return 0.0
-    return 1.25 * prev["run"]["wall_s"]
+    return 1.25 * ((prev or {}).get("run") or {}).get("wall_s", 0.0)
 
 
 def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
@@ -1149,7 +1147,7 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
     for i, preset in enumerate(args.presets):  # one after the other, each until the timing deadline
         left = deadline - TIMING_RESERVE_S[cuda] - time.monotonic()
         need = timing_need_s(res["timing"].get(args.presets[i - 1])) if i else 0.0
-        if STOP["reason"] or left < need:  # a later preset only with the time the earlier one measured
+        if i and (STOP["reason"] or left < need):  # a later preset only with the time the earlier one took
             res["skipped"].append(f"timing {preset} (needs ~{need:.0f} s by {args.presets[i - 1]}'s compile and "
                                   f"steps, {left:.0f} s left)")
             print(f"skipping the timing run of {preset}: ~{need:.0f} s needed, {left:.0f} s left", flush=True)

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -21,28 +22,49 @@ EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
+    """The dry run as the GPU box runs it: results into $OUT; returns (process, JSON, the archive unpacked)."""
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out),
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run",
                            # the default 240 s (and 180 s for the agreement runs) fit an idle machine; CI may be loaded
                            "--budget-s", "600", "--correct-timeout-s", "450"],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=700)
+                          cwd=REPO, env=dict(subprocess_env(), OUT=str(out)), capture_output=True, text=True,
+                          timeout=700)
+    files = sorted(os.listdir(out))
+    assert files == ["gpu_check.json", "gpu_check_logs.tar.gz", "gpu_check_summary.txt"], files  # <= 6 files
     with open(out / "gpu_check.json", encoding="utf-8") as f:
         result = json.load(f)
-    return proc, result, out
+    unpacked = tmp_path_factory.mktemp("gpu_check_logs")
+    with tarfile.open(out / gpu_check.ARCHIVE) as tar:
+        tar.extractall(unpacked, filter="data")
+    return proc, result, unpacked
+
+
+def test_the_summary_comes_last_and_short_with_the_timing_first(dry_run):
+    proc, r, _ = dry_run
+    tail = proc.stdout[-gpu_check.SUMMARY_CHARS:]
+    summary = r["summary"]
+    assert len(summary) <= gpu_check.SUMMARY_CHARS and proc.stdout.rstrip().endswith(summary.rstrip())
+    order = [tail.index(s) for s in ("TIMING", "baseline_h200: 12 steps timed", "record_h200: 12 steps timed",
+                                     "CHECKS", "CUT SHORT: nothing", "status ok")]
+    assert order == sorted(order)
+    for stage in r["timing"]["baseline_h200"]["stages"]:
+        assert f"  {stage}: " in tail and "ms/step" in tail
+    assert tail.count("projected full run (1285 steps)") == 2 and "record #89: 9.84 H100-min | goal: 8 min" in tail
+    assert "PASS fp8_linear" in tail and "skip fp8_vs_bf16" in tail
 
 
 def test_dry_run_exits_zero_and_prints_the_table(dry_run):
     proc, _, _ = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check summary" in proc.stdout
-    for row in ("ms/step (mean / median)", "projected train time, FLOPs-weighted", "latent positions/s",
+    for row in ("ms/step (median after the first steps / mean)", "projected train time, FLOPs-weighted", "latent positions/s",
                 "windows timed", "bf16_vs_fp32: cpu fp32 eager vs cpu bf16 eager", "flex_vs_sdpa (",
                 "flex_vs_sdpa_model (", "compiled_vs_eager_fp32", "loss_vs_float64", "fp8_vs_bf16",
                 "fp32_cpu_vs_device", "one step: attention", "one step: optimizer", "max_memory_reserved",
                 "wall time of this check / budget"):
         assert row in proc.stdout, row
     # order of value: the timing runs, then the kernel checks and profile, then the trainer agreement runs
-    order = [proc.stdout.index(s) for s in ("timing run of record_h200", "timing run of baseline_h200",
+    order = [proc.stdout.index(s) for s in ("timing run of baseline_h200", "timing run of record_h200",
                                             "kernel agreement (", "trainer agreement (")]
     assert order == sorted(order)
     # both columns of the agreement check are printed, and why the others did not run here
@@ -73,7 +95,7 @@ def test_dry_run_agreement_checks_ran_and_passed(dry_run):
     assert b["reference_run"]["rc"] == b["candidate_run"]["rc"] == 0 and c["bf16_compiled"] is False
     assert "--no-bf16" in b["reference_run"]["argv"] and "--bf16" in b["candidate_run"]["argv"]
     assert "--no-fp8" in b["reference_run"]["argv"] and "--no-fp8" in b["candidate_run"]["argv"]
-    with open(b["candidate_run"]["log"], encoding="utf-8") as f:  # it did run in bf16
+    with open(out / "logs" / os.path.basename(b["candidate_run"]["log"]), encoding="utf-8") as f:  # bf16 it was
         assert "bf16: True" in f.read().split(gpu_check.SEPARATOR)[1]
     assert c["checks"]["fp8_vs_bf16"] == dict(name="fp8_vs_bf16", passed=None, skipped=T.fp8_unavailable_reason("cpu"))
     assert c["checks"]["fp32_cpu_vs_device"]["passed"] is None
@@ -121,21 +143,24 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         assert r[key] is not None, key
     assert r["env"]["torch"] and r["env"]["device"] == "cpu"
     assert r["microbench"]["matmul"]["tflops"] > 0 and r["microbench"]["copy"]["gbps"] > 0
-    assert list(r["timing"]) == ["record_h200", "baseline_h200"]
+    assert list(r["timing"]) == ["baseline_h200", "record_h200"]
     for preset, t in r["timing"].items():
-        assert t["problems"] == [] and t["steps_logged"] == 6, (preset, t["problems"])
-        cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the check shape, N = 6, 1 extension step
-        assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 6, 1, 64)
+        assert t["problems"] == [] and t["steps_logged"] == 12, (preset, t["problems"])
+        cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the check shape, N = 12, 1 extension step
+        assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 12, 1, 64)
+        assert not cfg.tied_embed  # untied: the tie changes no step's work, and would double the graphs
         table = T.Schedule(cfg)
         assert list(t["stages"]) == [gpu_check.stage_key(st) for st in table.stages]  # every stage was timed
         assert len(t["stages"]) == 4  # the three recipe stages and the extension
-        for p in t["stages"].values():
+        for key, p in t["stages"].items():  # the median of each stage's steps after its first two
+            ms = [row["ms"] for row in t["per_step"] if row["stage"] == key]
+            assert p["ms_per_step"] == pytest.approx(float(np.median(ms[min(2, len(ms) - 1):])), abs=0.01)
             assert p["ms_per_step"] > 0 and p["positions_per_s"] > 0 and p["mfu_measured"] > 0
         for row in t["per_step"]:  # FLOPs, window and stage of the optimizer step each log line reports
             step = table[row["step"] - 1]
             assert row["flops"] == step.flops_per_position * step.stage.batch_tokens
             assert tuple(row["window"]) == step.window and row["stage"] == gpu_check.stage_key(step.stage)
-        assert [row["positions"] for row in t["per_step"]] == [table[i].stage.batch_tokens for i in range(6)]
+        assert [row["positions"] for row in t["per_step"]] == [table[i].stage.batch_tokens for i in range(12)]
         pj = t["projection"]  # the full run: the preset's own N and extension at the same shape
         full, _ = T.parse_config(t["run"]["argv"][:t["run"]["argv"].index("--num-iterations")])
         switch = T.tst_switch_step(full)
@@ -149,16 +174,15 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         assert abs(pj["projected_train_time_ms"] - weighted) <= 1 and pj["missing"] == []
         assert t["peak_memory_mib"] > 0 and (out / "logs" / f"timing_{preset}.txt").exists()
     rec, base = r["timing"]["record_h200"], r["timing"]["baseline_h200"]
-    assert rec["switch_step"] == 2 and rec["phase1"]["steps_logged"] == 2 and base["phase1"] is None
+    switch = T.tst_switch_step(T.parse_config(rec["run"]["argv"])[0])
+    assert rec["switch_step"] == switch > 2 and rec["phase1"]["steps_logged"] == switch and base["phase1"] is None
     # TST phase 1 reads s = 4 raw tokens per latent position (and the document tails it skips)
     assert rec["phase1"]["raw_tokens_per_step"] >= 4 * rec["phase1"]["positions_per_step"]
-    # the full record run has stage 1 on both sides of the TST switch; the 6-step run only phase 1 of it
+    # the full record run has stage 1 on both sides of the TST switch; the 12-step run only phase 1 of it
     p2s1 = [s for s in rec["projection"]["stages"] if s["stage"].startswith("phase 2") and "blocks (1, 3)" in s["stage"]]
     assert len(p2s1) == 1 and p2s1[0]["timed_as"].startswith("phase 1 s=4: 64 positions, blocks (1, 3)")
     assert any("was not in the timing run" in w for w in r["warnings"]) and base["projection"]["untimed"] == []
-    assert (out / "gpu_check_summary.txt").exists()
-    for d in ("synthetic_data", "synthetic_check"):
-        assert not (out / d).exists()  # removed without --keep-data
+    assert sorted(os.listdir(out)) == ["kernels.json", "logs"]  # the archive: logs, no synthetic shards
 
 
 def test_projection_of_a_flags_preset_weights_each_phase_by_its_flops():
@@ -205,16 +229,20 @@ def test_log_parsing_and_phase_stats():
         "step:4/4 train_loss:6.0000 train_time:500ms step_avg:125.00ms phase:2 tokens:1000 positions:400",
         "status:complete",
     ])
-    p = gpu_check.parse_log(text)
+    p = gpu_check.parse_log(text.replace(gpu_check.SEPARATOR, gpu_check.SEPARATOR + "\n" + "\n".join([
+        "compile: train [1, 16384, 1] -> [1, 16384, 4] tied:1 took 61234ms, 1 graph(s)",
+        "compile: optimizer NorMuon took 9000ms, 8 graph(s)"])))
+    assert p["compile_graphs"] == [dict(what="train [1, 16384, 1] -> [1, 16384, 4] tied:1", ms=61234, graphs=1),
+                                   dict(what="optimizer NorMuon", ms=9000, graphs=8)]
     assert [r["step"] for r in p["train"]] == [1, 2, 3, 4]
     assert p["compile_ms"] == 51234 and p["n_compiled_phases"] == 2 and p["switch_step"] == 2
     assert p["val"] == [dict(step=0, loss=10.0, loss_tst=11.0)] and p["status"] == "complete"
     rows = gpu_check.step_times(p["train"], flops_at=lambda i: 1e12)
     assert [round(r["ms"]) for r in rows] == [300, 100, 50, 50] and all(r["flops"] == 1e12 for r in rows)
     s1 = gpu_check.phase_stats(rows, 1, matmul_tflops=100.0, nominal_tflops=None)
-    assert s1["ms_per_step"] == 200 and not s1["first_step_dropped"]  # fewer than 3 steps: nothing dropped
-    assert s1["raw_tokens_per_step"] == 400 and s1["positions_per_s"] == 500
-    assert s1["achieved_tflops"] == 5.0 and s1["mfu_measured"] == 0.05
+    assert s1["ms_per_step"] == 100 and s1["first_steps_dropped"] == 1  # 2 steps: the first dropped, 1 left
+    assert s1["raw_tokens_per_step"] == 400 and s1["positions_per_s"] == 1000
+    assert s1["achieved_tflops"] == 10.0 and s1["mfu_measured"] == 0.1
     # a row covering two steps gets the mean FLOPs of the steps it covers (log every 2 steps)
     two = gpu_check.step_times([dict(step=2, train_time_ms=400.0, phase=1, tokens=8, positions=2)],
                                flops_at=lambda i: (i + 1) * 1e12)
@@ -222,10 +250,10 @@ def test_log_parsing_and_phase_stats():
     rows = [dict(step=i, phase=1, ms=ms, tokens=4, positions=1, flops=f, window=[w, w // 2])
             for i, (ms, f, w) in enumerate([(900, 9e12, 8), (100, 1e12, 16), (200, 2e12, 24), (300, 3e12, 32)], 1)]
     s = gpu_check.phase_stats(rows, 1, None, None)
-    assert s["first_step_dropped"] and s["ms_per_step"] == 200 and s["steps_used"] == 3
-    # the kept steps' FLOPs over their time: the dropped warm-up step counts in neither
-    assert s["flops_per_step"] == 2e12 and s["achieved_tflops"] == 10.0
-    assert s["windows_timed"] == [[16, 8], [32, 16]]
+    assert s["first_steps_dropped"] == 2 and s["ms_per_step"] == 250 and s["steps_used"] == 2
+    # the kept steps' FLOPs over their median time: the dropped first steps count in neither
+    assert s["flops_per_step"] == 2.5e12 and s["achieved_tflops"] == 10.0
+    assert s["windows_timed"] == [[24, 12], [32, 16]]
     assert gpu_check.phase_stats(rows, 2, None, None) is None
 
 
@@ -253,7 +281,8 @@ def test_a_failed_agreement_check_says_why():
 def test_dry_run_kernel_checks_and_profile(dry_run):
     _, r, _ = dry_run
     k = r["kernels"]
-    assert list(k) == ["flex_vs_sdpa", "loss_vs_float64", "flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
+    assert list(k) == ["fp8_linear", "flex_vs_sdpa", "loss_vs_float64", "flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
+    assert k["fp8_linear"]["passed"] and k["fp8_linear"]["emulated"]
     assert set(k["flex_vs_sdpa"]["diffs"]) == {"short_out", "paired_out", "long_out"}  # forward only on CPU
     assert set(k["loss_vs_float64"]["diffs"]) == {"value_tanh", "grad_tanh", "value_sigmoid", "grad_sigmoid"}
     assert set(k["flex_vs_sdpa_model"]["diffs"]) == {"logits"}
@@ -368,24 +397,27 @@ def test_reference_loss_is_the_textbook_cross_entropy():
 
 def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monkeypatch):
     calls = []
-    monkeypatch.setattr(gpu_check, "timing", lambda *a: calls.append("timing") or dict(problems=[], warnings=[]))
+    monkeypatch.setattr(gpu_check, "timing", lambda *a: calls.append("timing") or dict(problems=[], warnings=[],
+                                                                                      run=dict(wall_s=100.0)))
     monkeypatch.setattr(gpu_check, "kernels_and_profile", lambda *a: calls.append("kernels") or ({}, {}))
     monkeypatch.setattr(gpu_check, "correctness", lambda *a: calls.append("agreement") or dict(passed=True))
     section = lambda name, fn, *a: fn(*a)  # noqa: E731
     args = gpu_check.parse_args(["--dry-run"])
+    assert args.presets == ["baseline_h200", "record_h200"]
     cpu = torch.device("cpu")
     need_k, need_a = gpu_check.MIN_SECTION_S["kernels"][0], gpu_check.MIN_SECTION_S["agreement"][0]
     assert need_k < need_a  # the cases below assume it
-    timed = ["timing"] * len(args.presets)  # one timing run per preset
-    for left, ran in ((need_a + 5, timed + ["kernels", "agreement"]),
-                      ((need_k + need_a) / 2, timed + ["kernels"]),
-                      (need_k - 5, timed)):
+    second = gpu_check.TIMING_RESERVE_S[0] + 1.25 * 100.0 + 5  # the first run's wall time x 1.25 is left
+    for left, ran in ((second, ["timing", "timing", "kernels", "agreement"]),
+                      (need_a + 5, ["timing", "kernels", "agreement"]),
+                      ((need_k + need_a) / 2, ["timing", "kernels"]),
+                      (need_k - 5, ["timing"])):
         calls.clear()
         res = dict(microbench=None, env=None, errors=[], warnings=[], skipped=[], kernels=None, profile=None,
                    correctness=None, timing={})
         gpu_check.run_sections(section, res, cpu, args, [], [], "", gpu_check.time.monotonic() + left)
         assert calls == ran, (left, calls)
-        assert len(res["skipped"]) == 2 - (len(ran) - len(timed))  # each skipped section is named in the report
+        assert len(res["skipped"]) == 4 - len(ran)  # each skipped section (or timing run) is named in the report
 
 
 # ----------------------------------------------------------------------------------------------
