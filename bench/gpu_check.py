@@ -106,6 +106,7 @@ def child_env():
     return {**CHILD_THREADS, **env}
 
 
+SAVE = {"fn": None}  # main's: rewrite the JSON and the logs' archive in $OUT (called while a run is waited for)
 POLL_GPU = {"on": False}  # on CUDA (main): trainer runs sample nvidia-smi's memory in use
 STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, no new section starts
 
@@ -183,7 +184,14 @@ class TrainerRun:
         try:
             if STOP["reason"]:
                 raise KeyboardInterrupt(STOP["reason"])
-            self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            while self.proc.poll() is None:  # the logs' archive refreshed every 20 s: a hard kill keeps them
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(self.name, deadline)
+                try:
+                    self.proc.wait(timeout=min(20.0, max(0.1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    if SAVE["fn"]:
+                        SAVE["fn"]()
         except subprocess.TimeoutExpired:
             self.timed_out = True
             print(f"[{self.name}] time budget reached: stopping it and reporting what its log holds",
@@ -1104,7 +1112,14 @@ def kernels_and_profile(device, args, out_dir, deadline):
     proc = subprocess.Popen(cmd + (["--dry-run"] if args.dry_run else []), cwd=REPO, env=child_env(),
                             start_new_session=True)
     try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        while proc.poll() is None:  # the archive refreshed every 20 s (kernels.json grows check by check)
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(cmd, deadline)
+            try:
+                proc.wait(timeout=min(20.0, max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if SAVE["fn"]:
+                    SAVE["fn"]()
     except subprocess.TimeoutExpired:
         print("[kernels] time budget reached: stopping it, keeping the checks it finished", flush=True)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -1237,6 +1252,7 @@ def main(argv=None):
     out_dir = os.path.abspath(args.out)  # the result files only
     os.makedirs(out_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gpu_check_")  # logs, synthetic shards, kernels.json: archived into out_dir
+    SAVE["fn"] = lambda: save(res, out_dir, work)
     res = dict(schema=SCHEMA, mode="dry-run (cpu)" if args.dry_run else "cuda",
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
