@@ -171,17 +171,6 @@ class Aurora(torch.optim.Optimizer):
         return 1, 0
 
     @torch.no_grad()
-    def warmup(self):
-        """Run the direction computation once per matrix shape on zeros (compiles it, changes nothing)."""
-        world, _ = self._shards()
-        for group, by_shape in zip(self.param_groups, self._by_shape):
-            for shape, index in by_shape.items():
-                device = group["params"][0].device
-                zeros = torch.zeros(-(-len(index) // world), *shape, device=device)
-                self._direction(zeros, group["pp_iterations"], group["pp_beta"], group["ns"], group["eps"],
-                                self._dtype(device))
-
-    @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter (a None grad counts as zero); no host sync, so no finiteness check."""
         loss = None
@@ -308,18 +297,6 @@ class NorMuon(Aurora):
                                  f"{p.size(0)} rows of {name}")
             by_shape.setdefault((rows, p.size(1)), []).append(i)
         return by_shape
-
-    @torch.no_grad()
-    def warmup(self):
-        """Run the direction once per block shape and count on zeros (compiles it, changes nothing)."""
-        world, _ = self._shards()
-        for group, by_shape in zip(self.param_groups, self._by_shape):
-            for (rows, cols), index in by_shape.items():
-                p0 = group["params"][index[0]]
-                k = sum(group["params"][i].size(0) // rows for i in index)
-                zeros = torch.zeros(-(-k // world), rows, cols, device=p0.device)
-                self._direction(zeros, group["pp_iterations"], group["pp_beta"], group["ns"], group["eps"],
-                                self._dtype(p0.device))
 
     @torch.no_grad()
     def step(self, closure=None):

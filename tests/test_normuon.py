@@ -232,11 +232,11 @@ def test_normuon_names_the_matrix_with_bad_block_rows():
                         block_rows=8)])
 
 
-def test_normuon_warmup_changes_nothing():
+def test_normuon_warm_step_changes_nothing():
     p = torch.randn(32, 8, requires_grad=True)
     w = p.detach().clone()
     opt = A.NorMuon([dict(params=[p], block_rows=16)])
-    opt.warmup()
+    A.warm_step(opt)
     assert torch.equal(p.detach(), w) and not opt.state
 
 
