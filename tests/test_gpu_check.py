@@ -504,3 +504,22 @@ def test_the_compiled_loss_saves_no_float32_logits_for_the_backward():
     bare = compile(lambda x, t, w: kernels.multi_target_loss(x, t, w, cap="sigmoid"))
     bare(logits, targets, weights).backward()
     assert saved_per_position(bare)[0] > 4 * V
+
+
+def test_each_section_rewrites_the_json_so_a_stop_keeps_what_was_measured(tmp_path, monkeypatch):
+    seen = {}
+
+    def stopped(section, res, *a):  # the sections so far are on disk before the timing starts; then a SIGTERM
+        with open(tmp_path / "gpu_check.json", encoding="utf-8") as f:
+            seen.update(json.load(f))
+        raise KeyboardInterrupt("signal SIGTERM")
+    monkeypatch.setattr(gpu_check, "run_sections", stopped)
+    monkeypatch.setattr(gpu_check, "data_args", lambda args, work: ([], [], []))  # no shards needed here
+    monkeypatch.setenv("OUT", str(tmp_path))
+    for shared in (gpu_check.STOP, gpu_check.SAVE):  # module state main sets: put back after the test
+        monkeypatch.setitem(shared, next(iter(shared)), next(iter(shared.values())))
+    assert gpu_check.main(["--dry-run", "--matmul-n", "64"]) == 2
+    assert seen["env"]["device"] == "cpu" and seen["microbench"]["matmul"]["tflops"] > 0
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check_logs.tar.gz", "gpu_check_summary.txt"]
+    final = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "interrupted (signal SIGTERM)" in final["errors"] and "status failed (exit 2)" in final["summary"]
