@@ -516,6 +516,7 @@ def test_each_section_rewrites_the_json_so_a_stop_keeps_what_was_measured(tmp_pa
     monkeypatch.setattr(gpu_check, "run_sections", stopped)
     monkeypatch.setattr(gpu_check, "data_args", lambda args, work: ([], [], []))  # no shards needed here
     monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(gpu_check.signal, "signal", lambda *a: None)  # pytest keeps its own SIGTERM handling
     for shared in (gpu_check.STOP, gpu_check.SAVE):  # module state main sets: put back after the test
         monkeypatch.setitem(shared, next(iter(shared)), next(iter(shared.values())))
     assert gpu_check.main(["--dry-run", "--matmul-n", "64"]) == 2
