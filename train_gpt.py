@@ -949,8 +949,8 @@ def loss_sum(logits, targets, weights, cfg):
     if weights is None:  # the MCE under the sigmoid cap
         weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
     cap = "tanh" if cfg.logit_cap == "tanh" and cfg.logit_softcap > 0 else cfg.logit_cap
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps each chunk's
-        # float32 capped logits for the backward (4 bytes a logit, the eager path 2); recompute them from the bf16 logits
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps every
+        # chunk's float32 capped logits for the backward (4 bytes a logit, eager 2): recompute them from the bf16 ones
         return checkpoint(multi_target_loss, logits, targets, weights, cap, cfg.logit_softcap, use_reentrant=False)
     return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 

@@ -1009,9 +1009,10 @@ def timing_summary(preset, tm, dry_run):
     """Summary lines of one preset's timing run: compile, memory, each stage, the projection."""
     graphs = tm.get("compile_graphs") or []
     slowest = max(graphs, key=lambda g: g["ms"], default=None)
-    lines = [f"{preset}: {tm.get('steps_logged')} steps timed; compile {fmt((tm.get('compile_time_ms') or 0) / 1e3, 1)} s "
-             f"over {len(graphs)} items, {sum(g['graphs'] for g in graphs)} graphs (slowest: {slowest['what']} "
-             f"{slowest['ms'] / 1e3:.1f} s)" if slowest else f"{preset}: {tm.get('steps_logged')} steps timed; no compile",
+    head = f"{preset}: {tm.get('steps_logged')} steps timed; "
+    lines = [head + (f"compile {fmt((tm.get('compile_time_ms') or 0) / 1e3, 1)} s over {len(graphs)} items, "
+                     f"{sum(g['graphs'] for g in graphs)} graphs (slowest: {slowest['what']} {slowest['ms'] / 1e3:.1f} s)"
+                     if slowest else "no compile"),
              f"  memory: peak allocated {fmt(tm.get('peak_memory_mib'), 0)} MiB, in use (nvidia-smi, reserved + "
              f"context) {fmt(tm.get('gpu_memory_used_max_mib'), 0)} MiB; compiled in the timed window: "
              f"{tm.get('graphs_compiled_during_training')}"]
@@ -1038,7 +1039,8 @@ def short_summary(res):
         tm = (res.get("timing") or {}).get(preset)
         lines += timing_summary(preset, tm, res["args"].get("dry_run")) if tm else [f"{preset}: not timed"]
     lines.append("CHECKS")
-    for c in list((res.get("kernels") or {}).values()) + list(((res.get("correctness") or {}).get("checks") or {}).values()):
+    agreement = ((res.get("correctness") or {}).get("checks") or {}).values()
+    for c in list((res.get("kernels") or {}).values()) + list(agreement):
         if c.get("skipped"):
             lines.append(f"  skip {c['name']}: {c['skipped'][:90]}")
             continue

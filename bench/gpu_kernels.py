@@ -132,7 +132,8 @@ def fp8_cases(gen, shapes):
     w_fc = randn(h, d) / d ** 0.5
     return {"fp8_head": (x, w_head, g_head / M, True),
             "fp8_mlp_fc": (x, w_fc, 1e-3 * randn(M, h), False),
-            "fp8_mlp_proj": (torch.relu(x @ w_fc.t()).square(), 0.5 * randn(d, h) / h ** 0.5, 1e-3 * randn(M, d), False)}
+            "fp8_mlp_proj": (torch.relu(x @ w_fc.t()).square(), 0.5 * randn(d, h) / h ** 0.5, 1e-3 * randn(M, d),
+                             False)}
 
 
 def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
