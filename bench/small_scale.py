@@ -1,21 +1,21 @@
-"""Does it work? Paired equal-FLOP evidence for TST and Aurora at small scale, over data orders and seeds.
+"""Does our method beat the record? Paired equal-FLOP evidence for TST and Aurora on record #89's recipe.
 
-A small GPT (``cpu_smoke_r21``: record #21's recipe at a tiny shape) is trained on a real-text
-corpus (default ``data/sample``) once
-per *arm* (an optimizer and TST setting: adamw, muon, aurora, aurora_tst, their variants, the
-equal-text control aurora_eqtext, architecture ablations), *data order* (``--orders`` shuffled
-mixes written by ``bench/small_scale_data.py``) and *init seed* (``--seeds``), every arm at the
-same FLOPs per step. Block-matrix lrs are tuned per optimizer family by a small sweep first.
-Comparisons are paired per (order, seed) (``bench/small_scale_stats.py``): mean difference of
-final val losses, 95% t-interval, paired t-test p; a recency check compares document-ordered
-with mixed data. Output: ``results.md``/``results.json``, logs per arm, plots.
+A small GPT (``--preset cpu_smoke``: record #89's recipe -- the stage table, packed batches,
+multi-token and prefix objectives, NorMuon and CautiousAdam, the #89 model at the smoke shape --
+at the shape MODEL below) is trained on a real-text corpus (default ``data/sample``) once per
+*arm* (``baseline89``: the recipe without our methods; ``tst``, ``aurora``, ``tst_aurora`` =
+``record_h200``'s methods; TST variants), *data order* (``--orders`` shuffles written by
+``bench/small_scale_data.py``) and *init seed* (``--seeds``), every arm at the same FLOPs. NorMuon's
+lr is swept on baseline89 first; two arms run again at 3x the steps. Comparisons are paired per
+(order, seed) (``bench/small_scale_stats.py``): mean difference of final val losses, 95%
+t-interval, paired t-test p; and each arm's first val step whose mean is below baseline89's final
+mean at p < 0.01 (``records/compare.py --first-passing``), with the steps saved.
 
-    python bench/small_scale.py --quick   # pipeline check, ~4 min -> bench/out/small_scale_quick/
-    python bench/small_scale.py           # every arm, 3 orders x 2 seeds (~95 min on 2 idle cores)
+    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~70 min, 2 idle cores)
+    python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
-is skipped). The detail (arms, orders, the equal-text control, the recency check, the sweep,
-the budget): docs/SMALL_SCALE.md.
+is skipped). The detail (arms, data orders, the sweep, first-passing, the budget): docs/SMALL_SCALE.md.
 """
 import argparse
 import concurrent.futures
@@ -46,103 +46,64 @@ import small_scale_data  # noqa: E402
 import small_scale_stats as sst  # noqa: E402
 
 SAMPLE = os.path.join("data", "sample")  # the repository's real-text sample: the default corpus
+PRESET = "cpu_smoke"  # record #89's recipe and model at the smoke shape, with TST and Aurora (taken off below)
 
-# Model shape (on top of --preset cpu_smoke_r21: embed_lr 0.3, head_lr 0.02, no momentum warmup).
-# GPT-2's 50304-row head dominates at this width (3.2M of the 3.6M matmul weights); 64 wide keeps
-# ~70 runs with whole-val evals inside 2 hours on 2 cores. seq_len 128 = the latent length L.
-MODEL = dict(n_layer=4, n_head=2, model_dim=64, seq_len=128)
+# The study's shape, on top of --preset cpu_smoke (4 layers x 128 wide, 4 heads: its own). seq_len 256
+# with 768 positions per step (stage 1 -> 2 -> 3 sequences) instead of 768 and 2,304: a run of 80 steps
+# (41k positions, 1.8e12 FLOPs) then costs ~2 min on one core, and the study's 57 runs (12 of them 3x
+# long) ~72 min on 2 cores (docs/SMALL_SCALE.md, "Budget"); windows in blocks of 16
+# (the smoke's 32 scaled with the sequence). Val on 4,096 tokens (16 sequences; the same in every run, so
+# paired differences do not carry its sampling noise): at every 10% of the steps, 11 val passes cost a
+# quarter of a run's FLOPs.
+MODEL = dict(seq_len=256, window_block=16, micro_batch_seqs=1)
 
-_TST = ["--optimizer", "aurora", "--tst-mode"]
-# arm name -> (optimizer family whose tuned lr it uses, trainer flags)
+_NORMUON = ["--optimizer", "normuon"]
+_AURORA = ["--optimizer", "aurora_normuon"]
+
+
+def _tst(s, r):
+    return ["--tst-frac", str(r), "--tst-bag-size", str(s)]
+
+
+# arm name -> (trainer flags, steps multiplier). baseline89: cpu_smoke without our methods (no TST, NorMuon);
+# tst_aurora: cpu_smoke's (= record_h200's) methods, TST s = 4, r = 0.3 and aurora_normuon.
 ARMS = {
-    "adamw": ("adamw", ["--optimizer", "adamw", "--tst-frac", "0"]),
-    "muon": ("muon", ["--optimizer", "muon", "--tst-frac", "0"]),
-    "aurora": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0"]),
-    "aurora_tst": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
-    "aurora_tst_s2": ("aurora", _TST + ["full", "--tst-bag-size", "2", "--tst-frac", "0.3"]),
-    "aurora_tst_s8": ("aurora", _TST + ["full", "--tst-bag-size", "8", "--tst-frac", "0.3"]),
-    "aurora_tst_r0.2": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.2"]),
-    "aurora_tst_r0.4": ("aurora", _TST + ["full", "--tst-bag-size", "4", "--tst-frac", "0.4"]),
-    "aurora_tst_input": ("aurora", _TST + ["input", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
-    "aurora_tst_output": ("aurora", _TST + ["output", "--tst-bag-size", "4", "--tst-frac", "0.3"]),
-    "aurora_eqtext": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0"]),
-    "aurora_plain": ("aurora", ["--optimizer", "aurora", "--tst-frac", "0", "--no-doc-mask", "--window", "0",
-                                "--window-start", "0", "--short-window-layers", "", "--no-attn-layers", "",
-                                "--value-embeds", "0", "--no-unet", "--no-x0-mix", "--no-merged-qkv",
-                                "--attn-scale", "0", "--logit-softcap", "30", "--lr-floor", "0"]),
+    "baseline89": (_NORMUON + _tst(1, 0), 1),
+    "tst": (_NORMUON + _tst(4, 0.3), 1),
+    "aurora": (_AURORA + _tst(1, 0), 1),
+    "tst_aurora": (_AURORA + _tst(4, 0.3), 1),
+    "tst_r0.1": (_NORMUON + _tst(4, 0.1), 1),
+    "tst_r0.2": (_NORMUON + _tst(4, 0.2), 1),
+    "tst_s2": (_NORMUON + _tst(2, 0.3), 1),
+    "baseline89_3x": (_NORMUON + _tst(1, 0), 3),
+    "tst_aurora_3x": (_AURORA + _tst(4, 0.3), 3),
 }
-# Ablations of record #21's architecture: aurora with one element set back to the old architecture's
-# value, paired with aurora (all on). Merged QKV is left out: it computes the same function (tested).
-_AURORA = ["--optimizer", "aurora", "--tst-frac", "0"]
-ABLATIONS = {
-    "aurora_no_value_embeds": ["--value-embeds", "0"],
-    "aurora_no_unet": ["--no-unet"],
-    "aurora_no_x0_mix": ["--no-x0-mix"],
-    "aurora_softcap30": ["--logit-softcap", "30"],
-    "aurora_no_doc_mask": ["--no-doc-mask"],
-    "aurora_no_window": ["--window", "0", "--window-start", "0", "--short-window-layers", ""],
-    "aurora_no_attn_scale": ["--attn-scale", "0"],
-    "aurora_no_lr_floor": ["--lr-floor", "0"],
-}
-ARMS.update({arm: ("aurora", _AURORA + flags) for arm, flags in ABLATIONS.items()})
-
-
-def _model89_flags():
-    """Record #89's model (train_gpt's MODEL89 with cpu_smoke's 4-layer roles, SMOKE_MODEL89) as flags on
-    this benchmark's base, its width and heads kept (MODEL): the model arm against record #21's."""
-    import train_gpt
-    flags = []
-    for key, value in {**train_gpt.MODEL89, **train_gpt.SMOKE_MODEL89}.items():
-        if key in MODEL:
-            continue
-        name = "--" + key.replace("_", "-")
-        flags += ([name] if value else ["--no-" + name[2:]]) if isinstance(value, bool) else [name, str(value)]
-    return flags
-
-
-ARMS["aurora_model89"] = ("aurora", _AURORA + _model89_flags())
-# equal-text control -> the TST arm whose phase-1 text (s * batch per step for round(r * N) steps) it reads
-EQTEXT = {"aurora_eqtext": "aurora_tst"}
-TST_VARIANTS = ["aurora_tst_s2", "aurora_tst_s8", "aurora_tst_r0.2", "aurora_tst_r0.4", "aurora_tst_input",
-                "aurora_tst_output"]
-# (arm a, arm b, at): paired a - b per (order, seed). "final": the two final val losses; "flops": a's
-# final val loss against b's val loss at a's total FLOPs (interpolated on b's val curve)
-COMPARISONS = ([("aurora", "adamw", "final"), ("muon", "adamw", "final"), ("aurora", "muon", "final"),
-                ("aurora_tst", "aurora", "final")]
-               + [(v, "aurora", "final") for v in TST_VARIANTS] + [(v, "aurora_tst", "final") for v in TST_VARIANTS]
-               + [("aurora_eqtext", "aurora", "final"), ("aurora_tst", "aurora_eqtext", "final"),
-                  ("aurora_tst", "aurora_eqtext", "flops"), ("aurora", "aurora_plain", "final"),
-                  ("aurora_model89", "aurora", "final")]
-               + [("aurora", arm, "final") for arm in ABLATIONS])
-BASELINE = "adamw"
-
-# optimizer family -> (lr flag, the no-TST arm whose (order 0, seed 0) run the sweep run doubles as)
-FAMILIES = {"adamw": ("--adamw-lr", "adamw"), "muon": ("--matrix-lr", "muon"), "aurora": ("--matrix-lr", "aurora")}
+LABELS = {"baseline89": "baseline89", "tst": "+tst", "aurora": "+aurora", "tst_aurora": "+tst+aurora",
+          "tst_r0.1": "+tst r=0.1", "tst_r0.2": "+tst r=0.2", "tst_s2": "+tst s=2",
+          "baseline89_3x": "baseline89 (3x steps)", "tst_aurora_3x": "+tst+aurora (3x steps)"}
+# each arm -> the arm it is paired with (same steps): its baseline
+BASE_OF = {arm: ("baseline89_3x" if mult == 3 else "baseline89") for arm, (_, mult) in ARMS.items()}
+BASELINES = sorted(set(BASE_OF.values()))
+LR_FLAG = "--matrix-lr"  # NorMuon's (and aurora_normuon's) lr, swept on baseline89, used by every arm
 
 MODES = {
     "full": dict(
-        # 6 arms x 3 orders x 2 seeds at 256 positions per step: about 95 min on 2 idle cores (COST); the
-        # TST variants (s, r, modes), ~68 min more, with --arms
-        arms=["adamw", "muon", "aurora", "aurora_tst", "aurora_eqtext", "aurora_plain"], orders=3, seeds=2,
-        steps=300, batch_tokens=256, val_tokens=None, val_every=None,
-        sweep={"adamw": [0.002, 0.004, 0.008], "muon": [0.00625, 0.0125, 0.025], "aurora": [0.00625, 0.0125, 0.025]},
-        sweep_extend=0, recency_arm="adamw", out=os.path.join("records", "cpu", "{date}_small_scale")),
-    "quick": dict(
-        arms=["adamw", "aurora", "aurora_tst", "aurora_eqtext"], orders=2, seeds=1, steps=40, batch_tokens=256,
-        val_tokens=8192, val_every=None, sweep={"adamw": [0.004], "aurora": [0.05]},
-        sweep_extend=0, recency_arm="adamw", out=os.path.join("bench", "out", "small_scale_quick")),
+        # 7 arms x 3 orders x 2 seeds at 80 steps, 2 arms at 240: ~72 min on 2 idle cores (COST)
+        arms=list(ARMS), orders=3, seeds=2, steps=80, batch_tokens=768, val_tokens=4096, val_frac=0.1,
+        sweep=[0.0115, 0.023, 0.046], sweep_extend=1, model={},
+        out=os.path.join("records", "cpu", "{date}_small_scale_89")),
+    "quick": dict(  # the pipeline end to end in seconds (tests/test_small_scale.py): no evidence of anything
+        arms=["baseline89", "tst_aurora", "baseline89_3x", "tst_aurora_3x"], orders=2, seeds=1, steps=5,
+        batch_tokens=48, val_tokens=256, val_frac=0.2, sweep=[0.023], sweep_extend=0,
+        model=dict(model_dim=32, n_head=2, seq_len=16, window_block=4, bigram_vocab=1024),
+        out=os.path.join("bench", "out", "small_scale_quick")),
 }
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
-# training FLOP + seconds per val (forward) FLOP, measured on a 2-core AMD EPYC (torch 2.13.0 CPU,
-# float32, one thread) at the MODEL shape with the current trainer (float32 Newton-Schulz on the CPU,
-# the softcap inside the fused loss), two aurora runs at a time on otherwise idle cores: 0.42 s per
-# 256-position step (127 s of train time for 1.59e12 FLOPs: 8.0e-11 s per training FLOP), 38 s per
-# eval of the 63,483-token val shard (0.61 ms a position: half a training position, not the third of
-# its FLOPs, since the 50304-wide softmax dominates at this width), 8 s start-up; 216 s a run in all
-# (the model says 211). The trainer of 2026-11-29 (bf16 Newton-Schulz on the CPU) took 0.60 s a step.
-# results.md reports the measured time / this estimate of every run.
-COST = dict(startup_s=8.0, s_per_train_flop=8.0e-11, s_per_val_flop=8.75e-11)
+# training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core AMD EPYC (torch 2.13.0 CPU,
+# float32) at the full mode's shape, measured on 2026-12-03 with the machine shared (load 2-7): see
+# docs/SMALL_SCALE.md. results.md reports the measured time / this estimate of every run.
+COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,139 +112,66 @@ COST = dict(startup_s=8.0, s_per_train_flop=8.0e-11, s_per_val_flop=8.75e-11)
 
 @dataclasses.dataclass
 class Job:
-    """One training run: its key, where its log goes, and the trainer command(s) that make it.
-
-    ``argvs`` is one command, or for the equal-text control two: the big-batch part (stops at
-    ``--max-steps`` with a checkpoint) and the rest (resumes from ``checkpoint`` into the same log).
-    """
-    key: tuple  # (arm, data-order kind, order, seed)
+    """One training run: its key (arm, data-order kind, order, seed), where its log goes, its trainer command."""
+    key: tuple
     run_dir: str
     run_id: str
-    argvs: list
-    checkpoint: str = ""
+    argvs: list  # one trainer command line
 
 
-def run_name(arm, kind, order, seed):
-    return f"{arm}_o{order}_seed{seed}" if kind == "mix" else f"{arm}_{kind}_o{order}_seed{seed}"
+def run_name(arm, order, seed):
+    return f"{arm}_o{order}_seed{seed}"
 
 
-def trainer_argv(spec, run_dir, run_id, seed, extra, train_files, val_every, batch_tokens=None):
-    """The trainer command line of one run (the mode's base flags, then the arm/lr ``extra``)."""
-    batch_tokens = batch_tokens or spec["batch_tokens"]
-    seqs = batch_tokens // MODEL["seq_len"]  # one micro-batch when <= 16 sequences
-    argv = [sys.executable, spec["trainer"], "--preset", "cpu_smoke_r21", "--device", "cpu", "--no-compile", "--no-bf16",
+def steps_of(spec, arm):
+    return spec["steps"] * ARMS[arm][1]
+
+
+def val_every_of(spec, arm):
+    """Val every ``val_frac`` of the arm's steps (at least every step): first-passing needs the curve."""
+    return max(1, int(round(steps_of(spec, arm) * spec["val_frac"])))
+
+
+def trainer_argv(spec, run_dir, run_id, seed, arm, lr, train_files):
+    """The trainer command line of one run: the preset, the shape, the mode's base flags, the arm, the lr."""
+    argv = [sys.executable, spec["trainer"], "--preset", PRESET, "--device", "cpu", "--no-compile", "--no-bf16",
             "--train-files", train_files, "--val-files", spec["val_files"],
-            "--num-iterations", str(spec["steps"]), "--batch-tokens", str(batch_tokens),
-            "--micro-batch-seqs", str(min(seqs, 16)), "--val-tokens", str(spec["val_tokens"]),
-            "--val-every", str(val_every), "--log-every", "5", "--seed", str(seed),
-            "--log-dir", run_dir, "--run-id", run_id]
-    for k, v in MODEL.items():
+            "--num-iterations", str(steps_of(spec, arm)), "--batch-tokens", str(spec["batch_tokens"]),
+            "--val-tokens", str(spec["val_tokens"]), "--val-every", str(val_every_of(spec, arm)),
+            "--log-every", "5", "--seed", str(seed), "--log-dir", run_dir, "--run-id", run_id]
+    for k, v in dict(MODEL, **spec["model"]).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    return argv + list(extra) + spec["trainer_args"]
+    return argv + list(ARMS[arm][0]) + [LR_FLAG, fmt_lr(lr)] + spec["trainer_args"]
 
 
-def flag_value(flags, name):
-    return flags[flags.index(name) + 1]
+def make_job(spec, arm, order, seed, lr, run_dir=None, run_id=None):
+    """The Job of one run of ``arm`` on data order ``order`` from init ``seed`` at NorMuon lr ``lr``."""
+    run_dir = run_dir or os.path.join(spec["out"], arm)
+    run_id = run_id or run_name(arm, order, seed)
+    argv = trainer_argv(spec, run_dir, run_id, seed, arm, lr, spec["order_globs"][order])
+    return Job((arm, "pieces", order, seed), run_dir, run_id, [argv])
 
 
-def eqtext_plan(spec, arm):
-    """The equal-text control's schedule: dict(bag_size s, switch k = round(r*N), big_batch s*B, flops_step).
-
-    ``flops_step`` is the step at which the control has spent the FLOPs of the whole TST run
-    (``N * B`` positions): ``N/s`` when that lies in its big-batch part, else ``N - k*(s-1)``.
-
-    Raises:
-        SystemExit: ``N/s`` is not a whole step (no val point could sit at equal FLOPs).
-    """
-    tst_flags = ARMS[EQTEXT[arm]][1]
-    s, r = int(flag_value(tst_flags, "--tst-bag-size")), float(flag_value(tst_flags, "--tst-frac"))
-    n = spec["steps"]
-    k = trainer_module().tst_switch_step(argparse.Namespace(tst_frac=r, num_iterations=n))
-    if n <= s * k and n % s:
-        raise SystemExit(f"--steps {n}: the equal-text control {arm} needs a multiple of {s} (its bag size) so that "
-                         f"a val point falls at equal FLOPs; e.g. --steps {n - n % s}, or leave {arm} out (--arms)")
-    return dict(bag_size=s, switch=k, big_batch=s * spec["batch_tokens"],
-                flops_step=n // s if n <= s * k else n - k * (s - 1))
+def sweep_job(spec, lr):
+    """The lr-sweep run at ``lr``: baseline89 on data order 0, seed 0 (the same flags as its arm run)."""
+    return make_job(spec, "baseline89", 0, 0, lr, os.path.join(spec["out"], "lr_sweep"), f"baseline89_lr{fmt_lr(lr)}_seed0")
 
 
-def val_every_of(spec, arm, seed):
-    """Val cadence of a run: the control's at equal FLOPs, N/4 for the recency arm's seed 0, else the mode's.
-
-    (The control's second part only vals at the end, or at equal FLOPs when that lies there.)
-    """
-    if arm in EQTEXT:
-        return eqtext_plan(spec, arm)["flops_step"]
-    if arm == spec["recency_arm"] and seed == 0:
-        return max(1, spec["steps"] // 4)
-    return spec["val_every"]
-
-
-def make_job(spec, arm, kind, order, seed, lr_flags, run_dir=None, run_id=None, val_every=None):
-    """The Job of one run of ``arm`` on data order ``(kind, order)`` from init ``seed``."""
-    run_dir = run_dir or os.path.join(spec["out"], arm if kind == "mix" else f"recency_{kind}")
-    run_id = run_id or run_name(arm, kind, order, seed)
-    common = dict(train_files=spec["order_globs"][(kind, order)],
-                  val_every=val_every or val_every_of(spec, arm, seed))
-    extra = ARMS[arm][1] + list(lr_flags)
-    key = (arm, kind, order, seed)
-    if arm not in EQTEXT:
-        return Job(key, run_dir, run_id, [trainer_argv(spec, run_dir, run_id, seed, extra, **common)])
-    eq = eqtext_plan(spec, arm)
-    ck_dir = os.path.join(spec["out"], "data", "checkpoints")
-    ckpt = os.path.join(ck_dir, run_id, f"step_{eq['switch']:06d}.pt")
-    first = trainer_argv(spec, run_dir, run_id, seed, extra, batch_tokens=eq["big_batch"], **common) + [
-        "--max-steps", str(eq["switch"]), "--save-final", "--checkpoint-dir", ck_dir]
-    if eq["flops_step"] <= eq["switch"]:  # the equal-FLOPs val point is in the first part: then only the end
-        common["val_every"] = spec["steps"]
-    rest = trainer_argv(spec, run_dir, run_id, seed, extra, **common) + [
-        "--resume", ckpt, "--resume-force", "--checkpoint-dir", ck_dir]
-    return Job(key, run_dir, run_id, [first, rest], ckpt)
-
-
-def sweep_job(spec, fam, lr):
-    """The lr-sweep run of a family at ``lr``: its no-TST arm on mix order 0, seed 0, the mode's val cadence."""
-    flag, arm = FAMILIES[fam]
-    return make_job(spec, arm, "mix", 0, 0, [flag, fmt_lr(lr)], os.path.join(spec["out"], "lr_sweep"),
-                    f"{fam}_lr{fmt_lr(lr)}_seed0", val_every=spec["val_every"])
-
-
-def arm_jobs(spec, lr_flags):
-    """Every arm x order x seed, then the recency arm's extra runs; ``lr_flags`` maps family -> lr flags.
-
-    The control's (two-part, longest) runs come first so that they do not finish last alone.
-    """
-    jobs = [make_job(spec, arm, "mix", order, seed, lr_flags[ARMS[arm][0]])
+def arm_jobs(spec, lr):
+    """Every arm x order x seed; the long (3x) runs first so that they do not finish last alone."""
+    jobs = [make_job(spec, arm, order, seed, lr)
             for arm in spec["arms"] for order in range(spec["orders"]) for seed in range(spec["seeds"])]
-    arm = spec["recency_arm"]
-    if arm:
-        if arm not in spec["arms"]:
-            jobs += [make_job(spec, arm, "mix", o, 0, lr_flags[ARMS[arm][0]]) for o in range(spec["orders"])]
-        jobs += [make_job(spec, arm, "docs", o, 0, lr_flags[ARMS[arm][0]]) for o in range(spec["orders"])]
-    return sorted(jobs, key=lambda j: -len(j.argvs))
+    return sorted(jobs, key=lambda j: -ARMS[j.key[0]][1])
 
 
-def families(spec):
-    """Optimizer families whose lr the planned arms (and the recency arm) need, in FAMILIES order."""
-    arms = set(spec["arms"]) | ({spec["recency_arm"]} if spec["recency_arm"] else set())
-    return [f for f in FAMILIES if any(ARMS[a][0] == f for a in arms)]
-
-
-def planned_jobs(spec, lr_of=None):
-    """``(sweep jobs, arm jobs)`` of the plan; arm lrs from ``lr_of`` {family: lr} (default: each grid's first)."""
-    fams = families(spec)
-    sweep = [sweep_job(spec, f, lr) for f in fams for lr in spec["sweep"][f]]
-    lr_of = lr_of or {f: spec["sweep"][f][0] for f in fams}
-    return sweep, arm_jobs(spec, {f: [FAMILIES[f][0], fmt_lr(lr_of[f])] for f in fams})
+def planned_jobs(spec, lr=None):
+    """``(sweep jobs, arm jobs)`` of the plan; the arms at ``lr`` (default: the grid's first)."""
+    return [sweep_job(spec, x) for x in spec["sweep"]], arm_jobs(spec, spec["sweep"][0] if lr is None else lr)
 
 
 def is_reused(spec, job):
-    """True for the (order 0, seed 0) run of a family's no-TST arm: the sweep run at the chosen lr.
-
-    Not for the recency arm, whose seed-0 runs val more often than the sweep's.
-    """
-    arm, kind, order, seed = job.key
-    return (kind == "mix" and order == 0 and seed == 0 and arm != spec["recency_arm"]
-            and FAMILIES.get(ARMS[arm][0], (None, None))[1] == arm)
+    """True for baseline89's (order 0, seed 0) run: the sweep run at the chosen lr, copied, not trained twice."""
+    return job.key[0] == "baseline89" and job.key[2:] == (0, 0) and "baseline89" in spec["arms"]
 
 
 def est_seconds(job):
@@ -292,50 +180,47 @@ def est_seconds(job):
 
 
 def est_parts(job):
-    """Estimated wall seconds of each trainer command of a Job (a list, one per ``job.argvs``)."""
-    tg, parts, start = trainer_module(), [], 0
+    """Estimated wall seconds of each trainer command of a Job (a list, one per ``job.argvs``).
+
+    Training FLOPs summed over the stage table's steps (the batch and windows change by stage); a
+    val pass costs its tokens' forward FLOPs (a third of training's), a TST run's val in phase 1
+    adds the bag objective's pass over ``val_tokens / s`` latent positions.
+    """
+    tg, parts = trainer_module(), []
     for argv in job.argvs:
         cfg, _ = tg.parse_config(argv[2:])
-        n = cfg.num_iterations
-        end = min(n, start + cfg.max_steps) if cfg.max_steps else n
-        flops = tg.model_flops_per_position(cfg)
+        n, sched = cfg.num_iterations, tg.Schedule(cfg)
+        train = sum(sched[t].stage.batch_tokens * sched[t].flops_per_position for t in range(n))
+        points = {0, n} | {t for t in range(1, n + 1) if cfg.val_every and t % cfg.val_every == 0}
         switch = tg.tst_switch_step(cfg)
-        points = ({0} if start == 0 else set()) | {
-            t for t in range(start + 1, end + 1) if (cfg.val_every and t % cfg.val_every == 0) or t == n}
-        per_val = flops / 3 * cfg.val_tokens  # forward only
-        tst_val = per_val / (cfg.tst_bag_size if cfg.tst_mode != "output" else 1)
+        per_val = sched[0].flops_per_position / 3 * cfg.val_tokens
+        tst_val = per_val / cfg.tst_bag_size if cfg.tst_bag_size > 1 else 0.0
         val = sum(per_val + (tst_val if max(t - 1, 0) < switch else 0.0) for t in points)
-        parts.append(COST["startup_s"] + COST["s_per_train_flop"] * flops * cfg.batch_tokens * (end - start)
-                     + COST["s_per_val_flop"] * val)
-        start = end
+        parts.append(COST["startup_s"] + COST["s_per_train_flop"] * train + COST["s_per_val_flop"] * val)
     return parts
 
 
 def print_plan(spec, parallel):
     """Print every group of planned runs with its count and estimated time; return the estimate (s)."""
     sweep, arms = planned_jobs(spec)
-    n_ext = spec["sweep_extend"] * len(families(spec))
-    groups = {}
-    for job in sweep:
-        groups.setdefault("lr sweep (mix order 0, seed 0)", []).append(job)
+    groups = {"lr sweep (baseline89, order 0, seed 0)": sweep}
     for job in arms:
-        arm, kind = job.key[:2]
         if not is_reused(spec, job):
-            groups.setdefault(arm if kind == "mix" else f"recency: {arm} on {kind} orders", []).append(job)
+            groups.setdefault(job.key[0], []).append(job)
     print(f"plan: {'group':<38} {'runs':>4} {'est. each':>10} {'est. total':>11}")
     total = 0.0
     for name, jobs in groups.items():
         each = [est_seconds(j) for j in jobs]
         total += sum(each)
         print(f"      {name:<38} {len(jobs):>4} {np.mean(each) / 60:>8.1f} m {sum(each) / 60:>9.1f} m")
-    ext = n_ext * est_seconds(sweep[0]) if sweep else 0.0
-    if n_ext:
-        print(f"      {'lr sweep extensions (at most)':<38} {n_ext:>4} {ext / n_ext / 60:>8.1f} m {ext / 60:>9.1f} m")
+    ext = spec["sweep_extend"] * est_seconds(sweep[0])
+    if spec["sweep_extend"]:
+        print(f"      {'lr sweep extensions (at most)':<38} {spec['sweep_extend']:>4} "
+              f"{ext / spec['sweep_extend'] / 60:>8.1f} m {ext / 60:>9.1f} m")
     wall = (total + ext) / parallel
     print(f"      estimated wall time with --jobs {parallel}: {wall / 60:.0f} min ({wall / 3600:.2f} h; "
-          f"cost model COST of measured runs on an idle 2-core CPU; other load makes it longer)", flush=True)
+          f"cost model COST of measured runs; other load makes it longer)", flush=True)
     return wall
-
 
 # ----------------------------------------------------------------------------------------------
 # Running the runs
@@ -363,6 +248,8 @@ def order_key(pattern):
 
 
 TRAINER_FILES = harness.SOURCE_FILES  # what a run's log snapshots
+# GPT-2's tokenizer table, read beside the trainer by --objectives runs (the prefix-token table): copied too
+TOKENIZER = os.path.relpath(harness.GPT2_ENCODER_JSON, os.path.dirname(os.path.abspath(harness.__file__)))
 
 
 def code_hashes(code_dir):
@@ -416,34 +303,18 @@ def is_done(job):
     return status == "complete" and same_config(job.run_dir, job.run_id, job.argvs[0])
 
 
-def handover_ready(job):
-    """True when the control's big-batch part is done (its checkpoint there) and only the rest is left."""
-    status = read_json(os.path.join(job.run_dir, job.run_id + ".json")).get("status")
-    return (len(job.argvs) > 1 and status == "stopped_early" and os.path.exists(job.checkpoint)
-            and same_config(job.run_dir, job.run_id, job.argvs[0], say=False))
-
-
 def train(job, ledger):
-    """Train one Job (each of its trainer commands in turn) unless already done; return its summary.
+    """Train one Job unless already done; return its summary.
 
     Progress (val lines) is echoed; on failure the trainer's last stderr lines are printed and
-    the summary's ``status`` is not ``complete``. The control's checkpoint is removed when its
-    run ends either way.
+    the summary's ``status`` is not ``complete``.
     """
     os.makedirs(job.run_dir, exist_ok=True)
     if is_done(job):
         print(f"  {job.run_id}: complete, skipped", flush=True)
     else:
-        first = 1 if handover_ready(job) else 0
-        if first == 0:
-            set_aside(job.run_dir, job.run_id)
-        for part, argv in enumerate(job.argvs[first:], first):
-            if run_trainer(argv, job, part, ledger) != 0:
-                break
-        if job.checkpoint:
-            shutil.rmtree(os.path.dirname(job.checkpoint), ignore_errors=True)
-            with contextlib.suppress(OSError):  # the shared checkpoints folder too, once empty
-                os.rmdir(os.path.dirname(os.path.dirname(job.checkpoint)))
+        set_aside(job.run_dir, job.run_id)
+        run_trainer(job.argvs[0], job, 0, ledger)
     return run_summary(job)
 
 
@@ -538,7 +409,8 @@ def snapshot_trainer(out):
     code = os.path.join(out, "code")
     if not os.path.exists(os.path.join(code, "train_gpt.py")):
         os.makedirs(code, exist_ok=True)
-        for name in TRAINER_FILES:
+        for name in TRAINER_FILES + (TOKENIZER,):
+            os.makedirs(os.path.dirname(os.path.join(code, name)), exist_ok=True)
             shutil.copyfile(os.path.join(REPO, name), os.path.join(code, name))
         print(f"trainer snapshot: {code}", flush=True)
     else:
@@ -571,49 +443,42 @@ def fmt_lr(lr):
     return f"{lr:.6g}"
 
 
+
 def lr_sweep(spec, ledger):
-    """Per family: train the grid (mix order 0, seed 0, no TST), extend past an edge optimum, pick the best.
+    """NorMuon's lr on baseline89 (data order 0, seed 0): the grid, then past an edge optimum, the lowest final.
 
-    Every family's grid is trained first (``--jobs`` runs at a time), then the extensions, one
-    round per ``sweep_extend``. Returns ``{family: dict(flag, chosen, edge, rows=[(lr, final val
-    loss or None, train_time_ms, run id)])}``.
+    The rule: the lr of the lowest final val loss wins; when it is the grid's lowest or highest, the
+    grid grows by one factor-2 step on that side and the rule is applied again, at most
+    ``sweep_extend`` times. Returns ``dict(flag, chosen, edge, rows=[(lr, final val loss or None,
+    train_time_ms, run id)])``.
     """
-    fams = families(spec)
-    rows = {fam: {} for fam in fams}
+    rows = {}
 
-    def run(pairs):
-        jobs = [sweep_job(spec, f, lr) for f, lr in pairs]
-        for (fam, lr), job, s in zip(pairs, jobs, run_all(jobs, ledger)):
+    def run(lrs):
+        jobs = [sweep_job(spec, lr) for lr in lrs]
+        for lr, job, s in zip(lrs, jobs, run_all(jobs, ledger)):
             ok = s.get("status") == "complete" and math.isfinite(s.get("final_val_loss", math.nan))
-            rows[fam][lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), job.run_id)
+            rows[lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), job.run_id)
 
-    def best_of(fam):
-        lrs = sorted(rows[fam])
-        return lrs, min(lrs, key=lambda x: rows[fam][x][0] if rows[fam][x][0] is not None else math.inf)
+    def best():
+        lrs = sorted(rows)
+        return lrs, min(lrs, key=lambda x: rows[x][0] if rows[x][0] is not None else math.inf)
 
-    for fam in fams:
-        print(f"lr sweep {fam} ({FAMILIES[fam][0]}): {', '.join(map(fmt_lr, spec['sweep'][fam]))}", flush=True)
-    run([(fam, lr) for fam in fams for lr in spec["sweep"][fam]])
+    print(f"lr sweep baseline89 ({LR_FLAG}): {', '.join(map(fmt_lr, spec['sweep']))}", flush=True)
+    run(list(spec["sweep"]))
     for _ in range(spec["sweep_extend"]):
-        more = []
-        for fam in fams:
-            lrs, best = best_of(fam)
-            if rows[fam][best][0] is not None and best in (lrs[0], lrs[-1]):
-                more.append((fam, best / 2 if best == lrs[0] else best * 2))
-                print(f"  best {fam} lr {fmt_lr(best)} is at the edge of the grid: also trying "
-                      f"{fmt_lr(more[-1][1])}", flush=True)
-        if not more:
+        lrs, top = best()
+        if rows[top][0] is None or len(lrs) < 2 or top not in (lrs[0], lrs[-1]):
             break
-        run(more)
-    result = {}
-    for fam in fams:
-        lrs, best = best_of(fam)
-        if rows[fam][best][0] is None:
-            raise SystemExit(f"lr sweep {fam}: every run failed; see the logs in {os.path.join(spec['out'], 'lr_sweep')}")
-        result[fam] = dict(flag=FAMILIES[fam][0], chosen=best, edge=best in (lrs[0], lrs[-1]) and len(lrs) > 1,
-                           rows=[(lr,) + rows[fam][lr] for lr in lrs])
-        print(f"  -> {fam}: {FAMILIES[fam][0]} {fmt_lr(best)} (final val loss {rows[fam][best][0]:.4f})", flush=True)
-    return result
+        nxt = top / 2 if top == lrs[0] else top * 2
+        print(f"  best lr {fmt_lr(top)} is at the edge of the grid: also trying {fmt_lr(nxt)}", flush=True)
+        run([nxt])
+    lrs, top = best()
+    if rows[top][0] is None:
+        raise SystemExit(f"lr sweep: every run failed; see the logs in {os.path.join(spec['out'], 'lr_sweep')}")
+    print(f"  -> {LR_FLAG} {fmt_lr(top)} (final val loss {rows[top][0]:.4f})", flush=True)
+    return dict(flag=LR_FLAG, chosen=top, edge=len(lrs) > 1 and top in (lrs[0], lrs[-1]),
+                rows=[(lr,) + rows[lr] for lr in lrs])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -625,53 +490,65 @@ def complete(summary):
             and math.isfinite(summary.get("final_val_loss", math.nan)))
 
 
-def finals(results, arm, kind="mix"):
-    """``{(order, seed): final val loss}`` of the complete runs of ``arm`` on ``kind`` orders."""
-    return {(o, s): r["final_val_loss"] for (a, k, o, s), r in results.items() if a == arm and k == kind and complete(r)}
-
-
-def values_at_flops(results, arm, ref):
-    """``{(order, seed): val loss of arm at the total FLOPs of ref's run of that key}``, linear in FLOPs.
-
-    Keys where either run is incomplete or the FLOPs lie outside ``arm``'s val curve are absent.
-    """
-    out = {}
-    for (a, k, o, s), r in results.items():
-        other = results.get((ref, k, o, s))
-        if a == arm and k == "mix" and complete(r) and other and complete(other):
-            v = sst.value_at([p["flops"] for p in r["val"]], [p["val_loss"] for p in r["val"]], other["flops"])
-            if v is not None:
-                out[(o, s)] = v
-    return out
-
-
-def describe(a, b, at):
-    """What is held equal in a comparison (its column in results.md)."""
-    if at == "flops":
-        return f"equal FLOPs: {b}'s val loss at {a}'s total FLOPs (mid-run, lr not decayed)"
-    if EQTEXT.get(b) == a or EQTEXT.get(a) == b:
-        return "equal text: the same tokens at every step; the control costs more FLOPs"
-    if a in EQTEXT or b in EQTEXT:
-        return "equal steps; the control reads TST's phase-1 text at more FLOPs"
-    return "equal FLOPs: same steps and positions per step"
+def finals(results, arm):
+    """``{(order, seed): final val loss}`` of the complete runs of ``arm``."""
+    return {(o, s): r["final_val_loss"] for (a, _, o, s), r in results.items() if a == arm and complete(r)}
 
 
 def comparisons(spec, results):
-    """Paired differences of COMPARISONS whose two arms were both planned; pairs left out are named."""
+    """Each planned arm against its baseline (BASE_OF), paired per (order, seed); pairs left out are named."""
     keys = [(o, s) for o in range(spec["orders"]) for s in range(spec["seeds"])]
     rows = []
-    for a, b, at in COMPARISONS:
-        if a not in spec["arms"] or b not in spec["arms"]:
+    for a in spec["arms"]:
+        b = BASE_OF[a]
+        if a == b or b not in spec["arms"]:
             continue
-        va = finals(results, a)
-        vb = finals(results, b) if at == "final" else values_at_flops(results, b, a)
+        va, vb = finals(results, a), finals(results, b)
         res = sst.paired_difference(va, vb)
         left_out = [(k, "no complete run of " + " nor ".join(x for x, v in ((a, va), (b, vb)) if k not in v))
                     for k in keys if k not in res["keys"]]
         for (o, s), why in left_out:
-            print(f"WARNING: {a} vs {b} ({at}): pair (order {o}, seed {s}) left out: {why}", flush=True)
-        rows.append(dict(res, a=a, b=b, at=at, what=describe(a, b, at), left_out=left_out))
+            print(f"WARNING: {a} vs {b}: pair (order {o}, seed {s}) left out: {why}", flush=True)
+        rows.append(dict(res, a=a, b=b, at="final", what=f"equal FLOPs: {steps_of(spec, a)} steps of the same "
+                                                         "positions", left_out=left_out))
     return rows
+
+
+def first_passing(spec, stats):
+    """Per arm, the first val step whose mean (over its runs) is below its baseline's final mean at p < 0.01.
+
+    Asked of ``records/compare.py --first-passing --pool-train-data --json`` (one group per arm folder,
+    the one-sided t-test rule), once per baseline with that baseline's final mean as the target.
+    ``steps_saved`` = the baseline's steps minus that step (positive: the arm needs fewer steps to reach
+    the baseline's final val loss). Returns ``{arm: dict(target, step, val_loss, p, steps_saved,
+    runs)}``, or ``{}`` with a warning when compare.py fails.
+    """
+    out = {}
+    for base in BASELINES:
+        target = stats.get(base, {}).get("mean")
+        arms = [a for a in spec["arms"] if BASE_OF[a] == base and stats.get(a, {}).get("n")]
+        if base not in spec["arms"] or target is None or not math.isfinite(target) or not arms:
+            continue
+        cmd = [sys.executable, os.path.join(REPO, "records", "compare.py"), "--first-passing", "--pool-train-data",
+               "--json", "--target", repr(target), *[os.path.join(spec["out"], a) for a in arms]]
+        try:
+            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+            groups = json.loads(p.stdout) if p.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, ValueError) as e:
+            p, groups = None, None
+            print(f"WARNING: compare.py --first-passing failed: {e}", flush=True)
+        if groups is None:
+            if p is not None:
+                print(f"WARNING: compare.py --first-passing failed (exit {p.returncode}): {p.stderr.strip()[-300:]}",
+                      flush=True)
+            continue
+        for g in groups:
+            arm = os.path.basename(g["group"].split(" [")[0].rstrip("/"))
+            step = g.get("first_passing_step")
+            out[arm] = dict(target=target, step=step, val_loss=g.get("first_passing_val_loss"),
+                            p=g.get("first_passing_p"), runs=g.get("first_passing_runs"),
+                            steps=steps_of(spec, arm), steps_saved=None if step is None else steps_of(spec, base) - step)
+    return out
 
 
 def mean_curve(runs):
@@ -683,8 +560,8 @@ def mean_curve(runs):
 
 
 def arm_stats(results, arm, corpus):
-    """Final val loss over the arm's (order, seed) runs (mix orders), its mean curve, time, FLOPs, text read."""
-    runs = {(o, s): r for (a, k, o, s), r in sorted(results.items()) if a == arm and k == "mix"}
+    """Final val loss over the arm's (order, seed) runs, its mean curve, time, FLOPs, text read."""
+    runs = {(o, s): r for (a, _, o, s), r in sorted(results.items()) if a == arm}
     done = [r for r in runs.values() if complete(r)]
     out = dict(sst.spread([r["final_val_loss"] for r in done]), n_runs=len(runs),
                finals={f"o{o}s{s}": r["final_val_loss"] for (o, s), r in runs.items() if complete(r)})
@@ -693,19 +570,6 @@ def arm_stats(results, arm, corpus):
                    flops=float(np.mean([r["flops"] for r in done])),
                    raw_tokens=int(np.mean([r["raw_tokens"] for r in done])))
         out["epochs"] = out["raw_tokens"] / corpus
-    return out
-
-
-def recency(spec, results):
-    """The recency arm's seed-0 runs per order kind: ``{kind: dict(curves={order: (steps, losses)}, spread)}``."""
-    out = {}
-    for kind in ("docs", "mix"):
-        runs = {o: r for (a, k, o, s), r in sorted(results.items())
-                if a == spec["recency_arm"] and k == kind and s == 0 and complete(r)}
-        out[kind] = dict(curves={o: ([p["step"] for p in r["val"]], [p["val_loss"] for p in r["val"]])
-                                 for o, r in runs.items()},
-                         finals={o: r["final_val_loss"] for o, r in runs.items()},
-                         spread=sst.spread([r["final_val_loss"] for r in runs.values()]))
     return out
 
 
@@ -720,30 +584,40 @@ def pyplot():
     return plt
 
 
-def recency_plot(rec, arm, path, val_what):
-    """Val curves of the recency arm over the data orders: docs orders (left) and mix orders (right)."""
+def curves_plot(stats, arms, passing, path):
+    """Mean val curve of every arm over its runs (left: the 1x arms, right: the 3x), each baseline's final
+    mean dashed, each arm's first-passing step marked; val loss from the second val point on."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110, sharey=True)
-    titles = dict(docs="before: whole documents, shuffled (in-order stream)",
-                  mix="after: i.i.d.-like mix of seq_len chunks")
-    later = [v for kind in rec for _, ys in rec[kind]["curves"].values() for v in ys[1:]]
-    first = [ys[0] for kind in rec for _, ys in rec[kind]["curves"].values()]
-    cut = bool(later) and min(first) > max(later) + 0.05  # the step-0 points lie above the frame
-    for ax, kind in zip(axes, ("docs", "mix")):
-        for order, (steps, losses) in sorted(rec[kind]["curves"].items()):
-            ax.plot(steps, losses, marker="o", ms=3, label=f"order {order}")
-        sp = rec[kind]["spread"]
-        ax.set_title(f"{titles[kind]}\nfinal val loss over orders: std {sp['std']:.4f}, range {sp['range']:.4f}",
-                     fontsize=10)
-        ax.set_xlabel("step" + (f" (step 0, val loss {min(first):.1f}, is above the frame)" if cut else ""))
+    sides = [[a for a in arms if ARMS[a][1] == m and stats.get(a, {}).get("curve")] for m in (1, 3)]
+    sides = [s for s in sides if s]
+    if not sides:
+        return False
+    fig, axes = plt.subplots(1, len(sides), figsize=(6.5 * len(sides), 5), dpi=110, squeeze=False)
+    for ax, side in zip(axes[0], sides):
+        later = []
+        for arm in side:
+            c = stats[arm]["curve"]
+            line, = ax.plot(c["step"][1:], c["loss"][1:], marker="o", ms=3, label=LABELS[arm])
+            later += c["loss"][1:]
+            fp = passing.get(arm, {})
+            if fp.get("step") is not None:
+                ax.plot([fp["step"]], [fp["val_loss"]], marker="*", ms=14, color=line.get_color(), zorder=4)
+        base = BASE_OF[side[0]]
+        if stats.get(base, {}).get("n"):
+            ax.axhline(stats[base]["mean"], color="black", ls="--", lw=1,
+                       label=f"{LABELS[base]} final mean {stats[base]['mean']:.4f}")
+        ax.set_xlabel("step (star: first step below the dashed line at p < 0.01)")
+        ax.set_ylabel("val loss, mean over data orders x seeds")
+        top = np.percentile(later, 75) if later else None
+        if top is not None:
+            ax.set_ylim(min(later) - 0.02, top + 0.05)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel(f"val loss ({arm}, seed 0, {val_what})")
-    if later:  # frame the points after step 0 (~10.8 at init) so that the differences are visible
-        axes[0].set_ylim(min(later) - 0.05, max(later) + 0.05)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
+
 
 
 def own_plot(stats, arms, path, x, target):
@@ -756,7 +630,7 @@ def own_plot(stats, arms, path, x, target):
         if c:
             ax.plot(c[key], c["loss"], marker="o", ms=3, label=name)
     if target:
-        ax.axhline(target, color="black", ls="--", lw=1, label=f"adamw mean final {target:.4f}")
+        ax.axhline(target, color="black", ls="--", lw=1, label=f"baseline89 mean final {target:.4f}")
     ax.set_xlabel(label)
     ax.set_ylabel("val loss (mean over data orders and seeds)")
     ax.grid(alpha=0.3)
@@ -820,12 +694,14 @@ def make_plots(out, arms, stats, target):
             except (OSError, subprocess.SubprocessError) as e:
                 print(f"compare.py failed: {e}", flush=True)
         if ok:
-            what += " (records/compare.py; dashed line: adamw mean final loss)"
+            what += " (records/compare.py; dashed line: baseline89's mean final loss)"
         else:
             own_plot(stats, arms, path, x, target)
             what += " (means, drawn by small_scale.py: records/compare.py was unavailable or failed)"
         plots.append((path, what))
     return plots, compare_text
+
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -836,64 +712,6 @@ def num(x, fmt):
     return "-" if x is None or not math.isfinite(x) else format(x, fmt)
 
 
-def settings_of(arm, sweep):
-    fam, flags = ARMS[arm]
-    text = " ".join(flags).replace("--optimizer ", "").replace("--", "")
-    if arm in EQTEXT:
-        text += f" + {EQTEXT[arm]}'s phase-1 text as a bigger batch"
-    lr = sweep.get(fam)
-    return text + (f" {lr['flag'][2:]} {fmt_lr(lr['chosen'])}" if lr else "")
-
-
-def val_what(spec):
-    whole = spec["val_tokens"] == spec["val_total"] - 1
-    return "the whole val shard" if whole else f"the first {spec['val_tokens']:,} val tokens"
-
-
-def header_lines(spec, stats, corpus):
-    """The title and the setup bullets of results.md."""
-    base = stats.get(BASELINE, stats.get(spec["arms"][0], {}))
-    flops_step = base.get("flops", math.nan) / max(spec["steps"], 1)
-    keys = spec["orders"] * spec["seeds"]
-    L = [f"# Small-scale benchmark: TST and Aurora on real text, paired over data orders and seeds "
-         f"({spec['mode']} mode)", ""]
-    if spec["mode"] == "quick":
-        L += ["**Quick mode checks the pipeline; its runs are far too short (and its val set too small) "
-              "to be evidence for or against any method. The full mode is the benchmark.**", ""]
-    return L + [
-        f"Made by `{spec['command']}` on {spec['date']}: {spec['machine']}. Trainer: `code/train_gpt.py` "
-        f"(snapshot of the repo's at the start, sha256 {spec['trainer_sha256']}..., not kept in git: every log "
-        "holds its source, `python records/verify.py LOG --extract DIR` writes it out).", "",
-        f"* Model: {MODEL['n_layer']} layers x {MODEL['model_dim']} wide ({MODEL['n_head']} heads), seq_len "
-        f"{MODEL['seq_len']}, vocab 50304 (GPT-2), {spec['batch_tokens']} positions/step, {spec['steps']} steps, "
-        f"{num(flops_step, '.3g')} FLOPs/step (every arm but the control); `--preset cpu_smoke_r21` otherwise: lr "
-        "flat, then linear decay over the last 40% of steps to the preset lr floor (0.1x; 0 in aurora_no_lr_floor), no warmup; float32, no compile.",
-        f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`mix`: "
-        f"{MODEL['seq_len']}-token chunks shuffled by the order's seed, `data/`), x {spec['seeds']} init seeds = "
-        f"{keys} runs per arm. Val loss on {spec['val_tokens']:,} tokens of `{spec['val_files']}` "
-        f"({val_what(spec)}).",
-        "* lr: block-matrix lr tuned per optimizer family by the sweep below (mix order 0, seed 0, no TST); "
-        "the Adam lrs of embedding (0.3), head (0.02) and scalars (0.04) are the `cpu_smoke_r21` preset's.",
-        *[f"* {c}, the equal-text control of {t}: plain Aurora with {eqtext_plan(spec, c)['bag_size']}x the "
-          f"batch for the first {eqtext_plan(spec, c)['switch']} steps, so it reads exactly {t}'s tokens at every "
-          "step, at that many times the FLOPs there." for c, t in EQTEXT.items() if c in spec["arms"]],
-        "* Comparisons are paired per (order, seed): mean difference, 95% t-interval, paired t-test p "
-        "(`scipy.stats.ttest_rel`); lower loss is better; *better*/*worse* only where the interval excludes 0, "
-        "else *no measurable difference*.", ""]
-
-
-def arm_table(spec, sweep, stats):
-    L = ["| arm | settings | final val loss (mean ± std, n) | train time | FLOPs | text tokens read | repeats data |",
-         "|---|---|---|---|---|---|---|"]
-    for arm in spec["arms"]:
-        s = stats.get(arm, {})
-        if not s.get("n"):
-            L.append(f"| {arm} | {settings_of(arm, sweep)} | no complete run ({s.get('n_runs', 0)} tried) | | | | |")
-            continue
-        rep = ("yes" if s["epochs"] > 1 else "no") + f" ({s['epochs']:.2f} epochs)"
-        L.append(f"| {arm} | {settings_of(arm, sweep)} | {s['mean']:.4f} ± {num(s['std'], '.4f')} (n={s['n']}) | "
-                 f"{s['train_time_ms'] / 1000:.0f} s | {s['flops']:.3g} | {s['raw_tokens']:,} | {rep} |")
-    return L + [""]
 
 
 def comparison_table(rows):
@@ -910,18 +728,6 @@ def comparison_table(rows):
     return L + [""]
 
 
-def recency_lines(spec, rec):
-    arm = spec["recency_arm"]
-    L = [f"## Recency: {arm}, seed 0, over the data orders", "",
-         "Before: `docs` orders (whole documents shuffled, each read in one piece: the in-order stream with only "
-         "the document order changed). After: the benchmark's `mix` orders. Plot: `recency.png`.", "",
-         "| data orders | final val loss per order | mean | std | range |", "|---|---|---|---|---|"]
-    for kind in ("docs", "mix"):
-        r = rec[kind]
-        per = ", ".join(f"o{o}: {v:.4f}" for o, v in sorted(r["finals"].items())) or "no complete run"
-        sp = r["spread"]
-        L.append(f"| {kind} | {per} | {num(sp['mean'], '.4f')} | {num(sp['std'], '.4f')} | {num(sp['range'], '.4f')} |")
-    return L + [""]
 
 
 def detail_lines(spec, stats):
@@ -942,19 +748,6 @@ def detail_lines(spec, stats):
     return L + [""]
 
 
-def sweep_lines(spec, sweep):
-    L = ["## LR sweep (mix order 0, seed 0, no TST, final val loss; chosen = lowest)", "",
-         "| family | flag | lr | final val loss | train time | |", "|---|---|---|---|---|---|"]
-    for fam, sw in sweep.items():
-        for lr, loss, t, _ in sw["rows"]:
-            mark = "**chosen**" + (" (edge of grid)" if sw["edge"] else "") if lr == sw["chosen"] else ""
-            L.append(f"| {fam} | `{sw['flag']}` | {fmt_lr(lr)} | {num(loss, '.4f')} | "
-                     f"{'-' if t is None else f'{t / 1000:.0f} s'} | {mark} |")
-    reused = [FAMILIES[f][1] for f in sweep if FAMILIES[f][1] in spec["arms"]]
-    if reused:
-        L += ["", f"Order 0, seed 0 of {', '.join(reused)} is the sweep run at the chosen lr (same flags; its log, "
-                  "copied from `lr_sweep/`, keeps the sweep's run id)."]
-    return L + [""]
 
 
 def timing_lines(timing):
@@ -972,12 +765,111 @@ def timing_lines(timing):
             "2.5 (other jobs on the 2 cores slow a run down: train times carry that noise, FLOPs do not).", ""]
 
 
-def report(spec, sweep, stats, rows, rec, corpus, timing, plots, compare_text):
+
+
+def settings_of(arm, sweep):
+    flags, mult = ARMS[arm]
+    text = " ".join(flags).replace("--optimizer ", "").replace("--", "")
+    return text + (f" {LR_FLAG[2:]} {fmt_lr(sweep['chosen'])}" if sweep else "") + (f", {mult}x steps" if mult > 1 else "")
+
+
+def val_what(spec):
+    whole = spec["val_tokens"] == spec["val_total"] - 1
+    return "the whole val shard" if whole else f"the first {spec['val_tokens']:,} val tokens"
+
+
+def header_lines(spec, stats, corpus):
+    """The title and the setup bullets of results.md."""
+    shape = dict(train_module_defaults(), **{**MODEL, **spec["model"]})
+    keys = spec["orders"] * spec["seeds"]
+    L = ["# Small-scale study: TST and Aurora on record #89's recipe, paired over data orders and seeds "
+         f"({spec['mode']} mode)", ""]
+    if spec["mode"] == "quick":
+        L += ["**Quick mode checks the pipeline; its runs are far too short (and its val set too small) "
+              "to be evidence for or against any method. The full mode is the study.**", ""]
+    return L + [
+        f"Made by `{spec['command']}` on {spec['date']}: {spec['machine']}. Trainer: `code/` (snapshot of the "
+        f"repo's at the start, train_gpt.py sha256 {spec['trainer_sha256']}..., not kept in git: every log holds "
+        "its source, `python records/verify.py LOG --extract DIR` writes it out; `python records/verify.py LOG "
+        "--rerun 10` re-runs a log, rebuilding its data order from `data_recipes.json`).", "",
+        f"* Recipe: `--preset {PRESET}` (record #89's stage table `record89`, document-packed batches, multi-token "
+        "and prefix objectives, NorMuon on the block matrices and CautiousAdam on the rest, the #89 model's layer "
+        f"roles on {shape['n_layer']} layers) at {shape['model_dim']} wide, {shape['n_head']} heads, seq_len "
+        f"{shape['seq_len']}, windows in blocks of {shape['window_block']}; {spec['batch_tokens']} positions per step "
+        f"in stage 3 (a third, two thirds in stages 1, 2); {spec['steps']} steps (3x arms: {3 * spec['steps']}); "
+        "float32, no compile. `baseline89` is the preset without our methods (`--optimizer normuon --tst-frac 0 "
+        "--tst-bag-size 1`); `tst_aurora` has the preset's (= `record_h200`'s) methods.",
+        f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`pieces`: "
+        f"{spec['chunk'] - 1}-token pieces of the stream, each after an EOT, shuffled by the order's seed; recipes "
+        f"in `data_recipes.json`), x {spec['seeds']} init seeds = {keys} runs per arm. Val loss on "
+        f"{spec['val_tokens']:,} tokens of `{spec['val_files']}` ({val_what(spec)}), every "
+        f"{spec['val_frac']:.0%} of a run's steps.",
+        f"* lr: NorMuon's `{LR_FLAG}` (also aurora_normuon's) from the sweep below, the same in every arm; the "
+        "Adam lrs are the preset's.",
+        "* Comparisons are paired per (order, seed) against the baseline of the same length: mean difference, 95% "
+        "t-interval, paired t-test p (`scipy.stats.ttest_rel`); lower loss is better; *better*/*worse* only where "
+        "the interval excludes 0, else *no measurable difference*. First-passing: `records/compare.py "
+        "--first-passing` (one-sided t-test, p < 0.01) against the baseline's final mean.", ""]
+
+
+def train_module_defaults():
+    """The preset's shape fields (n_layer, n_head, model_dim) for the report."""
+    preset = trainer_module().PRESETS[PRESET]
+    return {k: preset[k] for k in ("n_layer", "n_head", "model_dim")}
+
+
+def arm_table(spec, sweep, stats):
+    L = ["| arm | settings | final val loss (mean ± std, n) | train time | FLOPs | text tokens read | repeats data |",
+         "|---|---|---|---|---|---|---|"]
+    for arm in spec["arms"]:
+        s = stats.get(arm, {})
+        if not s.get("n"):
+            L.append(f"| {LABELS[arm]} | {settings_of(arm, sweep)} | no complete run ({s.get('n_runs', 0)} tried) "
+                     "| | | | |")
+            continue
+        rep = ("yes" if s["epochs"] > 1 else "no") + f" ({s['epochs']:.2f} epochs)"
+        L.append(f"| {LABELS[arm]} | {settings_of(arm, sweep)} | {s['mean']:.4f} ± {num(s['std'], '.4f')} (n={s['n']}) "
+                 f"| {s['train_time_ms'] / 1000:.0f} s | {s['flops']:.3g} | {s['raw_tokens']:,} | {rep} |")
+    return L + [""]
+
+
+def passing_lines(spec, passing):
+    L = ["## First-passing step: the first val step whose mean is below the baseline's final mean at p < 0.01", "",
+         "| arm | baseline (target: its final mean) | steps | first-passing step | mean val loss there | p | "
+         "steps saved (+) or lost (-) |", "|---|---|---|---|---|---|---|"]
+    for arm in spec["arms"]:
+        fp = passing.get(arm)
+        if fp is None:
+            continue
+        base = BASE_OF[arm]
+        if fp["step"] is None:
+            step, saved = "never", f"none: not below it within {fp['steps']} steps"
+        else:
+            step, saved = str(fp["step"]), f"{fp['steps_saved']:+d}"
+        L.append(f"| {LABELS[arm]} | {LABELS[base]} ({fp['target']:.4f}) | {fp['steps']} | {step} | "
+                 f"{num(fp['val_loss'], '.4f')} | {num(fp['p'], '.2g')} | {saved} |")
+    return L + ["", "A baseline never passes its own final mean (its final val point is that mean); an arm that "
+                    "never passes reaches the baseline's final loss later than the baseline, or not at all.", ""]
+
+
+def sweep_lines(spec, sweep):
+    L = ["## LR sweep (baseline89, order 0, seed 0, final val loss; the lowest wins, an edge winner extends the grid "
+         f"by x2 on its side, at most {spec['sweep_extend']} time(s))", "",
+         "| flag | lr | final val loss | train time | |", "|---|---|---|---|---|"]
+    for lr, loss, t, _ in sweep["rows"]:
+        mark = "**chosen**" + (" (edge of grid)" if sweep["edge"] else "") if lr == sweep["chosen"] else ""
+        L.append(f"| `{sweep['flag']}` | {fmt_lr(lr)} | {num(loss, '.4f')} | {'-' if t is None else f'{t / 1000:.0f} s'} "
+                 f"| {mark} |")
+    if "baseline89" in spec["arms"]:
+        L += ["", "baseline89's order 0, seed 0 is the sweep run at the chosen lr (same flags; its log, copied from "
+                  "`lr_sweep/`, keeps the sweep's run id)."]
+    return L + [""]
+
+
+def report(spec, sweep, stats, rows, passing, corpus, timing, plots, compare_text):
     """The markdown of results.md (printed too)."""
     L = header_lines(spec, stats, corpus) + arm_table(spec, sweep, stats) + comparison_table(rows)
-    if spec["recency_arm"]:
-        L += recency_lines(spec, rec)
-    L += detail_lines(spec, stats) + sweep_lines(spec, sweep)
+    L += passing_lines(spec, passing) + detail_lines(spec, stats) + sweep_lines(spec, sweep)
     L += ["## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots] + [""]
     L += timing_lines(timing)
     if compare_text:
@@ -1007,22 +899,39 @@ def shard_tokens(pattern, flag):
         raise SystemExit(f"{flag}: {e}") from None
 
 
+
+
 def prepare_data(spec, write):
-    """Count the corpus and val tokens, fix ``val_tokens``, and name (``write``: also write) the data orders."""
+    """Count the corpus and val tokens, and name (``write``: also write, with their recipes) the data orders."""
     spec["corpus"] = shard_tokens(spec["train_files"], "--train-files")
     spec["val_total"] = shard_tokens(spec["val_files"], "--val-files")
-    if spec["val_tokens"] is None:
-        spec["val_tokens"] = spec["val_total"] - 1  # the whole shard: the last token is only a label
     if not 1 <= spec["val_tokens"] <= spec["val_total"] - 1:
         raise SystemExit(f"--val-tokens {spec['val_tokens']}: the val shards hold {spec['val_total']} tokens; "
-                         f"use 1 to {spec['val_total'] - 1} (the default is the whole shard)")
-    kinds = ["mix"] + (["docs"] if spec["recency_arm"] else [])
+                         f"use 1 to {spec['val_total'] - 1}")
     pattern = spec["train_files"] if os.path.isabs(spec["train_files"]) else os.path.join(REPO, spec["train_files"])
     try:
-        spec["order_globs"] = small_scale_data.build_orders(pattern, os.path.join(spec["out"], "data"), kinds,
-                                                            spec["orders"], MODEL["seq_len"], write)
+        tokens = small_scale_data.read_corpus(pattern)
+        spec["order_globs"] = {k: small_scale_data.build_order(tokens, os.path.join(spec["out"], "data"), "pieces", k,
+                                                               spec["chunk"], write) for k in range(spec["orders"])}
     except small_scale_data.OrderError as e:
         raise SystemExit(str(e)) from None
+    if write:
+        write_recipes(spec, tokens)
+
+
+def write_recipes(spec, tokens):
+    """``<out>/data_recipes.json``: each data order's recipe (``small_scale_data.recipe``) and the command that
+    rebuilds it; the shards themselves (``<out>/data/``) are git-ignored. records/verify.py reads it."""
+    folder = os.path.join(spec["out"], "data")
+    with open(os.path.join(folder, ".gitignore"), "w", encoding="utf-8") as f:
+        f.write("# rebuilt from ../data_recipes.json (python bench/small_scale_data.py ...; records/verify.py does it)\n*\n")
+    recipes = {}
+    for k, pattern in spec["order_globs"].items():
+        rec = small_scale_data.recipe(spec["train_files"], tokens, pattern, "pieces", k, spec["chunk"])
+        rec["command"] = small_scale_data.rebuild_command(rec, os.path.relpath(folder, REPO))
+        recipes[rec["folder"]] = rec
+    with open(os.path.join(spec["out"], "data_recipes.json"), "w", encoding="utf-8") as f:
+        json.dump(recipes, f, indent=1)
 
 
 def parse_list(text, flag, kind):
@@ -1030,7 +939,7 @@ def parse_list(text, flag, kind):
     words = [w.strip() for w in text.split(",")]
     if not text.strip() or any(not w for w in words):
         raise SystemExit(f"{flag} {text!r}: give a comma list without empty items, e.g. "
-                         + ("adamw,aurora" if kind is str else "0.002,0.004"))
+                         + ("baseline89,tst" if kind is str else "0.002,0.004"))
     repeated = sorted({w for w in words if words.count(w) > 1})
     if repeated:
         raise SystemExit(f"{flag} {text!r}: {', '.join(repeated)} named more than once; name each once")
@@ -1077,31 +986,26 @@ def machine_line():
     return f"{os.cpu_count()}-core CPU ({harness.cpu_model()}), torch {tv}, Python {platform.python_version()}"
 
 
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--quick", action="store_true", help="the pipeline check (4 arms, 2 orders x 1 seed, tiny runs)")
+    ap.add_argument("--quick", action="store_true", help="the pipeline end to end in tiny runs (no evidence)")
     ap.add_argument("--orders", type=int, default=None, help="data orders per arm (default: 3)")
     ap.add_argument("--seeds", type=int, default=None, help="init seeds per arm and order (default: 2)")
-    ap.add_argument("--arms", default=None, help=f"comma list of arms (default: the mode's); from {', '.join(ARMS)}")
-    ap.add_argument("--recency-arm", default=None,
-                    help="arm also trained on docs orders for the recency check, or 'none' (default: adamw)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the mode's)")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="latent positions per step (default: the mode's)")
-    ap.add_argument("--val-tokens", type=int, default=None,
-                    help="val tokens per eval (default: the whole val shard; quick: 8192)")
-    ap.add_argument("--val-every", type=int, default=None,
-                    help="val every this many steps (default: at the start and the end only; the recency arm's "
-                         "seed-0 runs every steps/4, the control at equal FLOPs)")
-    ap.add_argument("--adamw-lrs", default=None, help="comma list: the adamw sweep grid of --adamw-lr")
-    ap.add_argument("--muon-lrs", default=None, help="comma list: the muon sweep grid of --matrix-lr")
-    ap.add_argument("--aurora-lrs", default=None, help="comma list: the aurora sweep grid of --matrix-lr")
+    ap.add_argument("--arms", default=None, help=f"comma list of arms (default: all); from {', '.join(ARMS)}")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run of a 1x arm (default: 100)")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="latent positions per step in stage 3 (a third and two thirds in stages 1, 2; default 768)")
+    ap.add_argument("--val-tokens", type=int, default=None, help="val tokens per eval (default: 8192)")
+    ap.add_argument("--lrs", default=None, help=f"comma list: the sweep grid of {LR_FLAG} (default 0.0115,0.023,0.046)")
     ap.add_argument("--sweep-extend", type=int, default=None,
-                    help="extend the grid by a factor 2 past an edge optimum at most this many times")
+                    help="extend the grid by a factor 2 past an edge optimum at most this many times (default 1)")
     ap.add_argument("--train-files", default=os.path.join(SAMPLE, "*_train_*.bin"),
                     help="the corpus: train shards (glob) that the data orders are made from")
     ap.add_argument("--val-files", default=os.path.join(SAMPLE, "*_val_*.bin"), help="val shards (glob)")
-    ap.add_argument("--out", default=None, help="output folder (default: records/cpu/<today>_small_scale, "
+    ap.add_argument("--out", default=None, help="output folder (default: records/cpu/<today>_small_scale_89, "
                                                 "quick: bench/out/small_scale_quick); reuse it to resume")
     ap.add_argument("--trainer-args", default="", help="extra flags appended to every trainer command (quoted)")
     ap.add_argument("--threads", type=int, default=1,
@@ -1120,33 +1024,29 @@ def parse_args(argv=None):
 def build_spec(args, argv):
     """The run specification from the mode and the flags; every flag checked (SystemExit, one message)."""
     mode = "quick" if args.quick else "full"
-    spec = dict(MODES[mode], mode=mode, sweep=dict(MODES[mode]["sweep"]))
-    for k in ("orders", "seeds", "steps", "batch_tokens", "val_tokens", "val_every", "sweep_extend", "recency_arm"):
+    spec = dict(MODES[mode], mode=mode)
+    for k in ("orders", "seeds", "steps", "batch_tokens", "val_tokens", "sweep_extend"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
-    spec["val_every"] = spec["val_every"] or spec["steps"]  # default: val at the start and the end only
     spec["arms"] = parse_list(args.arms, "--arms", str) if args.arms is not None else spec["arms"]
-    spec["recency_arm"] = None if spec["recency_arm"] == "none" else spec["recency_arm"]
-    for flag, names in (("--arms", spec["arms"]), ("--recency-arm", [spec["recency_arm"] or "adamw"])):
-        bad = [a for a in names if a not in ARMS]
-        if bad:
-            raise SystemExit(f"{flag}: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
-    for fam in FAMILIES:
-        given = getattr(args, f"{fam}_lrs")
-        if given is not None:
-            spec["sweep"][fam] = parse_list(given, f"--{fam}-lrs", float)
-        elif fam not in spec["sweep"]:
-            spec["sweep"][fam] = MODES["full"]["sweep"][fam]
+    bad = [a for a in spec["arms"] if a not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms: unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    if args.lrs is not None:
+        spec["sweep"] = parse_list(args.lrs, "--lrs", float)
     for flag, key, low in (("--orders", "orders", 1), ("--seeds", "seeds", 1), ("--steps", "steps", 1),
-                           ("--batch-tokens", "batch_tokens", 1), ("--val-every", "val_every", 1),
+                           ("--batch-tokens", "batch_tokens", 1), ("--val-tokens", "val_tokens", 1),
                            ("--sweep-extend", "sweep_extend", 0)):
         if spec[key] < low:
             raise SystemExit(f"{flag} must be >= {low} (got {spec[key]})")
-    if spec["val_tokens"] is not None and spec["val_tokens"] < 1:
-        raise SystemExit(f"--val-tokens must be >= 1 (got {spec['val_tokens']}); leave it out for the whole val shard")
     if args.jobs < 1 or args.threads < 0:
         raise SystemExit(f"--jobs must be >= 1 and --threads >= 0 (got --jobs {args.jobs}, --threads {args.threads})")
-    check_batch(spec["batch_tokens"], "")
+    seq_len = dict(MODEL, **spec["model"])["seq_len"]
+    spec["chunk"] = seq_len + 1  # a next-token sequence holds seq_len + 1 tokens: one piece fills it
+    if spec["batch_tokens"] % (3 * seq_len):
+        raise SystemExit(f"--batch-tokens {spec['batch_tokens']}: must be a multiple of 3 x seq_len {seq_len} "
+                         f"(stages 1, 2, 3 train a third, two thirds, all of it, in whole sequences); e.g. "
+                         f"{max(1, round(spec['batch_tokens'] / (3 * seq_len))) * 3 * seq_len}")
     try:
         spec["trainer_args"] = shlex.split(args.trainer_args)
     except ValueError as e:
@@ -1168,18 +1068,7 @@ def build_spec(args, argv):
                 machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
                 + (f", {args.jobs} runs at a time" if args.jobs > 1 else ""),
                 command="python bench/small_scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
-    for arm in [a for a in spec["arms"] if a in EQTEXT]:
-        eq = eqtext_plan(spec, arm)  # --steps that leave no val point at equal FLOPs stop here
-        check_batch(eq["big_batch"], f" ({arm} trains {eq['bag_size']} x that in its first {eq['switch']} steps)")
     return spec
-
-
-def check_batch(batch_tokens, why):
-    """A batch the trainer can split: whole sequences, one micro-batch up to 16 sequences, else multiples of 16."""
-    seqs = batch_tokens // MODEL["seq_len"]
-    if batch_tokens % MODEL["seq_len"] or (seqs > 16 and seqs % 16):
-        raise SystemExit(f"--batch-tokens: {batch_tokens}{why} must be a multiple of seq_len {MODEL['seq_len']} "
-                         f"(and of 16 x {MODEL['seq_len']} above 16 sequences)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1187,35 +1076,33 @@ def check_batch(batch_tokens, why):
 
 
 def analyse_and_report(spec, sweep, results, timing_of):
-    """Statistics, plots, results.md and results.json of a finished (or partly failed) benchmark."""
+    """Statistics, plots, results.md and results.json of a finished (or partly failed) study."""
     out = spec["out"]
     stats = {arm: arm_stats(results, arm, spec["corpus"]) for arm in spec["arms"]}
     rows = comparisons(spec, results)
-    rec = recency(spec, results) if spec["recency_arm"] else {}
-    if rec:
-        recency_plot(rec, spec["recency_arm"], os.path.join(out, "recency.png"), val_what(spec))
-    target = stats.get(BASELINE, {}).get("mean")
+    passing = first_passing(spec, stats)
+    target = stats.get("baseline89", {}).get("mean")
     target = target if target is not None and math.isfinite(target) else None
-    plots, compare_text = make_plots(out, spec["arms"], stats, target)
+    plots = []
+    if curves_plot(stats, spec["arms"], passing, os.path.join(out, "val_curves.png")):
+        plots.append((os.path.join(out, "val_curves.png"), "mean val curve of every arm, its first-passing step "
+                                                            "(star) and its baseline's final mean (dashed)"))
     if differences_plot(rows, os.path.join(out, "differences.png")):
-        plots.insert(0, (os.path.join(out, "differences.png"), "the paired differences of every comparison in the table above "
-                                                               "with at least 2 pairs, with their 95% intervals"))
-    if rec:
-        plots.append((os.path.join(out, "recency.png"), f"val curves of {spec['recency_arm']} (seed 0) over the "
-                                                        "data orders: docs orders vs mix orders"))
+        plots.append((os.path.join(out, "differences.png"), "the paired differences of every comparison in the table "
+                                                             "above with at least 2 pairs, with their 95% intervals"))
+    more, compare_text = make_plots(out, [a for a in spec["arms"] if ARMS[a][1] == 1], stats, target)
     timing = timing_of()
-    md = report(spec, sweep, stats, rows, rec, spec["corpus"], timing, plots, compare_text)
+    md = report(spec, sweep, stats, rows, passing, spec["corpus"], timing, plots + more, compare_text)
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(md)
     for r in rows:
         r.update(keys=[list(k) for k in r["keys"]], diffs=r["diffs"].tolist(),
                  excluded=[[list(k), why] for k, why in r["excluded"]], left_out=[[list(k), why] for k, why in r["left_out"]])
-    for kind in rec.values():
-        kind["curves"] = {str(o): c for o, c in kind["curves"].items()}
-        kind["finals"] = {str(o): v for o, v in kind["finals"].items()}
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(dict(spec={k: v for k, v in spec.items() if k != "order_globs"}, model=MODEL, sweep=sweep,
-                       arms=stats, comparisons=rows, recency=rec, timing=timing), f, indent=1, default=str)
+                       arms=stats, comparisons=rows, first_passing=passing, timing=timing), f, indent=1, default=str)
+    with open(os.path.join(out, "command.txt"), "w", encoding="utf-8") as f:
+        f.write(spec["command"] + "\n")
     return md
 
 
@@ -1226,13 +1113,13 @@ def main(argv=None):
     prepare_data(spec, write=False)  # names the data orders; creates nothing yet
     check_commands(spec)
     print(f"small_scale ({spec['mode']}): {len(spec['arms'])} arms x {spec['orders']} data orders x {spec['seeds']} "
-          f"seeds, {spec['steps']} steps x {spec['batch_tokens']} positions, val on {spec['val_tokens']:,} tokens; "
-          f"output {spec['out']}", flush=True)
+          f"seeds, {spec['steps']} steps (3x arms {3 * spec['steps']}) x {spec['batch_tokens']} positions, val on "
+          f"{spec['val_tokens']:,} tokens; output {spec['out']}", flush=True)
     print_plan(spec, args.jobs)
     if args.dry_run:  # creates nothing: a later real run must snapshot the code of its own time
-        for job in arm_jobs(spec, {f: [FAMILIES[f][0], "<lr>"] for f in families(spec)}):
+        for job in arm_jobs(spec, spec["sweep"][0]):
             if job.key[2:] == (0, 0):
-                print("\n".join(shlex.join(a) for a in job.argvs))
+                print(shlex.join(job.argvs[0]).replace(f"{LR_FLAG} {fmt_lr(spec['sweep'][0])}", f"{LR_FLAG} <lr>"))
         return 0
     try:
         os.makedirs(spec["out"], exist_ok=True)
@@ -1247,13 +1134,12 @@ def main(argv=None):
     ledger = dict(verbose=args.verbose, threads=args.threads, out=spec["out"], jobs=args.jobs, lock=threading.Lock())
 
     sweep = lr_sweep(spec, ledger)
-    jobs = arm_jobs(spec, {fam: [sw["flag"], fmt_lr(sw["chosen"])] for fam, sw in sweep.items()})
+    jobs = arm_jobs(spec, sweep["chosen"])
     for job in jobs:
         if is_reused(spec, job) and not is_done(job):
-            fam = ARMS[job.key[0]][0]
             set_aside(job.run_dir, job.run_id)
-            copy_run(sweep_job(spec, fam, sweep[fam]["chosen"]), job)
-            print(f"  {job.run_id}: = lr_sweep/{fam}_lr{fmt_lr(sweep[fam]['chosen'])}_seed0 (same flags), copied",
+            copy_run(sweep_job(spec, sweep["chosen"]), job)
+            print(f"  {job.run_id}: = lr_sweep/baseline89_lr{fmt_lr(sweep['chosen'])}_seed0 (same flags), copied",
                   flush=True)
     results = {job.key: s for job, s in zip(jobs, run_all(jobs, ledger))}
 
