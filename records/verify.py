@@ -564,6 +564,68 @@ def _rerun_in(tmp, lines, rest, sources, config, steps, train_files, val_files, 
     return ok, report
 
 
+def study_order(log, train_files, run_dir, seq_len):
+    """The recipe of the small-scale study's data order that ``train_files`` names when no shard matches it.
+
+    bench/small_scale.py trains on orders of a corpus in ``<study>/data/<kind>_o<k>_<sha10>/`` (git-
+    ignored). The recipe comes from ``data_recipes.json`` beside the log's arm folder; a study older
+    than that file used the benchmark's defaults then (data/sample, chunks of the logged ``seq_len``),
+    checked against the folder's sha when rebuilt. None for any other glob, or one that matches shards.
+    """
+    import glob
+    pattern = train_files if os.path.isabs(train_files) else os.path.join(run_dir, train_files)
+    folder = os.path.basename(os.path.dirname(pattern))
+    m = re.match(r"^(?P<kind>mix|docs|pieces)_o(?P<order>\d+)_(?P<sha10>[0-9a-f]{10})$", folder)
+    if not m or glob.glob(pattern):
+        return None
+    for d in (os.path.dirname(os.path.abspath(log)), os.path.dirname(os.path.dirname(os.path.abspath(log)))):
+        try:
+            with open(os.path.join(d, "data_recipes.json"), encoding="utf-8") as f:
+                recipes = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(recipes, dict) and folder in recipes:
+            return recipes[folder]
+    return dict(folder=folder, train_files=os.path.join("data", "sample", "*_train_*.bin"), kind=m["kind"],
+                order=int(m["order"]), chunk=seq_len, sha10=m["sha10"])
+
+
+def rebuild_study_order(rec, run_dir, tmp):
+    """Rebuild a study's data order (``study_order``) under ``tmp``: ``(shard glob, None)`` or ``(None, one line)``
+    naming the command that rebuilds it (bench/small_scale_data.py, the recipe's arguments)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+    try:
+        import small_scale_data
+    finally:
+        sys.path.pop(0)
+    try:
+        return small_scale_data.rebuild(rec, os.path.join(tmp, "data"), run_dir), None
+    except (small_scale_data.OrderError, OSError) as e:
+        command = small_scale_data.rebuild_command(rec, "DIR")
+        return None, (f"the study's data order {rec['folder']} is missing and cannot be rebuilt here ({e}); "
+                      f"rebuild it with `{command}` (from the repository root) and pass --train-files "
+                      f"'DIR/{rec['folder']}/*_train_*.bin'")
+
+
+def study_data(args, lines, rest, tmp):
+    """``(train_files for the rerun, a line to print or None)``: ``--train-files``, else a small-scale study's
+    missing data order rebuilt under ``tmp`` from its recipe; ``False`` as the glob when that fails."""
+    if args.train_files:
+        return args.train_files, None
+    try:
+        config = logged_config(lines, rest)
+    except ValueError:
+        return None, None  # the rerun names the missing config line
+    rec = study_order(args.log, str(config.get("train_files", "")), os.path.abspath(args.run_dir),
+                      int(config.get("seq_len", 0) or 0))
+    if rec is None:
+        return None, None
+    got, problem = rebuild_study_order(rec, os.path.abspath(args.run_dir), tmp)
+    if problem:
+        return False, f"rerun: {problem}"
+    return got, f"data: {rec['folder']} (a small-scale study's data order) was missing: rebuilt from its recipe"
+
+
 def parse_args(argv):
     """The command line's arguments; a bad value exits with status 2 and one message naming the flag."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -671,8 +733,13 @@ def main(argv=None):
         failed = True
     elif args.rerun:
         try:
-            ok, report = rerun(lines, rest, sources, args.rerun, args.train_files, args.val_files,
-                               os.path.abspath(args.run_dir), args.tol, args.threads, args.keep)
+            with tempfile.TemporaryDirectory(prefix="verify_data_") as data_tmp:
+                train_files, note = study_data(args, lines, rest, data_tmp)
+                if note:
+                    print(note)
+                ok, report = (rerun(lines, rest, sources, args.rerun, train_files, args.val_files,
+                                    os.path.abspath(args.run_dir), args.tol, args.threads, args.keep)
+                              if train_files is not False else (False, []))
         except ValueError as e:
             ok, report = False, [f"rerun: {e}"]
         except OSError as e:  # --keep not writable (the temp dir is removed all the same)
