@@ -11,7 +11,7 @@ lr is swept on baseline89 first; two arms run again at 3x the steps. Comparisons
 t-interval, paired t-test p; and each arm's first val step whose mean is below baseline89's final
 mean at p < 0.01 (``records/compare.py --first-passing``), with the steps saved.
 
-    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~70 min, 2 idle cores)
+    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~73 min, 2 idle cores)
     python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
@@ -606,6 +606,7 @@ def curves_plot(stats, arms, passing, path):
         if stats.get(base, {}).get("n"):
             ax.axhline(stats[base]["mean"], color="black", ls="--", lw=1,
                        label=f"{LABELS[base]} final mean {stats[base]['mean']:.4f}")
+        ax.set_title(f"{ARMS[side[0]][1]}x steps: arms vs {LABELS[base]}", fontsize=10)
         ax.set_xlabel("step (star: first step below the dashed line at p < 0.01)")
         ax.set_ylabel("val loss, mean over data orders x seeds")
         top = np.percentile(later, 75) if later else None

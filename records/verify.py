@@ -27,6 +27,9 @@ Checks, in order:
    ``steps``, ``raw_tokens``, ``positions`` and ``flops``.
    A mismatch fails, naming the step (or field) and both values. The temp dir is removed whatever
    the outcome (Ctrl-C too); ``--keep DIR`` copies the rerun's code and log there first.
+   A small-scale study log (bench/small_scale.py) whose data order is missing (it is git-ignored)
+   gets it rebuilt into a temp dir from the study's ``data_recipes.json``; where the corpus is
+   missing too, one line names the ``bench/small_scale_data.py`` command that rebuilds it.
 
 How close is close enough depends on where the log was made, compared with the rerun's own
 ``cpu:`` / ``gpus:`` line (the case is printed; measured spreads in records/README.md):
