@@ -100,9 +100,10 @@ MODES = {
 }
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
-# training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core AMD EPYC (torch 2.13.0 CPU,
-# float32) at the full mode's shape, measured on 2026-12-03 with the machine shared (load 2-7): see
-# docs/SMALL_SCALE.md. results.md reports the measured time / this estimate of every run.
+# training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core Intel Xeon (torch 2.13.0 CPU,
+# float32), measured on 2026-12-03 with the machine shared (load 3-14) as CPU-seconds per FLOP (3.8e-11
+# to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/SMALL_SCALE.md, "Budget". results.md
+# reports the measured time / this estimate of every run.
 COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
 
 

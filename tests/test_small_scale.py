@@ -1,4 +1,6 @@
-"""bench/small_scale.py: data orders, paired statistics, planning and flag checks (no training here)."""
+"""bench/small_scale.py: data orders, paired statistics, planning, flag checks, and the study's pipeline end to
+end at a tiny shape (--quick), with records/verify.py rebuilding a study log's data."""
+import contextlib
 import importlib.util
 import json
 import math
@@ -602,10 +604,11 @@ def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
     (["--train-files", "README.md"], "not a token shard"),
     (["--trainer-args", "--tst-frac 2"], "--tst-frac must be in [0, 1)"),
 ])
-def test_bad_arguments_stop_before_anything_runs(tmp_path, args, says):
-    res = run_script(tmp_path, *args)
-    [line] = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and line.startswith("small_scale.py: error: ") and says in line, res.stderr
+def test_bad_arguments_stop_before_anything_runs(ss, tmp_path, capsys, args, says):
+    rc = ss.cli(["--out", str(tmp_path / "o"), *args])  # in process: the command line's own path, no start-up
+    err = capsys.readouterr().err
+    [line] = err.strip().splitlines()
+    assert rc == 2 and line.startswith("small_scale.py: error: ") and says in line, err
     assert not (tmp_path / "o").exists()
 
 
@@ -640,34 +643,40 @@ def test_quick_study_writes_results_plots_recipes_and_its_command(quick):
     assert len(logs) == 2 and all('"stages": "record89"' in p.read_text() for p in logs)
 
 
+@contextlib.contextmanager
 def study_copy(quick, tmp_path):
-    """The quick study without data/ and code/ (git-ignored: what a fresh clone holds); verify's command on a log."""
+    """The quick study without data/ and code/ (git-ignored: what a fresh clone holds) and verify's command on a
+    log of it; the study's own data/ (where its logs' data globs point) is moved aside meanwhile."""
     import shutil
     study = tmp_path / "study"
     shutil.copytree(quick, study, ignore=shutil.ignore_patterns("data", "code"))
-    log = study / "tst_aurora" / "tst_aurora_o1_seed0.txt"
-    return study, [sys.executable, os.path.join(REPO, "records", "verify.py"), str(log), "--rerun", "3", "--extract",
-                   str(tmp_path / "src")]
+    log = study / "tst_aurora" / "tst_aurora_o1_seed0.txt"  # 5 steps, a train line at step 5
+    (quick / "data").rename(quick / "data.aside")
+    try:
+        yield study, [sys.executable, os.path.join(REPO, "records", "verify.py"), str(log), "--rerun", "5",
+                      "--extract", str(tmp_path / "src")]
+    finally:
+        (quick / "data.aside").rename(quick / "data")
 
 
 def test_verify_rebuilds_a_study_logs_missing_data_from_its_recipe(quick, tmp_path):
     if "encoder.json" not in open(os.path.join(REPO, "records", "verify.py")).read():
         pytest.skip("verify.py does not yet give a rerun GPT-2's encoder.json, which --objectives runs read "
                     "(issue 39 item 1)")
-    _, verify = study_copy(quick, tmp_path)
-    res = subprocess.run(verify, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with study_copy(quick, tmp_path) as (_, verify):
+        res = subprocess.run(verify, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "was missing: rebuilt from its recipe" in res.stdout and "OK" in res.stdout.splitlines()[-1]
 
 
 def test_verify_names_the_command_when_a_study_order_cannot_be_rebuilt(quick, tmp_path):
-    study, verify = study_copy(quick, tmp_path)
-    recipes = json.loads((study / "data_recipes.json").read_text())
-    for r in recipes.values():
-        r["train_files"] = "data/nowhere/*_train_*.bin"
-    (study / "data_recipes.json").write_text(json.dumps(recipes))
-    res = subprocess.run(verify, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    with study_copy(quick, tmp_path) as (study, verify):
+        recipes = json.loads((study / "data_recipes.json").read_text())
+        for r in recipes.values():
+            r["train_files"] = "data/nowhere/*_train_*.bin"
+        (study / "data_recipes.json").write_text(json.dumps(recipes))
+        res = subprocess.run(verify, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     [line] = [ln for ln in res.stdout.splitlines() if "cannot be rebuilt" in ln]
     assert res.returncode == 1 and "python bench/small_scale_data.py --train-files 'data/nowhere/*_train_*.bin'" in line
     assert "--kind pieces --order 1 --chunk 17" in line and "Traceback" not in res.stdout + res.stderr
