@@ -405,7 +405,8 @@ def check_architecture(cfg, need):
     need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
          f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
     layers = {}
-    for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers"):
+    for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers",
+                 "dc_layers"):
         text = getattr(cfg, name)
         try:
             layers[name] = layer_set(text)
@@ -416,6 +417,11 @@ def check_architecture(cfg, need):
         bad, others = sorted(i for i in found if i >= cfg.n_layer), [f for f in past if f != flag_of(name)]
         need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})"
                       + (f"; set {', '.join(others)} for --n-layer {cfg.n_layer} too" if others else ""))
+    dc = layers["dc_layers"]
+    need(not dc or (cfg.mudd_gates and min(dc) >= cfg.mudd_gates and not dc & layers["paired_head_layers"]
+                    and not dc & layers["no_attn_layers"]),
+         f"--dc-layers {cfg.dc_layers!r}: the DC weights come from --mudd-gates G's second MLP: name layers >= G "
+         f"(G = {cfg.mudd_gates}; 0 = no gate MLPs) with attention and without paired heads")
     need(not layers["short_window_layers"] or cfg.window > 0 or cfg.stages == "record89",
          "--short-window-layers needs a --window (or --stages record89)")
     k, n = cfg.value_embeds, cfg.n_layer
@@ -593,9 +599,10 @@ def grad_accum_steps(cfg, world):
 
 def attended_keys(seq_len, window):
     """Mean keys a query attends in a causal sequence of ``seq_len`` under ``window`` (0 = none):
-    ``(1/L) sum_{q<L} min(q + 1, w)``; document masks are not counted (they depend on the data)."""
+    ``(1/L) sum_{q<L} min(q + 1, w + 1)`` (``kernels.mask_mod``: w + 1 keys, FA3's); document masks are not
+    counted (they depend on the data)."""
     L = seq_len
-    w = min(window, L) if window else L
+    w = min(window + 1, L) if window else L
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
@@ -621,6 +628,8 @@ class FlopProfile:
         self.n_matmul = int(matmul) // (2 * L)
         self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
                        for i, block in enumerate(model.blocks)]
+        self.dc_windows = [block.attn.dc_window for block in model.blocks if block.attn is not None and
+                           block.attn.dc_window]
         self.cfg = cfg
 
     def per_position(self, window):
@@ -629,12 +638,14 @@ class FlopProfile:
         12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
         (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
         paired-head layer (record #58) runs n_head/2 heads over 2L positions: 12 d keys of the doubled
-        sequence. TST phase 1 costs the same per latent position.
+        sequence. A DC layer (record #85) adds its own QK^T and AV over its 112 keys. TST phase 1 costs the
+        same per latent position.
         """
         long, half = window
         L = self.cfg.seq_len
         keys = sum(attended_keys(2 * L if paired else L, half if short else long)
                    for attn, short, paired in self.layers if attn)
+        keys += sum(attended_keys(L, w - 1) for w in self.dc_windows)  # w keys: a window of w - 1
         return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 

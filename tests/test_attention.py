@@ -34,9 +34,9 @@ def loop_document_ids(row):
 
 
 def loop_mask(doc, window):
-    """mask[q][k]: k <= q, same document, q - k < window (window 0: no limit); doc is a list."""
+    """mask[q][k]: k <= q, same document, q - k <= window (window 0: no limit); doc is a list."""
     T_ = len(doc)
-    return [[k <= q and doc[q] == doc[k] and (window == 0 or q - k < window) for k in range(T_)]
+    return [[k <= q and doc[q] == doc[k] and (window == 0 or q - k <= window) for k in range(T_)]
             for q in range(T_)]
 
 
