@@ -657,7 +657,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
 # LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
-# model, 2.506e17 FLOPs (`--preset baseline_h200 --describe`), is 42.9%.)
+# model, 2.510e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

@@ -592,9 +592,9 @@ class CausalSelfAttention(nn.Module):
         self.lambdas = route(nn.Parameter(torch.tensor([0.5, 1.0])), "scalar") if cfg.attn_lambdas else None
         self.dc_window = DC_WINDOW if layer in layer_set(cfg.dc_layers) and not self.paired else 0  # record #85
 
-    def weight(self, lin, j):
-        """``lin``'s weight, times ``lambdas[j]`` with --attn-lambdas (as HEAD: the weight, not the output)."""
-        return lin.weight if self.lambdas is None else self.lambdas[j] * lin.weight
+    def weight(self, w, j):
+        """Weight ``w`` times ``lambdas[j]`` with --attn-lambdas (as HEAD: the weight, not the output)."""
+        return w if self.lambdas is None else self.lambdas[j] * w
 
     def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None, dc=None):
         """x, ve ``[B, L, d]``, ``mask`` from ``GPT.masks_for`` (None: causal); per-token ``ve_gate`` ``[B, L, H, 1]``,
@@ -604,10 +604,10 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
         if self.merged_qkv:
-            qkv = F.linear(x, torch.cat((self.q.weight, self.k.weight, self.v.weight)))
+            qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0))
             q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         else:
-            q, k, v = (F.linear(x, self.weight(lin, 0)).view(shape) for lin in (self.q, self.k, self.v))
+            q, k, v = (F.linear(x, self.weight(lin.weight, 0)).view(shape) for lin in (self.q, self.k, self.v))
         if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
             ve = ve.view(shape).type_as(v)
             v = v + ve_gate.type_as(v) * ve if ve_gate is not None else self.ve_mix[0] * v + self.ve_mix[1] * ve
@@ -635,7 +635,7 @@ class CausalSelfAttention(nn.Module):
             attn_gate = torch.sigmoid(self.gate(x[..., :12]))
         if attn_gate is not None:
             y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
-        return F.linear(y.reshape(B, L, -1), self.weight(self.proj, 1))
+        return F.linear(y.reshape(B, L, -1), self.weight(self.proj.weight, 1))
 
 
 class MLP(nn.Module):

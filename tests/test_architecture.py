@@ -598,6 +598,7 @@ def hand_flops_per_position(cfg, window):
     long, half = window
     paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
     keys = sum(H.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
+    keys += len(T.layer_set(cfg.dc_layers)) * H.attended_keys(L, 111)  # DC (record #85): QK^T, AV over 112 keys
     return 6 * n_matmul + 12 * d * keys
 
 

@@ -332,12 +332,13 @@ def test_bad_model89_flags_are_config_errors():
 def extra_matmuls89(cfg):
     """Matmul weights per position that the record #89 inputs add: smear 12, a [n_head, 12] VE gate per gated
     layer (not MUDD's), MUDD's W1 twice and W2's 14 + 5 rows, the gate MLPs' W1 twice and W2's rows (2 per
-    layer with static gates otherwise, 1 for the skip)."""
+    layer with static gates otherwise, 1 for the skip, 2 n_head per DC layer)."""
     ve = [i for i in H.ve_layer_list(cfg) if not (cfg.mudd and i == cfg.n_layer - 1)] if cfg.ve_gate else []
     mudd = 2 * 64 * cfg.model_dim + (14 + 5) * 64 if cfg.mudd else 0
     no_attn = H.layer_set(cfg.no_attn_layers)
     gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
-    per_token = cfg.n_head * (len(H.layer_set(cfg.xsa_layers)) + len(H.layer_set(cfg.attn_gate_layers)))
+    per_token = cfg.n_head * (len(H.layer_set(cfg.xsa_layers)) + len(H.layer_set(cfg.attn_gate_layers))
+                              + 2 * len(H.layer_set(cfg.dc_layers)))  # DC's w1, w2 (record #85)
     gate_mlps = 2 * 64 * cfg.model_dim + (2 * len(gated) + 1 + per_token) * 64 if cfg.mudd_gates else 0
     return 12 * cfg.smear + len(ve) * cfg.n_head * 12 + mudd + gate_mlps
 
