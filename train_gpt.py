@@ -185,8 +185,8 @@ RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch
 # Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
 # layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
 # its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
-# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key
-# offset (#49), XSA (#82), output gates (#28), uniform V/O init (#64 as merged).
+# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key offset
+# (#49), XSA (#82), output gates (#28), uniform V/O init (#64), attention lambdas, DC on layer 10 (#85).
 MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9", unet=False, x0_mix=False,
                value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
@@ -201,7 +201,7 @@ RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, exten
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
 # Record #89's model at 4 x 128 (cpu_smoke, gpu_check --dry-run): HEAD's layer roles mapped onto 4 layers
-# (paired heads 0 and 2, XSA 1, long window and output gate 3, the skip 1 -> 2, MUDD on 3).
+# (paired heads 0 and 2, XSA 1, long window, output gate and DC 3, the skip 1 -> 2, MUDD on 3).
 SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_layers="1,3", short_window_layers="0,1,2",
                      no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
                      paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3", dc_layers="3", adam_bf16=False)
@@ -565,7 +565,8 @@ def make_rotary(cfg):
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: merged QKV (one
     matmul, three optimizer matrices; record #21), ``v <- a v + b ve`` value embeddings (a = b = 0.5; #9),
-    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31)."""
+    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31),
+    HEAD's lambdas, the DC correction (#85)."""
 
     def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
