@@ -417,11 +417,6 @@ def check_architecture(cfg, need):
         bad, others = sorted(i for i in found if i >= cfg.n_layer), [f for f in past if f != flag_of(name)]
         need(not bad, f"{flag_of(name)}: there is no layer {bad[0] if bad else ''} (layers are 0..{cfg.n_layer - 1})"
                       + (f"; set {', '.join(others)} for --n-layer {cfg.n_layer} too" if others else ""))
-    dc = layers["dc_layers"]
-    need(not dc or (cfg.mudd_gates and min(dc) >= cfg.mudd_gates and not dc & layers["paired_head_layers"]
-                    and not dc & layers["no_attn_layers"]),
-         f"--dc-layers {cfg.dc_layers!r}: the DC weights come from --mudd-gates G's second MLP: name layers >= G "
-         f"(G = {cfg.mudd_gates}; 0 = no gate MLPs) with attention and without paired heads")
     need(not layers["short_window_layers"] or cfg.window > 0 or cfg.stages == "record89",
          "--short-window-layers needs a --window (or --stages record89)")
     k, n = cfg.value_embeds, cfg.n_layer
@@ -437,6 +432,11 @@ def check_architecture(cfg, need):
     need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
                     f"without attention; drop it from --no-attn-layers or lower --value-embeds")
     check_model89(cfg, need, layers["no_attn_layers"])
+    dc = layers["dc_layers"]
+    need(not dc or (cfg.mudd_gates and min(dc) >= cfg.mudd_gates and not dc & layers["paired_head_layers"]
+                    and not dc & layers["no_attn_layers"]),
+         f"--dc-layers {cfg.dc_layers!r}: the DC weights come from --mudd-gates G's second MLP: name layers >= G "
+         f"(G = {cfg.mudd_gates}; 0 = no gate MLPs) with attention and without paired heads")
     need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
     head_dim = cfg.model_dim // cfg.n_head
     need(not cfg.rope_half or head_dim % 4 == 0, f"--rope-half needs head_dim (model_dim / n_head = {head_dim}) "

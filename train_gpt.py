@@ -85,7 +85,7 @@ class Config:
     ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) ve per head (records #55, #63, #70)")
     mudd: bool = _f(False, "MUDD dense connections into the last layer and after it (record #81, arXiv 2502.12170)")
     mudd_gates: int = _f(0, "x0/bigram/skip gates per token from two MLPs split here (#85; HEAD 4)", low=0)
-    adam_bf16: bool = _f(False, "Adam's matrices (embeddings, head, gates, MUDD) stored in bf16 with CUDA (HEAD)")
+    adam_bf16: bool = _f(False, "Adam's matrices (embeddings, head, gates, MUDD) stored in bf16 under --bf16 (HEAD)")
     # record #89's model: attention
     rope_half: bool = _f(False, "half-truncated RoPE, (1/1024)^linspace frequencies (record #89)")
     rope_yarn: bool = _f(False, "YaRN-rescale RoPE and scale at each long-window change (record #31)")
@@ -192,11 +192,11 @@ MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
                rope_half=True, rope_yarn=True, attn_scale=0.1, paired_head_layers="0,2,5,9", key_offset=True,
                xsa_layers="1,3,4,7", attn_gate_layers="3,10", attn_vo_init="uniform", attn_lambdas=True,
-               dc_layers="10", adam_bf16=True)
+               dc_layers="10")
 RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
                 window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
                 tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
-                logit_cap="sigmoid", tied_embed=True, fp8=True)
+                logit_cap="sigmoid", tied_embed=True, fp8=True, adam_bf16=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
@@ -204,7 +204,7 @@ RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_n
 # (paired heads 0 and 2, XSA 1, long window, output gate and DC 3, the skip 1 -> 2, MUDD on 3).
 SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_layers="1,3", short_window_layers="0,1,2",
                      no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
-                     paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3", dc_layers="3", adam_bf16=False)
+                     paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3", dc_layers="3")
 PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as HEAD's code runs it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200

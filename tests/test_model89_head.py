@@ -175,7 +175,7 @@ def test_adam_bf16_stores_heads_bf16_parameters():
             *(f"blocks.{i}.ve_gate" for i in (1, 2, 8, 9))}
     assert bf16 == want
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n not in want)
-    assert cfg.adam_bf16 and not T.parse_config(["--preset", "cpu_smoke"])[0].adam_bf16
+    assert cfg.adam_bf16  # every record preset; a run stores them so only under bf16 autocast (not a CPU's float32)
 
 
 def test_dc_layers_need_the_gate_mlps():
