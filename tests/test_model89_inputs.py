@@ -401,7 +401,8 @@ def test_record_parameter_count_equals_heads():
 
 
 @pytest.mark.parametrize("argv", [["--preset", "cpu_smoke"], ["--preset", "cpu_smoke", "--no-mudd"],
-                                  ["--preset", "cpu_smoke", "--mudd-gates", "0", "--dc-layers", ""], ["--preset", "baseline_h200"],
+                                  ["--preset", "cpu_smoke", "--mudd-gates", "0", "--dc-layers", ""],
+                                  ["--preset", "baseline_h200"],
                                   ["--preset", "baseline_h200", "--no-mudd"]], ids=" ".join)
 def test_each_attention_layer_takes_its_x0_and_bigram_gates_from_one_place(argv):
     """An attention layer's x0 and bigram gates come from exactly one of: its own scalar (Block), a lane of the
