@@ -405,7 +405,8 @@ def check_architecture(cfg, need):
     need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
          f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
     layers = {}
-    for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers"):
+    for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers",
+                 "dc_layers"):
         text = getattr(cfg, name)
         try:
             layers[name] = layer_set(text)
@@ -431,6 +432,11 @@ def check_architecture(cfg, need):
     need(not clash, f"--value-embeds {k} feeds layer {clash[0] if clash else ''}, which --no-attn-layers leaves "
                     f"without attention; drop it from --no-attn-layers or lower --value-embeds")
     check_model89(cfg, need, layers["no_attn_layers"])
+    dc = layers["dc_layers"]
+    need(not dc or (cfg.mudd_gates and min(dc) >= cfg.mudd_gates and not dc & layers["paired_head_layers"]
+                    and not dc & layers["no_attn_layers"]),
+         f"--dc-layers {cfg.dc_layers!r}: the DC weights come from --mudd-gates G's second MLP: name layers >= G "
+         f"(G = {cfg.mudd_gates}; 0 = no gate MLPs) with attention and without paired heads")
     need(cfg.attn_scale >= 0, f"--attn-scale must be >= 0 (got {cfg.attn_scale}); 0 = 1/sqrt(head_dim)")
     head_dim = cfg.model_dim // cfg.n_head
     need(not cfg.rope_half or head_dim % 4 == 0, f"--rope-half needs head_dim (model_dim / n_head = {head_dim}) "
@@ -593,9 +599,10 @@ def grad_accum_steps(cfg, world):
 
 def attended_keys(seq_len, window):
     """Mean keys a query attends in a causal sequence of ``seq_len`` under ``window`` (0 = none):
-    ``(1/L) sum_{q<L} min(q + 1, w)``; document masks are not counted (they depend on the data)."""
+    ``(1/L) sum_{q<L} min(q + 1, w + 1)`` (``kernels.mask_mod``: w + 1 keys, FA3's); document masks are not
+    counted (they depend on the data)."""
     L = seq_len
-    w = min(window, L) if window else L
+    w = min(window + 1, L) if window else L
     return (w * (w + 1) // 2 + (L - w) * w) / L
 
 
@@ -621,6 +628,8 @@ class FlopProfile:
         self.n_matmul = int(matmul) // (2 * L)
         self.layers = [(block.attn is not None, i in model.short, block.attn is not None and block.attn.paired)
                        for i, block in enumerate(model.blocks)]
+        self.dc_windows = [block.attn.dc_window for block in model.blocks if block.attn is not None and
+                           block.attn.dc_window]
         self.cfg = cfg
 
     def per_position(self, window):
@@ -629,12 +638,14 @@ class FlopProfile:
         12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
         (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
         paired-head layer (record #58) runs n_head/2 heads over 2L positions: 12 d keys of the doubled
-        sequence. TST phase 1 costs the same per latent position.
+        sequence. A DC layer (record #85) adds its own QK^T and AV over its 112 keys. TST phase 1 costs the
+        same per latent position.
         """
         long, half = window
         L = self.cfg.seq_len
         keys = sum(attended_keys(2 * L if paired else L, half if short else long)
                    for attn, short, paired in self.layers if attn)
+        keys += sum(attended_keys(L, w - 1) for w in self.dc_windows)  # w keys: a window of w - 1
         return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
 
 
@@ -646,7 +657,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
 # LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
-# model, 2.506e17 FLOPs (`--preset baseline_h200 --describe`), is 42.9%.)
+# model, 2.510e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 IGNORE_INDEX = -100  # a label that counts nowhere (padding, the positions past a document's end)
+# A multi-token label past the sequence's end (multi_target_loss): no loss term, but its weight stays in the
+# gradient's softmax term, as HEAD's kernel (record #53: its S_w sums every column's weight at every position)
+PAST_END = -101
 
 
 def upcast(x):
@@ -218,9 +221,10 @@ class _MultiTargetLossSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, weights, cap, softcap, chunk):
         acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        valid = targets != IGNORE_INDEX
+        valid = targets >= 0
         index = targets.clamp_min(0)
         w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for ignored labels
+        w_soft = torch.where(valid | (targets == PAST_END), weights.to(acc), 0.0)  # the softmax term's weights
         lse = []
         for a in range(0, logits.size(0), chunk):                         # a float32 copy of one chunk
             u, scale = _cap_(logits[a:a + chunk].to(acc, copy=True), cap, softcap)
@@ -228,15 +232,15 @@ class _MultiTargetLossSum(torch.autograd.Function):
         lse = torch.cat(lse)                                               # [N]
         u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
         ctx.cap, ctx.softcap, ctx.chunk = cap, softcap, chunk
-        ctx.save_for_backward(logits, lse, index, w)
+        ctx.save_for_backward(logits, lse, index, w, w_soft)
         return (w * (lse[:, None] - u * scale)).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        logits, lse, index, w = ctx.saved_tensors
+        logits, lse, index, w, w_soft = ctx.saved_tensors
         cap, softcap, chunk = ctx.cap, ctx.softcap, ctx.chunk
         acc, lse = lse.dtype, lse[:, None]
-        total_w = w.sum(1, keepdim=True) * grad                          # [N, 1]: W_n times the incoming scale
+        total_w = w_soft.sum(1, keepdim=True) * grad                     # [N, 1]: W_n times the incoming scale
         out = torch.empty_like(logits)
         for a in range(0, logits.size(0), chunk):                         # cast to the logits' dtype on write
             b = a + chunk
@@ -258,7 +262,8 @@ def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=L
     """``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])`` over one capped softmax: float32 (float64), a *sum*.
 
     ``logits`` ``[..., V]`` (bf16 on a GPU; upcast in chunks of ``chunk`` positions, never whole),
-    ``targets`` int64 ``[..., J]`` (-100 absent), ``weights`` ``[J]`` (a tensor: a weight schedule
+    ``targets`` int64 ``[..., J]`` (-100 absent; ``PAST_END``: absent, its weight kept in the gradient's softmax
+    term as HEAD's kernel, so there the gradient is not the loss's), ``weights`` ``[J]`` (a tensor: a weight schedule
     compiles no new graph), ``cap`` none / tanh (``softcap``) / sigmoid (record #54). The caller
     divides by a global count (valid column-0 labels: extra columns weigh on top, as HEAD). Gradient
     memory: one ``[..., V]`` whatever J. ValueError for a bad cap, softcap, chunk or shape.
@@ -348,18 +353,19 @@ def grad_buckets(model):
 # matrix for SDPA; tests/test_attention.py and test_block_mask.py prove the two agree.
 
 def mask_mod(doc_ids, window, paired=False):
-    """FlexAttention ``mask_mod(b, h, q, k) -> bool``: ``k <= q``, same document, ``q - k < window``.
+    """FlexAttention ``mask_mod(b, h, q, k) -> bool``: ``k <= q``, same document, ``q - k <= window``.
 
     ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = none) or an int64 0-d device tensor (a
     schedule then changes no graph). ``paired``: the doubled sequence of paired-head layers, token
-    t at positions 2t and 2t + 1 (documents read at q // 2: no doubled ids in the kernel).
+    t at positions 2t and 2t + 1 (documents read at q // 2: no doubled ids in the kernel). A window of w
+    sees w + 1 keys, q - w..q: FA3's ``window_size=(w, 0)`` as HEAD calls it (record #89).
     """
     windowed = torch.is_tensor(window) or window > 0
 
     def allowed(b, h, q, k):
         same = doc_ids[b, q // 2] == doc_ids[b, k // 2] if paired else doc_ids[b, q] == doc_ids[b, k]
         ok = (k <= q) & same
-        return ok & (q - k < window) if windowed else ok
+        return ok & (q - k <= window) if windowed else ok
     return allowed
 
 
@@ -382,17 +388,19 @@ def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
 
 class LayerMasks(NamedTuple):
     """One window's masks: ``plain`` (the sequence), ``paired`` (the doubled sequence of paired-head layers,
-    record #58), ``first`` bool ``[B, L]`` True at document starts (the key offset, record #49); unused: None."""
+    record #58), ``first`` bool ``[B, L]`` True at document starts (the key offset, record #49), ``docs`` the
+    int64 ``[B, L]`` document ids (``dc_attention``); unused: None."""
     plain: object
     paired: object = None
     first: object = None
+    docs: object = None
 
 
-def layer_masks(doc_ids, window, flex, paired=False, first=False):
-    """``LayerMasks`` of doc_ids ``[B, L]`` under ``window``, the doubled mask and document starts as asked."""
+def layer_masks(doc_ids, window, flex, paired=False, first=False, docs=False):
+    """``LayerMasks`` of doc_ids ``[B, L]`` under ``window``, the doubled mask, document starts and ids as asked."""
     doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
     starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
-    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts)
+    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts, doc_ids if docs else None)
 
 
 def _ordered_blocks(blocks):
@@ -409,8 +417,8 @@ def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
     O((T / block_size)^2) work where create_block_mask evaluates all T^2 pairs; partial blocks are
     masked per element by the same ``mask_mod`` inside FlexAttention. Exact because document ids are
     non-decreasing: for query block [q0, q1] and key block [k0, k1], some pair is allowed iff
-    ``k0 <= q1``, ``doc[k1] >= doc[q0]``, ``q0 - k1 < window``; every pair iff ``k1 <= q0``,
-    ``doc[k0] == doc[q1]``, ``q1 - k0 < window`` and neither block reaches past T.
+    ``k0 <= q1``, ``doc[k1] >= doc[q0]``, ``q0 - k1 <= window``; every pair iff ``k1 <= q0``,
+    ``doc[k0] == doc[q1]``, ``q1 - k0 <= window`` and neither block reaches past T.
     """
     ids = doc_ids.repeat_interleave(2, dim=1) if paired else doc_ids  # for the bounds only
     B, T = ids.shape
@@ -423,12 +431,47 @@ def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
     some = (k0 <= q1) & (doc_last[:, None, :] >= doc_first[:, :, None])
     every = (k1 <= q0) & (doc_first[:, None, :] == doc_last[:, :, None]) & (complete[:, None] & complete[None, :])
     if torch.is_tensor(window) or window > 0:
-        some = some & (q0 - k1 < window)
-        every = every & (q1 - k0 < window)
+        some = some & (q0 - k1 <= window)
+        every = every & (q1 - k0 <= window)
     kv_num, kv_idx = _ordered_blocks(some & ~every)
     full_num, full_idx = _ordered_blocks(every)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
+
+
+# Record #85 (2026-05, HEAD's dc_triton_kernels.py, layer 10): the post-only dynamically composable
+# correction, in plain PyTorch (CPU; compiled on CUDA) instead of HEAD's Triton kernel.
+DC_WINDOW = 112  # keys of the correction: q - 111..q in q's document (HEAD's kernel: 0 <= q - k < 112)
+
+
+def dc_attention(q, k, v, w1, w2, doc_ids, scale, window=DC_WINDOW, block=128):
+    """The DC correction ``c`` that HEAD adds to a layer's attention output: for each head h and query t,
+    ``P_h[t, j] = softmax_j(scale q_h[t] . k_h[j])`` over keys j in t - window + 1..t of t's document,
+    ``a[t, j] = sum_g rms_norm(w1[t])_g P_g[t, j]`` (RMS over heads, eps 1e-6: HEAD's ``dc_gate``), and
+    ``c_h[t] = w2[t, h] sum_j a[t, j] v_h[j]``.
+
+    q, k, v ``[B, T, H, D]`` (q, k after norm, RoPE and key offset; v with its value embeddings), w1, w2
+    ``[B, T, H]`` (the DC gate lanes), doc_ids int64 ``[B, T]`` -> float32 ``[B, T, H, D]``. Queries in blocks of
+    ``block`` (>= window) against that block and the one before: O(T block) memory, dense float32 matmuls.
+    """
+    B, T, H, D = q.shape
+    C, n = block, -(-T // block)
+    assert 0 < window <= C, (window, C)
+    pad = n * C - T
+    with torch.autocast("cuda" if q.is_cuda else "cpu", enabled=False):  # float32 scores, as HEAD (tf32 dots)
+        def blocks(x, two=False, front=0.0):  # [B, T, ...] -> [B, n, C (2C: the block before, then it), ...]
+            x = F.pad(upcast(x), (0, 0) * (x.ndim - 2) + (0, pad), value=-1.0).view(B, n, C, *x.shape[2:])
+            return torch.cat((F.pad(x[:, :-1], (0, 0) * (x.ndim - 2) + (1, 0), value=front), x), 2) if two else x
+        # ids -1 pad T up to n C (padded queries see padded keys: no empty softmax row), -2 before position 0
+        docs_q, docs_k = blocks(doc_ids[..., None])[..., 0], blocks(doc_ids[..., None], True, -2.0)[..., 0]
+        rel = C + torch.arange(C, device=q.device)[:, None] - torch.arange(2 * C, device=q.device)  # [C, 2C]: q - k
+        ok = (rel >= 0) & (rel < window) & (docs_q[..., :, None] == docs_k[..., None, :])          # [B, n, C, 2C]
+        scores = torch.einsum("bnqhd,bnkhd->bnhqk", blocks(q), blocks(k, True)) * scale
+        P = torch.softmax(scores.masked_fill(~ok[:, :, None], -math.inf), dim=-1)                  # [B, n, H, C, 2C]
+        mix = F.rms_norm(upcast(w1), (H,), eps=1e-6)
+        a = torch.einsum("bnhqk,bnqh->bnqk", P, blocks(mix))
+        out = torch.einsum("bnqk,bnkhd->bnqhd", a, blocks(v, True)) * blocks(w2)[..., None]
+    return out.reshape(B, n * C, H, D)[:, :T]
 
 
 def attend(q, k, v, mask=None, scale=None):

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import harness
-from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
-                     fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
+from kernels import (DC_WINDOW, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks, attend, build_attention_mask,
+                     dc_attention, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets, layer_masks,
+                     mce_loss, multi_target_loss, upcast)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups, warm_step)
 from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
@@ -63,7 +64,7 @@ class Config:
     tied_embed: bool = _f(False, "embedding = LM head until record #89's stage 3, then untied (records #51, #53)")
     rope_base: float = _f(10000.0, "rotary embedding base")
     doc_mask: bool = _f(False, "attention within documents (each opens with <|endoftext|>; a bag: its last token's)")
-    window: int = _f(0, "sliding window in latent positions: q sees q-window+1..q (0 = none)")
+    window: int = _f(0, "sliding window in latent positions: q sees q-window..q, window + 1 keys as FA3 (0 = none)")
     window_start: int = _f(0, "window at step 0, grown to --window in multiples of itself (record #13; 0 = fixed)")
     short_window_layers: str = _f("", "comma list of 0-based layers that attend over half the window")
     no_attn_layers: str = _f("", "comma list of 0-based layers without attention (MLP only)")
@@ -84,11 +85,15 @@ class Config:
     ve_gate: bool = _f(False, "v += 2 sigmoid(W [x[:6], ve[:6]]) ve per head (records #55, #63, #70)")
     mudd: bool = _f(False, "MUDD dense connections into the last layer and after it (record #81, arXiv 2502.12170)")
     mudd_gates: int = _f(0, "x0/bigram/skip gates per token from two MLPs split here (#85; HEAD 4)", low=0)
+    adam_bf16: bool = _f(False, "Adam's matrices (embeddings, head, gates, MUDD) stored in bf16 under --bf16 (HEAD)")
     # record #89's model: attention
     rope_half: bool = _f(False, "half-truncated RoPE, (1/1024)^linspace frequencies (record #89)")
     rope_yarn: bool = _f(False, "YaRN-rescale RoPE and scale at each long-window change (record #31)")
     paired_head_layers: str = _f("", "comma list: heads h, h + n_head/2 share a softmax (#58; HEAD 0,2,5,9)")
     key_offset: bool = _f(False, "long-window keys: half the dims from the previous position (record #49)")
+    key_offset_docs: bool = _f(False, "the key offset stops at document starts (HEAD's crosses them)")
+    attn_lambdas: bool = _f(False, "a learned pair per attention layer, [.5, 1] at init, scales W_qkv and W_o (HEAD)")
+    dc_layers: str = _f("", "comma list: record #85's DC correction over 112 keys, weights from --mudd-gates (HEAD 10)")
     xsa_layers: str = _f("", "comma list: y -= tanh(a_h) proj_v(y), learnable XSA (record #82; HEAD 1,3,4,7)")
     attn_gate_layers: str = _f("", "comma list: heads gated by sigmoid(W x[:12]) (record #28; HEAD 3,10)")
     attn_vo_init: str = _f("zero", "V/O init: zero (O = 0), uniform (HEAD, #64), mimetic (V = -O = sqrt(.05) I)",
@@ -180,25 +185,26 @@ RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch
 # Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
 # layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
 # its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
-# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key
-# offset (#49), XSA (#82), output gates (#28), uniform V/O init (#64 as merged).
+# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key offset
+# (#49), XSA (#82), output gates (#28), uniform V/O init (#64), attention lambdas, DC on layer 10 (#85).
 MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9", unet=False, x0_mix=False,
                value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
                rope_half=True, rope_yarn=True, attn_scale=0.1, paired_head_layers="0,2,5,9", key_offset=True,
-               xsa_layers="1,3,4,7", attn_gate_layers="3,10", attn_vo_init="uniform")
+               xsa_layers="1,3,4,7", attn_gate_layers="3,10", attn_vo_init="uniform", attn_lambdas=True,
+               dc_layers="10")
 RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
                 window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
                 tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
-                logit_cap="sigmoid", tied_embed=True, fp8=True)
+                logit_cap="sigmoid", tied_embed=True, fp8=True, adam_bf16=True)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
 # Record #89's model at 4 x 128 (cpu_smoke, gpu_check --dry-run): HEAD's layer roles mapped onto 4 layers
-# (paired heads 0 and 2, XSA 1, long window and output gate 3, the skip 1 -> 2, MUDD on 3).
+# (paired heads 0 and 2, XSA 1, long window, output gate and DC 3, the skip 1 -> 2, MUDD on 3).
 SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_layers="1,3", short_window_layers="0,1,2",
                      no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
-                     paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3")
+                     paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3", dc_layers="3")
 PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as HEAD's code runs it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
@@ -464,10 +470,14 @@ class Rotary(nn.Module):
         if scale is not None:
             self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
 
-    def forward(self, x):
-        """x: [B, L, H, head_dim] -> same shape and dtype, rotated."""
+    def forward(self, x, paired=False):
+        """x: [B, L, H, head_dim] -> same shape and dtype, rotated at position t; ``paired`` (record #58, as HEAD's
+        paired table): head h at 2t + h mod 2, so each doubled stream's two heads turn a position apart."""
         L, r = x.size(1), self.rot
         cos, sin = self.cos[:, :L], self.sin[:, :L]
+        if paired:
+            pos = 2 * torch.arange(L, device=x.device)[:, None] + torch.arange(x.size(2), device=x.device) % 2
+            cos, sin = self.cos[0, pos, 0][None], self.sin[0, pos, 0][None]  # [1, L, H, r/2]
         x1, x2 = upcast(x[..., :r]).chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, upcast(x[..., r:])), dim=-1).type_as(x)
 
@@ -505,8 +515,8 @@ def latent_document_ids(inputs):
 
 def offset_keys(k, first=None):
     """Partial key offset (record #49, 2025-12-14): the last half of each key's dims (the unrotated half with
-    --rope-half) taken from the previous position, k [B, L, H, D] -> same, except at document starts
-    (``first`` bool [B, L]; None: position 0 only), which keep their own."""
+    --rope-half) taken from the previous position, k [B, L, H, D] -> same, except at position 0 (across
+    documents, as HEAD) or, with ``first`` bool [B, L] (--key-offset-docs), at document starts."""
     h = k.size(-1) // 2
     own = k[..., h:]
     prev = torch.cat((own[:, :1], own[:, :-1]), dim=1)
@@ -555,7 +565,8 @@ def make_rotary(cfg):
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: merged QKV (one
     matmul, three optimizer matrices; record #21), ``v <- a v + b ve`` value embeddings (a = b = 0.5; #9),
-    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31)."""
+    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31),
+    HEAD's lambdas, the DC correction (#85)."""
 
     def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
         super().__init__()
@@ -578,35 +589,45 @@ class CausalSelfAttention(nn.Module):
         self.xsa = route(nn.Parameter(torch.zeros(self.n_head)), "scalar") if xsa else None
         gated = own and layer in layer_set(cfg.attn_gate_layers)  # Adam treats it as HEAD's gates (role ve_gates)
         self.gate = _linear(12, self.n_head, zero=True, group="scalar", role="ve_gates") if gated else None
+        # HEAD's sa_lambdas: W_qkv x lam[0] (with QK-norm it scales V alone), W_o x lam[1]; Adam's scalars
+        self.lambdas = route(nn.Parameter(torch.tensor([0.5, 1.0])), "scalar") if cfg.attn_lambdas else None
+        self.dc_window = DC_WINDOW if layer in layer_set(cfg.dc_layers) and not self.paired else 0  # record #85
 
-    def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
+    def weight(self, w, j):
+        """Weight ``w`` times ``lambdas[j]`` with --attn-lambdas (as HEAD: the weight, not the output)."""
+        return w if self.lambdas is None else self.lambdas[j] * w
+
+    def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None, dc=None):
         """x, ve ``[B, L, d]``, ``mask`` from ``GPT.masks_for`` (None: causal); per-token ``ve_gate`` ``[B, L, H, 1]``,
-        ``xsa_alpha`` and ``attn_gate`` ``[B, L, H]`` (MUDD, record #85) replace the layer's own."""
+        ``xsa_alpha`` and ``attn_gate`` ``[B, L, H]`` (MUDD, record #85) replace the layer's own; ``dc`` the
+        DC lanes ``(w1, w2)`` ``[B, L, H]`` of a --dc-layers layer (``kernels.dc_attention``)."""
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
         if self.merged_qkv:
-            qkv = F.linear(x, torch.cat((self.q.weight, self.k.weight, self.v.weight)))
+            qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0))
             q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         else:
-            q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
+            q, k, v = (F.linear(x, self.weight(lin.weight, 0)).view(shape) for lin in (self.q, self.k, self.v))
         if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
             ve = ve.view(shape).type_as(v)
             v = v + ve_gate.type_as(v) * ve if ve_gate is not None else self.ve_mix[0] * v + self.ve_mix[1] * ve
-        mask, doubled, first = mask if isinstance(mask, LayerMasks) else (mask, None, None)
+        mask, doubled, first, docs = mask if isinstance(mask, LayerMasks) else (mask, None, None, None)
         q, k, vs = rms_norm(q), rms_norm(k), v  # QK-norm, then RoPE
+        q, k = self.rotary(q, self.paired), self.rotary(k, self.paired)
         if self.paired:  # record #58: token t's heads h < H/2 at position 2t, the others at 2t + 1 (a view)
             if mask is not None and doubled is None:
                 raise ValueError("a paired-head layer needs LayerMasks with the doubled sequence's mask")
             q, k, vs = (t.reshape(B, 2 * L, H // 2, D) for t in (q, k, v))
             mask = doubled
-        q, k = self.rotary(q), self.rotary(k)
         if self.key_offset:
             k = offset_keys(k, first)
         scale = self.scale
         if self.yarn:  # a buffer, so a rescale changes no graph
             q, scale = q * self.rotary.scale.type_as(q), 1.0
         y = attend(q.transpose(1, 2), k.transpose(1, 2), vs.transpose(1, 2), mask, scale).transpose(1, 2).reshape(shape)
+        if self.dc_window:  # record #85 (HEAD's layer 10): the correction over the last 112 keys, added to y
+            y = y + dc_attention(q, k, v, *dc, docs, scale or D ** -0.5, self.dc_window).type_as(y)
         if xsa_alpha is not None or self.xsa is not None:  # XSA: remove tanh(alpha) of y's part along its own v
             a = self.xsa if xsa_alpha is None else xsa_alpha
             alpha = torch.tanh(a).type_as(y).reshape(*a.shape[:-1], H, 1)
@@ -615,7 +636,7 @@ class CausalSelfAttention(nn.Module):
             attn_gate = torch.sigmoid(self.gate(x[..., :12]))
         if attn_gate is not None:
             y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
-        return self.proj(y.reshape(B, L, -1))
+        return F.linear(y.reshape(B, L, -1), self.weight(self.proj.weight, 1))
 
 
 class MLP(nn.Module):
@@ -670,7 +691,8 @@ class Block(nn.Module):
             if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
                 gin = torch.cat((h[..., :VE_GATE_IN], ve[..., :VE_GATE_IN].type_as(h)), dim=-1)
                 gv = 2 * torch.sigmoid(F.linear(gin, self.ve_gate.type_as(h))).unsqueeze(-1)
-            x = _residual(x, self.attn(h, mask, ve, gv, g.get("xsa"), g.get("attn")), ra, pa)
+            x = _residual(x, self.attn(h, mask, ve, gv, g.get("xsa"), g.get("attn"), (g.get("dc1"), g.get("dc2"))),
+                          ra, pa)
             if gx is not None:
                 x = x + gx * x0
             if gb is not None and bigram is not None:  # into the first bigram_dim channels (HEAD: all of them)
@@ -680,7 +702,7 @@ class Block(nn.Module):
 
 BIGRAM_SIGN_ROWS = 8192  # rows of record #83's sign table (HEAD)
 MUDD_SCALE = 0.1  # MUDD coefficients are the MLP's output times this (HEAD)
-GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5}  # record #85's gate lanes at init (HEAD's biases)
+GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5, "dc1": 1.0}  # record #85's gate lanes at init (HEAD)
 VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads (HEAD)
 
 
@@ -693,7 +715,8 @@ def injects(cfg, layer):
 def gate_lanes(cfg):
     """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
     --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
-    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), and (second) the skip's factor."""
+    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), (second) the skip's factor, then the
+    DC weights w1, w2 of each --dc-layers layer (n_head wide each; HEAD's post gate: 12 + 6 + 10 + 1 + 12 = 41)."""
     G, H = cfg.mudd_gates, cfg.n_head
     inject = [i for i in range(cfg.n_layer) if injects(cfg, i)]
     lanes = ([], [])
@@ -703,6 +726,8 @@ def gate_lanes(cfg):
     for i in inject:
         lanes[i >= G].extend([(i, "x0", 1), (i, "bigram", 1)])
     lanes[1].append((None, "skip", 1))
+    for i in sorted(layer_set(cfg.dc_layers)):
+        lanes[i >= G].extend([(i, "dc1", H), (i, "dc2", H)])
     return lanes
 
 
@@ -814,9 +839,10 @@ class GPT(nn.Module):
         flex = inputs.is_cuda if self.flex is None else self.flex
 
         def build(window, short):
-            if not paired and not cfg.key_offset:
+            if not paired and not cfg.key_offset and not cfg.dc_layers:
                 return build_attention_mask(doc_ids, window, flex)
-            return layer_masks(doc_ids, window, flex, short in paired, cfg.key_offset and not short)
+            return layer_masks(doc_ids, window, flex, short in paired, cfg.key_offset_docs and not short,
+                               bool(cfg.dc_layers))
         if not windowed(cfg):
             mask = build(0, False)
             return mask, mask
@@ -889,10 +915,11 @@ class GPT(nn.Module):
         B, L, k = inputs.shape
         cur = inputs.reshape(B, L * k)
         prev = F.pad(cur[:, :-1], (1, 0))
-        first = torch.arange(L * k, device=inputs.device) == 0
-        V = self.bigram.num_embeddings - 1
-        rows = torch.where(first, V, ((36313 * cur) ^ (27191 * prev)) % V)  # int64: no int32 overflow
-        signs = self.bigram_signs[torch.where(first, 0, (prev ^ cur) % BIGRAM_SIGN_ROWS)]
+        pos, V = torch.arange(L * k, device=inputs.device), self.bigram.num_embeddings - 1
+        # HEAD hashes position 1 with its position 0's row number V as the previous token, in int32 (27191 V wraps)
+        term = (27191 * torch.where(pos == 1, V, prev) + 2 ** 31) % 2 ** 32 - 2 ** 31
+        rows = torch.where(pos == 0, V, ((36313 * cur) ^ term) % V)  # int64, else as HEAD's int32 ops
+        signs = self.bigram_signs[torch.where(pos == 0, 0, (prev ^ cur) % BIGRAM_SIGN_ROWS)]
         e = (self.bigram(rows) * signs).view(B, L, k, -1)
         return bag_mean(e) if k > 1 else e.squeeze(2)
 
@@ -1133,9 +1160,9 @@ def bag_mean(x):
 
 
 def multi_token_targets(targets, n_predict):
-    """int64 ``[..., L]`` -> ``[..., L, n]``: ``out[..., i, k] = targets[..., i + k]``, ignored past L (multi-token
-    prediction, record #53, 2025-12-22; as HEAD, not cut at document ends)."""
-    return F.pad(targets, (0, n_predict - 1), value=IGNORE_INDEX).unfold(-1, n_predict, 1)
+    """int64 ``[..., L]`` -> ``[..., L, n]``: ``out[..., i, k] = targets[..., i + k]``, ``PAST_END`` past L (multi-token
+    prediction, record #53, 2025-12-22; as HEAD, not cut at document ends, its weight kept in the softmax term)."""
+    return F.pad(targets, (0, n_predict - 1), value=PAST_END).unfold(-1, n_predict, 1)
 
 
 def prefix_targets(table, targets):
@@ -1254,6 +1281,15 @@ def build_record89_optimizers(model, cfg, compile=False):
                           f"with route(param, group, role)")
     opts = [CautiousAdam(record89_adam_groups(roles), eps=cfg.adam_eps, every=2, compile=compile), matrix]
     return with_initial_lr(opts)
+
+
+def adam_bf16_(model):
+    """--adam-bf16 (HEAD's storage): Adam's parameters of two or more dims (embeddings, head, value-embedding and
+    gate matrices, MUDD) in bf16, so each update rounds to bf16 as HEAD's; its vectors and scalars (lambdas, the
+    gate scale) stay float32 as HEAD's, and NorMuon's matrices float32 (HEAD: bf16 + 16 mantissa bits)."""
+    for p in model.parameters():
+        if p.ndim >= 2 and p.opt_group != "matrix":
+            p.data = p.data.bfloat16()
 
 
 @torch.no_grad()
@@ -1587,6 +1623,8 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
         cfg = dataclasses.replace(cfg, fp8=False)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg).to(rt.device)
+    if cfg.adam_bf16 and rt.bf16:  # with autocast only: a float32 CPU run keeps float32 parameters
+        adam_bf16_(model)
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
     schedule = Schedule(cfg)
     run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,

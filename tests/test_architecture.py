@@ -98,13 +98,13 @@ def ref_documents(inputs):
 
 
 def ref_allowed(docs, window):
-    """bool [B, L, L]: k <= q, same document, q - k < window (0: no window), pair by pair."""
+    """bool [B, L, L]: k <= q, same document, q - k <= window (w + 1 keys, FA3) (0: no window), pair by pair."""
     B, L = len(docs), len(docs[0])
     m = torch.zeros(B, L, L, dtype=torch.bool)
     for b in range(B):
         for q in range(L):
             for k in range(q + 1):
-                m[b, q, k] = docs[b][q] == docs[b][k] and (window == 0 or q - k < window)
+                m[b, q, k] = docs[b][q] == docs[b][k] and (window == 0 or q - k <= window)
     return m
 
 
@@ -337,7 +337,7 @@ def test_growing_window_changes_the_output():
 
 def brute_keys(L, window):
     """Mean allowed (q, k) pairs per query on one document, counted pair by pair and from attention_mask."""
-    count = sum(1 for q in range(L) for k in range(L) if k <= q and (window == 0 or q - k < window))
+    count = sum(1 for q in range(L) for k in range(L) if k <= q and (window == 0 or q - k <= window))
     mask = kernels.attention_mask(torch.zeros(L, dtype=torch.int64), window)
     assert int(mask.sum()) == count
     return count / L
@@ -598,6 +598,7 @@ def hand_flops_per_position(cfg, window):
     long, half = window
     paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
     keys = sum(H.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
+    keys += len(T.layer_set(cfg.dc_layers)) * H.attended_keys(L, 111)  # DC (record #85): QK^T, AV over 112 keys
     return 6 * n_matmul + 12 * d * keys
 
 

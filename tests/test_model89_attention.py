@@ -165,32 +165,46 @@ def test_rescale_changes_buffers_not_the_graph():
 # one attention layer against a loop over (query, key) pairs
 
 
-def ref_layer(a, x, doc, window, freqs, scale, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None):
-    """The layer written out: per (query, key) pair, float64; paired heads as positions in a doubled sequence."""
+def ref_layer(a, x, doc, window, freqs, scale, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None,
+              offset_docs=False, dc=None):
+    """The layer written out: per (query, key) pair, float64; paired heads as positions in a doubled sequence.
+
+    HEAD's elements: RoPE of a paired layer's head h at 2t + h mod 2; the key offset across documents
+    (``offset_docs``: stopping at their starts); the lambdas on W_qkv, W_o; ``dc`` (w1, w2) ``[B, L, H]``: the
+    DC correction over the last 112 keys of the document, added before XSA and the gate (record #85)."""
     B, L, _ = x.shape
     Hn, D = a.n_head, a.head_dim
-    q, k, v = (x @ w.weight.T for w in (a.q, a.k, a.v))
+    lam = a.lambdas if a.lambdas is not None else torch.ones(2, dtype=x.dtype)
+    q, k, v = (x @ (lam[0] * w.weight).T for w in (a.q, a.k, a.v))
     q, k, v = (t.view(B, L, Hn, D) for t in (q, k, v))
     if ve is not None:
         ve = ve.view(B, L, Hn, D)
         v = v + ve_gate * ve if ve_gate is not None else a.ve_mix[0] * v + a.ve_mix[1] * ve
     q, k = (t / torch.sqrt(t.square().mean(-1, keepdim=True) + torch.finfo(t.dtype).eps) for t in (q, k))
     pos = (lambda t, h: 2 * t + (h >= Hn // 2)) if a.paired else (lambda t, h: t)
+    angle = (lambda t, h: 2 * t + h % 2) if a.paired else pos  # HEAD's paired table: heads 2j, 2j+1 at 2t, 2t+1
     stream = (lambda h: h % (Hn // 2)) if a.paired else (lambda h: h)
-    Q = [[[ref_rope(q[b, t, h], pos(t, h), freqs) for h in range(Hn)] for t in range(L)] for b in range(B)]
-    K = [[[ref_rope(k[b, t, h], pos(t, h), freqs) for h in range(Hn)] for t in range(L)] for b in range(B)]
-    if a.key_offset:  # the second half of the dims from the previous position of the same document
-        K = [[[torch.cat((K[b][t][h][:D // 2], K[b][t - 1][h][D // 2:])) if t and doc[b][t - 1] == doc[b][t]
-               else K[b][t][h] for h in range(Hn)] for t in range(L)] for b in range(B)]
+    Q = [[[ref_rope(q[b, t, h], angle(t, h), freqs) for h in range(Hn)] for t in range(L)] for b in range(B)]
+    K = [[[ref_rope(k[b, t, h], angle(t, h), freqs) for h in range(Hn)] for t in range(L)] for b in range(B)]
+    if a.key_offset:  # the second half of the dims from the previous position (of the same document: offset_docs)
+        K = [[[torch.cat((K[b][t][h][:D // 2], K[b][t - 1][h][D // 2:]))
+               if t and (not offset_docs or doc[b][t - 1] == doc[b][t]) else K[b][t][h]
+               for h in range(Hn)] for t in range(L)] for b in range(B)]
     y = torch.zeros(B, L, Hn, D, dtype=x.dtype)
     for b in range(B):
         for t in range(L):
             for h in range(Hn):
                 p = pos(t, h)
                 keys = [(t2, h2) for t2 in range(L) for h2 in range(Hn) if stream(h2) == stream(h)
-                        and pos(t2, h2) <= p and doc[b][t2] == doc[b][t] and (window == 0 or p - pos(t2, h2) < window)]
+                        and pos(t2, h2) <= p and doc[b][t2] == doc[b][t] and (window == 0 or p - pos(t2, h2) <= window)]
                 w = torch.softmax(torch.stack([scale * Q[b][t][h] @ K[b][t2][h2] for t2, h2 in keys]), 0)
                 out = sum(wi * v[b, t2, h2] for wi, (t2, h2) in zip(w, keys))
+                if dc is not None:  # sum over heads g of rms(w1)_g softmax_g, times w2_h, over v_h
+                    near = [j for j in range(max(0, t - 111), t + 1) if doc[b][j] == doc[b][t]]
+                    w1 = dc[0][b, t] / torch.sqrt(dc[0][b, t].square().mean() + 1e-6)
+                    mix = sum(w1[g] * torch.softmax(torch.stack([scale * Q[b][t][g] @ K[b][j][g] for j in near]), 0)
+                              for g in range(Hn))
+                    out = out + dc[1][b, t, h] * sum(m * v[b, j, h] for m, j in zip(mix, near))
                 if xsa_alpha is not None or a.xsa is not None:
                     alpha = math.tanh(xsa_alpha[b, t, h] if xsa_alpha is not None else a.xsa[h])
                     own = v[b, t, h]
@@ -200,7 +214,7 @@ def ref_layer(a, x, doc, window, freqs, scale, ve=None, ve_gate=None, xsa_alpha=
                 elif a.gate is not None:
                     out = out * torch.sigmoid(a.gate.weight[h] @ x[b, t, :12])
                 y[b, t, h] = out
-    return y.reshape(B, L, -1) @ a.proj.weight.T
+    return y.reshape(B, L, -1) @ (lam[1] * a.proj.weight).T
 
 
 def float64_model(cfg, seed=0):
@@ -209,7 +223,7 @@ def float64_model(cfg, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith("blocks.") and (p.ndim < 2 or "gate" in name or "proj" in name):
+            if name.startswith("blocks.") and (p.ndim < 2 or "gate" in name or "proj" in name):  # lambdas too
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if "proj" in name else 0.7))
     model.rotary.set_history(())  # float64 tables
     return model
@@ -221,6 +235,9 @@ CASES = {
     "paired": dict(paired_head_layers=ALL, rope_half=True),
     "paired_full_rope_no_window": dict(paired_head_layers="0,3", window=0, short_window_layers=""),
     "key_offset": dict(key_offset=True, rope_half=True),
+    "key_offset_docs": dict(key_offset=True, key_offset_docs=True, rope_half=True),
+    "lambdas": dict(attn_lambdas=True, rope_half=True),
+    "lambdas_merged_qkv": dict(attn_lambdas=True, merged_qkv=True, paired_head_layers="1", key_offset=True),
     "xsa": dict(xsa_layers=ALL),
     "gate": dict(attn_gate_layers=ALL),
     "yarn": dict(rope_half=True, rope_yarn=True, attn_scale=0.1),
@@ -250,7 +267,8 @@ def test_attention_layer_equals_pairwise_reference(case):
         window = (4 if short else 9) if T.windowed(cfg) else 0
         with torch.no_grad():
             got = a(x, masks[short], ve if a.ve_mix is not None else None)
-            ref = ref_layer(a, x, doc, window, freqs, scale, ve if a.ve_mix is not None else None)
+            ref = ref_layer(a, x, doc, window, freqs, scale, ve if a.ve_mix is not None else None,
+                            offset_docs=cfg.key_offset_docs)
         assert torch.allclose(got, ref, atol=1e-10, rtol=0), (case, i)
 
 
@@ -377,3 +395,25 @@ def test_paired_mask_is_the_mask_of_the_doubled_documents(window):
     assert torch.equal(got.to_dense(), ref.to_dense())
     assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks) and torch.equal(got.full_kv_num_blocks,
                                                                               ref.full_kv_num_blocks)
+
+
+def test_dc_layer_equals_pairwise_reference():
+    """Record #85's DC (HEAD's layer 10) inside a layer with the key offset and lambdas: the base attention plus
+    the correction over the last 112 keys of the document (seq 160 > 112, so the window cuts), per pair."""
+    cfg = cfg_of(seq_len=160, batch_tokens=320, rope_half=True, key_offset=True, attn_lambdas=True, mudd_gates=1,
+                 dc_layers="3", x0_gates=True, bigram_vocab=64, skip_gate="0,2")
+    model = float64_model(cfg)
+    a = model.blocks[3].attn
+    assert a.dc_window == 112 and model.blocks[2].attn.dc_window == 0
+    inputs = random_tokens((1, cfg.seq_len, 1), seed=11, p_eot=0.01)
+    masks, doc = model.masks_for(inputs), T.latent_document_ids(inputs).tolist()
+    assert masks[0].docs is not None and masks[0].first is None  # HEAD's offset crosses documents
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, cfg.seq_len, cfg.model_dim, generator=g, dtype=torch.float64)
+    w1, w2 = (torch.randn(1, cfg.seq_len, cfg.n_head, generator=g, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        got = a(x, masks[0], dc=(w1, w2))
+        ref = ref_layer(a, x, doc, 9, half_freqs(16), 16 ** -0.5, dc=(w1, w2))
+        base = a(x, masks[0], dc=(w1, torch.zeros_like(w2)))
+    assert torch.allclose(got, ref, atol=1e-10, rtol=0)
+    assert (got - base).abs().max() > 1e-3  # the correction is there

@@ -56,8 +56,14 @@ def float64_model(cfg, seed=0):
 # the float64 reference
 
 
+def int32(x):
+    """A Python int wrapped to int32 (HEAD's get_bigram_hash runs in int32)."""
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
 def ref_bigram(P, signs, inputs):
-    """[B, L, k] -> [B, L, bigram_dim]: per raw token, row hash(prev, cur) times sign row (prev ^ cur) % 8192."""
+    """[B, L, k] -> [B, L, bigram_dim]: per raw token, row hash(prev, cur) times sign row (prev ^ cur) % 8192; the
+    hash of position 1 reads position 0's row number V as its previous token, in int32 (HEAD's out[0] = V)."""
     B, L, k = inputs.shape
     V = P["bigram.weight"].size(0) - 1
     out = []
@@ -69,7 +75,8 @@ def ref_bigram(P, signs, inputs):
                 rows.append(P["bigram.weight"][V] * signs[0])
             else:
                 p = flat[t - 1]
-                rows.append(P["bigram.weight"][((36313 * c) ^ (27191 * p)) % V] * signs[(p ^ c) % 8192])
+                row = ((36313 * c) ^ int32(27191 * (V if t == 1 else p))) % V
+                rows.append(P["bigram.weight"][row] * signs[(p ^ c) % 8192])
         out.append(torch.stack([sum(rows[i * k:(i + 1) * k]) / k for i in range(L)]))
     return torch.stack(out)
 
@@ -281,7 +288,7 @@ def test_bigram_hash_rows_by_hand():
         model.bigram.weight.copy_(torch.arange(97, dtype=torch.float64)[:, None].expand(97, 16))
     tokens = torch.tensor([[50256, 7, 50255, 7]])
     got = model.bigram_embedding(tokens[..., None]).abs()[0, :, 0].tolist()
-    want = [96, (36313 * 7 ^ 27191 * 50256) % 96, (36313 * 50255 ^ 27191 * 7) % 96, (36313 * 7 ^ 27191 * 50255) % 96]
+    want = [96, (36313 * 7 ^ 27191 * 96) % 96, (36313 * 50255 ^ 27191 * 7) % 96, (36313 * 7 ^ 27191 * 50255) % 96]
     assert got == want
     assert torch.equal(model.bigram_embedding(tokens[..., None])[0, 1].sign(), model.bigram_signs[(50256 ^ 7) % 8192])
 
@@ -325,12 +332,13 @@ def test_bad_model89_flags_are_config_errors():
 def extra_matmuls89(cfg):
     """Matmul weights per position that the record #89 inputs add: smear 12, a [n_head, 12] VE gate per gated
     layer (not MUDD's), MUDD's W1 twice and W2's 14 + 5 rows, the gate MLPs' W1 twice and W2's rows (2 per
-    layer with static gates otherwise, 1 for the skip)."""
+    layer with static gates otherwise, 1 for the skip, 2 n_head per DC layer)."""
     ve = [i for i in H.ve_layer_list(cfg) if not (cfg.mudd and i == cfg.n_layer - 1)] if cfg.ve_gate else []
     mudd = 2 * 64 * cfg.model_dim + (14 + 5) * 64 if cfg.mudd else 0
     no_attn = H.layer_set(cfg.no_attn_layers)
     gated = [i for i in range(cfg.n_layer) if i not in no_attn and not (cfg.mudd and i == cfg.n_layer - 1)]
-    per_token = cfg.n_head * (len(H.layer_set(cfg.xsa_layers)) + len(H.layer_set(cfg.attn_gate_layers)))
+    per_token = cfg.n_head * (len(H.layer_set(cfg.xsa_layers)) + len(H.layer_set(cfg.attn_gate_layers))
+                              + 2 * len(H.layer_set(cfg.dc_layers)))  # DC's w1, w2 (record #85)
     gate_mlps = 2 * 64 * cfg.model_dim + (2 * len(gated) + 1 + per_token) * 64 if cfg.mudd_gates else 0
     return 12 * cfg.smear + len(ve) * cfg.n_head * 12 + mudd + gate_mlps
 
@@ -360,19 +368,41 @@ def test_record_shape_parameter_count_on_meta_by_hand():
     lambdas = (n - 1) * 4                         # resid + post per block, the MUDD layer's come per token
     gates = 4 * 6 * 12                            # VE gates of layers 1, 2, 8, 9 (x0 and bigram gates come per token)
     other = 1 + 12 + 1 + 2 * 64 * d + 2 * 14 * 64 + 2 * 14  # skip lambda, smear w and lambda, MUDD
-    # record #85's gate MLPs: W1, W2 and b of 26 | 29 lanes, the scale. First: XSA 1, 3 (6 each), the gate of 3
-    # (6), (x0, bigram) of 0-3; second: XSA 4, 7, the gate of 10, (x0, bigram) of 4, 5, 7, 8, 9, the skip (HEAD's
-    # 26 | 41 less record #85's 12 lanes of the dynamic correction, not ported)
-    assert [sum(w for *_, w in lanes) for lanes in T.gate_lanes(cfg)] == [12 + 6 + 8, 12 + 6 + 10 + 1]
-    other += 2 * 64 * d + 2 * 29 * 64 + 2 * 29 + 1
+    # record #85's gate MLPs: W1, W2 and b of 26 | 41 lanes, the scale. First: XSA 1, 3 (6 each), the gate of 3
+    # (6), (x0, bigram) of 0-3; second: XSA 4, 7, the gate of 10, (x0, bigram) of 4, 5, 7, 8, 9, the skip, DC's
+    # w1, w2 of layer 10 (HEAD's 26 | 41)
+    assert [sum(w for *_, w in lanes) for lanes in T.gate_lanes(cfg)] == [12 + 6 + 8, 12 + 6 + 10 + 1 + 12]
+    other += 2 * 64 * d + 2 * 41 * 64 + 2 * 41 + 1
     total = tables + mlp + attn + lambdas + gates + other
     assert sum(p.numel() for p in model.parameters()) == total
-    assert attn == len(attn_layers) * 4 * d * d  # with --mudd-gates, XSA and output gates own no parameters
-    assert total == 635_783_300 - 2 * 9 + 2 * 64 * d + 2 * 29 * 64 + 2 * 29 + 1  # what --describe prints
+    # with --mudd-gates, XSA and output gates own no parameters; each attention layer owns its lambda pair (HEAD)
+    assert attn == len(attn_layers) * (4 * d * d + 2)
+    assert total == 635_886_937  # what --describe prints
+
+
+def test_record_parameter_count_equals_heads():
+    """baseline_h200's count equals HEAD's (f411b3d3 GPT.__init__, counted by formula from its shapes), less its
+    padding rows (banks padded for 8 ranks) and the entries its forward never reads (docs/METHODS.md)."""
+    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in T.GPT(cfg).parameters())
+    V, d, n, Hh, hd, D = 50304, 768, 11, 6, 128, 3072
+    head = dict(embed=V * d, lm_head=d * V, value_embeds=5 * V * d, ve_gate_bank=5 * Hh * 12,
+                qk_bank=64 * 2 * hd * d, vo_bank=24 * d * d, mlp_bank=12 * 2 * D * d, smear_gate=12,
+                bigram_embed=377280 * d, post_lambdas=n * 2, resid_lambdas=n * 2, scalars=2 * n + 2,
+                mudd_w1=2 * 64 * d, mudd_w2=2 * 14 * 64, mudd_b2=2 * 14,
+                mudd_gate_w1=2 * 64 * d, mudd_gate_w2=2 * 41 * 64, mudd_gate_b2=2 * 41, _mudd_gate_scale=1)
+    padding = (64 - 60) * 2 * hd * d + (24 - 20) * d * d + 1 * 2 * D * d  # qk, vo, mlp banks' rows past the model
+    # never read: ve_gate_bank[4] (layer 10 gates its VE by MUDD), layer 6's sa_lambdas (no attention there),
+    # resid/post lambdas of layer 10 (MUDD gives them per token)
+    unused = Hh * 12 + 2 + 2 * 2
+    assert sum(head.values()) == 643_751_335
+    assert ours == sum(head.values()) - padding - unused == 635_886_937
 
 
 @pytest.mark.parametrize("argv", [["--preset", "cpu_smoke"], ["--preset", "cpu_smoke", "--no-mudd"],
-                                  ["--preset", "cpu_smoke", "--mudd-gates", "0"], ["--preset", "baseline_h200"],
+                                  ["--preset", "cpu_smoke", "--mudd-gates", "0", "--dc-layers", ""],
+                                  ["--preset", "baseline_h200"],
                                   ["--preset", "baseline_h200", "--no-mudd"]], ids=" ".join)
 def test_each_attention_layer_takes_its_x0_and_bigram_gates_from_one_place(argv):
     """An attention layer's x0 and bigram gates come from exactly one of: its own scalar (Block), a lane of the

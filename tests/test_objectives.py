@@ -187,7 +187,7 @@ def test_multi_token_targets_match_a_loop(n_predict):
     for b in range(3):
         for i in range(9):
             for k in range(n_predict):
-                want = targets[b, i + k].item() if i + k < 9 else -100
+                want = targets[b, i + k].item() if i + k < 9 else T.PAST_END
                 assert out[b, i, k].item() == want
 
 

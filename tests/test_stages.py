@@ -224,7 +224,8 @@ def small_model(cap, seed=0):
 
 @pytest.mark.parametrize("cap", ["tanh", "sigmoid"])
 def test_objective_step_matches_naive_cross_entropies(cap):
-    """accumulate_gradients with Objectives == sum_j w_j CE(column j) / (valid next-token labels), float64."""
+    """accumulate_gradients with Objectives == sum_j w_j CE(column j) / (valid next-token labels), float64; the
+    gradient also has HEAD's softmax term w_j softmax(z) of the columns past the sequence end (no loss term)."""
     cfg, model = small_model(cap)
     table = T.Schedule(cfg)
     objectives = T.Objectives(table, cfg.vocab_size, "cpu")
@@ -237,7 +238,7 @@ def test_objective_step_matches_naive_cross_entropies(cap):
     loss = T.accumulate_gradients(lambda i, t, w=None: model(i, t, w), cols, rt, weights.double())
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    ref, count = torch.zeros((), dtype=torch.float64), 0
+    ref, extra, count = torch.zeros((), dtype=torch.float64), 0.0, 0
     w = weights.double().tolist()  # the step's float32 weights
     assert w == pytest.approx(table[step].objective, rel=1e-7)
     for (inputs, targets), (_, c) in zip(micro, cols):
@@ -246,8 +247,9 @@ def test_objective_step_matches_naive_cross_entropies(cap):
         for j in range(4):
             ok = y[:, j] >= 0
             ref = ref + w[j] * F.cross_entropy(z[ok], y[ok, j], reduction="sum")
+            extra = extra + w[j] * torch.logsumexp(z[y[:, j] == T.PAST_END], -1).sum()  # its gradient: w_j p
         count += int((targets != -100).sum())
-    (ref / count).backward()
+    ((ref + extra) / count).backward()
     assert loss.item() == pytest.approx(ref.item() / count, rel=1e-6)  # the step total is float32
     for a, p in zip(grads, model.parameters()):
         assert torch.allclose(a, p.grad, rtol=1e-8, atol=1e-12), (a - p.grad).abs().max()
@@ -265,7 +267,7 @@ def test_objective_columns_are_next_tokens_and_prefixes():
     for b in range(2):
         for i in range(16):
             for k in range(3):
-                assert cols[b, i, k] == (tokens[b, i + 1 + k] if i + k < 16 else -100)
+                assert cols[b, i, k] == (tokens[b, i + 1 + k] if i + k < 16 else T.PAST_END)
             assert cols[b, i, 3] == prefix[tokens[b, i + 1]]
     step = T.stages(cfg)[1].start  # a TST-free run: every row is next-token with an objective
     assert objectives.batches([(inputs, targets)], table[step], step)[1].tolist() == \
