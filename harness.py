@@ -540,10 +540,11 @@ EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
 def eager_attention_bytes(cfg):
     """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
     (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
-    each ``B * n_head * seq_len**2 * 4`` bytes."""
-    scores = cfg.n_head * cfg.seq_len ** 2 * 4
-    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * scores,
-               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * scores)
+    each ``B * n_head * T**2 * 4`` bytes, T the longest train sequence or the val chunk (--val-seq-len)."""
+    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
+    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * (cfg.val_seq_len or cfg.seq_len) ** 2 * 4
+    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * train,
+               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * val)
 
 
 def check_eager_attention(cfg, use_compile, flex, device_bytes):
@@ -560,7 +561,7 @@ def check_eager_attention(cfg, use_compile, flex, device_bytes):
     need = eager_attention_bytes(cfg)
     if flex and not use_compile and need > device_bytes:
         raise ConfigError(f"--no-compile: eager FlexAttention needs at least {need / 2**30:,.0f} GiB for one layer's "
-                          f"fp32 attention scores (--seq-len {cfg.seq_len} squared x {cfg.n_head} heads per sequence), "
+                          f"fp32 attention scores (the longest train sequence or val chunk squared x {cfg.n_head} heads), "
                           f"more than the GPU's {device_bytes / 2**30:,.0f} GiB; run with --compile (its fused kernel "
                           f"never builds them)")
 
@@ -575,6 +576,7 @@ def grad_accum_steps(cfg, world):
     """
     seqs = cfg.batch_tokens // cfg.seq_len
     least = seqs // 3 if cfg.stages == "record89" else seqs  # the smallest step's sequences
+    seqs = least if cfg.grow_seq_len and cfg.stages == "record89" else seqs  # every step: stage 1's count, longer
     if least % (cfg.micro_batch_seqs * world) == 0:
         return seqs // (cfg.micro_batch_seqs * world)
     what = (f"{least} sequences of stage 1's steps (--stages record89: a third of --batch-tokens / --seq-len)"

@@ -49,6 +49,8 @@ class Config:
     train_files: str = _f("data/fineweb10B/fineweb_train_*.bin", "glob of train shards, read in sorted order")
     val_files: str = _f("data/fineweb10B/fineweb_val_*.bin", "glob of val shards")
     val_tokens: int = _f(10_485_760, "val loss is measured on the first this-many tokens of the val shards", low=1)
+    val_seq_len: int = _f(0, "val chunk: document-masked flat sequences of this many tokens, chunk i on process "
+                             "i mod world (HEAD: 262,144); 0 = --seq-len", low=0)
     # model
     vocab_size: int = _f(50304, "embedding/head rows: GPT-2's 50257 ids padded to a multiple of 128", low=1)
     n_layer: int = _f(12, "Transformer blocks", low=1)
@@ -101,6 +103,8 @@ class Config:
     stages: str = _f("flags", "stage table: flags (one stage) or record89", choices=("flags", "record89"))
     extension_steps: int = _f(0, "--stages record89: the last this-many steps run past the schedule", low=0)
     window_block: int = _f(128, "--stages record89: latent positions per window block", low=1)
+    grow_seq_len: bool = _f(False, "--stages record89: stage k's batch as stage 1's count of k x --seq-len sequences "
+                                   "(HEAD: 8 of 16,384 -> 32,768 -> 49,152), not 3k sequences of --seq-len")
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
@@ -190,7 +194,7 @@ MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,
 RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
                 window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
                 tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
-                logit_cap="sigmoid", tied_embed=True, fp8=True)
+                logit_cap="sigmoid", tied_embed=True, fp8=True, grow_seq_len=True, val_seq_len=262_144)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
@@ -213,7 +217,7 @@ PRESETS = {
     # flat (document-packed) sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, **SMOKE_MODEL89, seq_len=768, batch_tokens=2304, num_iterations=100,
                       extension_steps=2, window_block=32, momentum_warmup_steps=24, momentum_cooldown_steps=4,
-                      val_tokens=16384, val_every=50, log_every=1,
+                      val_tokens=16384, val_every=50, log_every=1, grow_seq_len=False, val_seq_len=0,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
 
@@ -245,10 +249,16 @@ class Stage:
     blocks: tuple = ()   # (short, long) windows in window blocks; () = the --window flags
     objective: tuple = ()  # OBJECTIVE_WEIGHTS rows (start, end) of the extra columns; () = next-token only
     ramp: tuple = ()     # [first, end) of the recipe stage the objective ramps over (kept by a TST split)
+    seq_len: int = 0     # latent positions per sequence (0 = --seq-len; --grow-seq-len: k x it in stage k)
+
+    def length(self, seq_len):
+        """Latent positions per sequence of this stage: its own, else ``seq_len`` (--seq-len)."""
+        return self.seq_len or seq_len
 
     def raw_tokens(self, seq_len):
         """Text tokens a step reads (s x the positions in TST; a packed step's skipped tails: logged, not planned)."""
-        return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
+        L = self.length(seq_len)
+        return self.batch_tokens // L * sequence_layout(self.mode, self.bag_size, L)[1]
 
 
 @dataclass(frozen=True)
@@ -294,7 +304,7 @@ def record89_stages(cfg):
     rows = []
     for (lo, hi), (_, thirds, cap, blocks, lr_mul, obj) in zip(zip(bounds, bounds[1:]), RECORD89_STAGES):
         rows.append(Stage(lo, hi, 2, 1, "full", cfg.batch_tokens * thirds // 3, cap, lr_mul, blocks,
-                          OBJECTIVE_WEIGHTS[obj], (lo, hi)))
+                          OBJECTIVE_WEIGHTS[obj], (lo, hi), cfg.seq_len * (thirds if cfg.grow_seq_len else 1)))
     if cfg.extension_steps:
         last = rows[-1]
         rows.append(dataclasses.replace(last, start=scheduled, end=N, blocks=RECORD89_EXTENSION_BLOCKS, lr_mul=1.0,
@@ -545,10 +555,16 @@ def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     return lin
 
 
+def longest_sequence(cfg):
+    """Most positions one forward sees: the longest train sequence (--grow-seq-len: 3 x --seq-len) or val chunk."""
+    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
+    return max(cfg.seq_len * grow, val_chunk(cfg))
+
+
 def make_rotary(cfg):
-    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired layers, a scale with --rope-yarn."""
+    """The model's one RoPE table (``Rotary``): 2 x the longest sequence with paired layers, a scale with --rope-yarn."""
     hd = cfg.model_dim // cfg.n_head
-    return Rotary(hd, cfg.seq_len * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
+    return Rotary(hd, longest_sequence(cfg) * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
                   (cfg.attn_scale or hd ** -0.5) if cfg.rope_yarn else None)
 
 
@@ -860,6 +876,8 @@ class GPT(nn.Module):
             srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
             x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
+        if targets is not None and not self.training:  # the metric: the logits of a long val chunk in pieces
+            return sum(loss_sum(self.lm_head(xp), tp, None, self.cfg) for xp, tp in head_pieces(x, targets))
         if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True)
         else:
@@ -934,6 +952,15 @@ class GPT(nn.Module):
         """Training-only loss terms (a sum over labels) of x ``[B, L, d]``, logits, targets, or None: none today.
         Never called in eval mode, so no term here can reach ``val_loss``."""
         return None
+
+
+VAL_PIECE = 16_384  # positions whose logits eval holds at once (a 262,144-token chunk's: 26 GB in bf16)
+
+
+def head_pieces(x, targets):
+    """x ``[B, L, d]`` and targets ``[B, L, j]`` in matching pieces of about ``VAL_PIECE`` positions (along L)."""
+    n = max(1, VAL_PIECE // x.size(0))
+    return zip(x.split(n, dim=1), targets.split(n, dim=1))
 
 
 def windowed(cfg):
@@ -1167,6 +1194,7 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
 def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
     """``([(inputs, targets)] of this rank on the device, raw tokens the step read)`` for a step of ``stage``
     (packed with a document cap, else flat)."""
+    seq_len = stage.length(seq_len)
     s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
     if stage.doc_cap:
         tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
@@ -1295,6 +1323,12 @@ def all_reduce_sum(t, rt):
     return t
 
 
+def grad_seqs(cfg, stage):
+    """Sequences a step's gradient averages its per-sequence loss sums over (HEAD's scale, record #89's stages:
+    ``accumulate_gradients``), or None: the gradient of the mean over labels (--stages flags)."""
+    return stage.batch_tokens // stage.length(cfg.seq_len) if cfg.stages == "record89" else None
+
+
 class Objectives:
     """The stage table's multi-token and prefix columns (``--objectives``): every step's weights float32
     ``[N + 1, 4]`` on the device, copied into ``weights`` per step (no host sync, no new graph)."""
@@ -1313,14 +1347,19 @@ class Objectives:
         return [(inputs, objective_targets(targets[..., 0], self.table)) for inputs, targets in micro], self.weights
 
 
-def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
+def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, seqs=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
     sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    a mean of means. Its gradient, or with ``seqs`` (record #89) HEAD's: the sum over labels (an MCE's s labels
+    1/s each; the weighted columns as they are) over the step's ``seqs`` sequences, i.e. HEAD's per-rank sum over
+    its flat sequence averaged over 8 ranks, which grows 2x and 1.5x with the stage's sequence length (a
+    Python number: no sync). Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
+    per_label = micro_batches[0][1].size(-1) if weights is None else 1
+    divisor = n_valid if seqs is None else seqs * per_label
     total = torch.zeros((), device=rt.device)
     buckets = grad_buckets(model) if rt.distributed else None
     for m, (inputs, targets) in enumerate(micro_batches):
@@ -1328,7 +1367,7 @@ def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
             loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
         handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
         try:
-            (loss_sum / n_valid).backward()
+            (loss_sum / divisor).backward()
         finally:
             for h in handles:
                 h.remove()
@@ -1355,7 +1394,11 @@ class ValData:
 
     def batches(self, mode, bag_size, seq_len, batch_seqs, rt):
         """This rank's ``[batch_seqs, ...]`` val batches of a phase objective (fixed shapes); labels past
-        ``n_tokens`` are ignored, so the mean is exactly over the first ``n_tokens`` labels."""
+        ``n_tokens`` are ignored, so the mean is exactly over the first ``n_tokens`` labels. Next-token
+        (s = 1, the metric): ``chunks`` of ``seq_len``."""
+        if bag_size == 1:
+            yield from self.chunks(seq_len, batch_seqs, rt)
+            return
         seq_tokens, advance = sequence_layout(mode, bag_size, seq_len)
         n_seqs = -(-self.n_tokens // advance)
         per_rank = -(-n_seqs // (rt.world * batch_seqs)) * batch_seqs
@@ -1371,8 +1414,32 @@ class ValData:
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
 
+    def chunks(self, chunk, batch_seqs, rt):
+        """This rank's metric batches ``(inputs, targets)`` int64 ``[batch_seqs, chunk, 1]``: chunk i is tokens
+        [i chunk, (i + 1) chunk) and their next tokens, on rank i mod world, so any process count scores the
+        same chunks (HEAD: its 2,097,152-token val batch, 262,144 per rank of 8, document-masked by the model).
+        Every rank runs the same count of forwards: labels past ``n_tokens`` and of padding chunks are ignored."""
+        n = -(-self.n_tokens // chunk)
+        per_rank = -(-(-(-n // rt.world)) // batch_seqs) * batch_seqs
+        length = per_rank * rt.world * chunk + 1
+        tokens = torch.full((length,), EOT_TOKEN, dtype=torch.int64)
+        tokens[:self.n_tokens + 1] = self.tokens
+        label_ok = torch.zeros(length, dtype=torch.bool)
+        label_ok[1:self.n_tokens + 1] = True
+        seqs, oks = tokens.unfold(0, chunk + 1, chunk), label_ok.unfold(0, chunk + 1, chunk)
+        mine = torch.arange(rt.rank, per_rank * rt.world, rt.world)
+        for group in mine.split(batch_seqs):
+            inputs, targets = make_batch(seqs[group], "full", 1)
+            yield inputs, torch.where(make_batch(oks[group], "full", 1)[1], targets, IGNORE_INDEX)
+
+
 def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
+
+
+def val_chunk(cfg, bag_size=1):
+    """Tokens per val sequence: the metric's (s = 1) chunk, --val-seq-len (HEAD: 262,144), else --seq-len."""
+    return (cfg.val_seq_len or cfg.seq_len) if bag_size == 1 else cfg.seq_len
 
 
 @contextmanager
@@ -1394,7 +1461,7 @@ def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
     with eval_mode(model):
-        for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+        for inputs, targets in val.batches(mode, bag_size, val_chunk(cfg, bag_size), val_batch_seqs(cfg), rt):
             if harness.should_stop(stop):  # every rank still meets the all-reduces below
                 break
             inputs, targets = rt.to_device(inputs), rt.to_device(targets)
@@ -1490,7 +1557,7 @@ def graph_batches(run):
         stage = run.schedule[max(step - 1, 0)].stage  # as ``validate``: the metric, and the TST objective in phase 1
         evals |= {("full", 1, tied_at(step)), *([(stage.mode, stage.bag_size, tied_at(step))] * (stage.phase == 1))}
     for mode, s, tied in sorted(evals):
-        for inputs, targets in run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt):  # as ``evaluate``
+        for inputs, targets in run.val.batches(mode, s, val_chunk(cfg, s), val_batch_seqs(cfg), rt):  # as ``evaluate``
             add(inputs, targets, None, tied, False)  # moved to the device by ``warm_up``
     return out
 
@@ -1550,7 +1617,7 @@ def training_loop(run, start_step, end_step):
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
-        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop)
+        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop, grad_seqs(cfg, row.stage))
         for opt in run.opts:
             opt.step()
         if step == run.split_step:
