@@ -1016,7 +1016,12 @@ def prepare_resume(cfg, data, trainer):
 
 def restore(run, state, path):
     """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
-    run.model.load_state_dict(state["model"])
+    # the FP8 delayed scales (kernels.down_scales) exist only in a --fp8 run on an sm_89+ GPU: a checkpoint may lack
+    # them (the trainer bootstraps them) or hold them for a run without; every other key must match
+    own = run.model.state_dict()
+    saved = {k: v for k, v in state["model"].items() if k in own or not k.endswith("down_scales")}
+    saved.update({k: v for k, v in own.items() if k.endswith("down_scales") and k not in saved})
+    run.model.load_state_dict(saved)
     for opt, sd in zip(run.opts, state["optimizers"]):
         opt.load_state_dict(sd)
     run.loader.position = state["loader_position"]

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import harness
-from kernels import (IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend, build_attention_mask, fp8_active, fp8_linear,
-                     fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss, upcast)
+from kernels import (DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, SIGMOID_CAP, LayerMasks, attend,
+                     build_attention_mask, delay_input_scale_, down_scales, fp8_active, fp8_linear,
+                     fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss,
+                     refresh_down_scales_, upcast)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups, warm_step)
 from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
@@ -635,18 +637,34 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``)."""
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``): fc at
+    current scales, proj (record #89's stages) at HEAD's delayed ones, state kept in ``down_scales``."""
 
     def __init__(self, cfg):
         super().__init__()
         self.fc = _linear(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
         self.proj = _linear(cfg.mlp_ratio * cfg.model_dim, cfg.model_dim, zero=True)
         self.fp8 = cfg.fp8
+        delayed = cfg.fp8 and cfg.stages == "record89"  # a persistent buffer: checkpoints carry it, resume is exact
+        self.register_buffer("down_scales", down_scales() if delayed else None)
 
     def forward(self, x):
         if fp8_active(self.fp8, x, self.fc.weight):  # records #84, #89
-            return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
+            h = F.relu(fp8_linear(x, self.fc.weight)).square()
+            if self.down_scales is None:
+                return fp8_linear(h, self.proj.weight)
+            y = fp8_linear(h, self.proj.weight, scales=self.down_scales[:2])
+            delay_input_scale_(self.down_scales, h)  # the next forward's input scale (HEAD: per forward)
+            return y
         return self.proj(F.relu(self.fc(x)).square())
+
+
+def fp8_refresh(model, step):
+    """HEAD's FP8 refresh after optimizer ``step`` (-1: at init): the MLP down-projections' weight scales
+    (``refresh_down_scales_``; current over the first 16 steps, then delayed)."""
+    for block in model.blocks:
+        if block.mlp.down_scales is not None:
+            refresh_down_scales_(block.mlp.down_scales, block.mlp.proj.weight, step < DOWN_BOOTSTRAP_STEPS)
 
 
 class Block(nn.Module):
@@ -762,6 +780,9 @@ class GPT(nn.Module):
         self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
         self.init_model89(cfg)
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
+        fixed = cfg.fp8 and cfg.stages == "record89"  # HEAD's fixed FP8 head scales (x, w, grad)
+        self.register_buffer("head_scales", torch.tensor(HEAD_SCALES) if fixed else None, persistent=False)
+        self._divisor = 1
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
@@ -815,6 +836,13 @@ class GPT(nn.Module):
         if self.cfg.rope_yarn and yarn is not None and yarn != getattr(self, "_yarn", ()):
             self.rotary.set_history(yarn)
             self._yarn = yarn
+
+    def set_loss_divisor(self, divisor):
+        """The FP8 head's gradient scale: HEAD's 0.75/448 times the loss factor 1/``divisor`` (``grad_divisor``), as
+        HEAD's grad_s x 1/grad_accum_steps; written only on a change (no sync)."""
+        if self.head_scales is not None and divisor != self._divisor:
+            self.head_scales[2] = HEAD_SCALES[2] / divisor
+            self._divisor = divisor
 
     def masks_for(self, inputs):
         """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``; ``LayerMasks``
@@ -879,7 +907,7 @@ class GPT(nn.Module):
         if targets is not None and not self.training:  # the metric: the logits of a long val chunk in pieces
             return sum(loss_sum(self.lm_head(xp), tp, None, self.cfg) for xp, tp in head_pieces(x, targets))
         if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
-            logits = fp8_linear(x, head, fp8_grad=True)
+            logits = fp8_linear(x, head, fp8_grad=True, scales=self.head_scales)
         else:
             logits = self.lm_head(x)
         c = self.cfg.logit_softcap
@@ -1323,10 +1351,13 @@ def all_reduce_sum(t, rt):
     return t
 
 
-def grad_seqs(cfg, stage):
-    """Sequences a step's gradient averages its per-sequence loss sums over (HEAD's scale, record #89's stages:
-    ``accumulate_gradients``), or None: the gradient of the mean over labels (--stages flags)."""
-    return stage.batch_tokens // stage.length(cfg.seq_len) if cfg.stages == "record89" else None
+def grad_divisor(cfg, stage):
+    """What a step's loss sum is divided by for its gradient (``accumulate_gradients``): with record #89's stages
+    HEAD's, the step's sequence count (times s for an MCE's s labels per position); None: the label count."""
+    if cfg.stages != "record89":
+        return None
+    per_label = stage.bag_size if stage.phase == 1 and stage.mode != "input" else 1
+    return stage.batch_tokens // stage.length(cfg.seq_len) * per_label
 
 
 class Objectives:
@@ -1347,19 +1378,18 @@ class Objectives:
         return [(inputs, objective_targets(targets[..., 0], self.table)) for inputs, targets in micro], self.weights
 
 
-def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, seqs=None):
+def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divisor=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
     sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Its gradient, or with ``seqs`` (record #89) HEAD's: the sum over labels (an MCE's s labels
-    1/s each; the weighted columns as they are) over the step's ``seqs`` sequences, i.e. HEAD's per-rank sum over
-    its flat sequence averaged over 8 ranks, which grows 2x and 1.5x with the stage's sequence length (a
-    Python number: no sync). Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``, record #89) HEAD's: the weighted sum
+    over labels over the step's sequence count (x s for an MCE), i.e. HEAD's per-rank sum over its flat sequence
+    averaged over 8 ranks, which grows 2x and 1.5x with the stage's sequence length (a Python number: no sync).
+    Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
-    per_label = micro_batches[0][1].size(-1) if weights is None else 1
-    divisor = n_valid if seqs is None else seqs * per_label
+    divisor = n_valid if divisor is None else divisor
     total = torch.zeros((), device=rt.device)
     buckets = grad_buckets(model) if rt.distributed else None
     for m, (inputs, targets) in enumerate(micro_batches):
@@ -1617,9 +1647,12 @@ def training_loop(run, start_step, end_step):
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
-        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop, grad_seqs(cfg, row.stage))
+        divisor = grad_divisor(cfg, row.stage)
+        run.model.set_loss_divisor(divisor)
+        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop, divisor)
         for opt in run.opts:
             opt.step()
+        fp8_refresh(run.model, step)
         if step == run.split_step:
             untie(run.model, run.opts[0])
         run.model.zero_grad(set_to_none=True)
@@ -1667,7 +1700,11 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     if run.split_step is not None:  # a resumed run past the split step is untied (weights and state restored)
         model.tied = start_step <= run.split_step
     harness.log_model_line(run)
+    if start_step == 0 or not any(k.endswith("down_scales") for k in resume[0]["model"]):
+        fp8_refresh(model, -1)  # HEAD's bootstrap of the delayed FP8 weight scales (a resume keeps its own)
+    fp8_state = {n: b.clone() for n, b in model.named_buffers() if n.endswith("down_scales")}
     compile_ms = warm_up(run)
+    model.load_state_dict(fp8_state, strict=False)  # the warm-up's forwards leave the delayed scales (HEAD resets)
     log.update(compile_time_ms=round(compile_ms))
     end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
     graphs_before = compiled_graphs() if rt.compile else 0

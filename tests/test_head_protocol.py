@@ -102,7 +102,7 @@ def test_record_presets_use_heads_train_layout_and_gradient_scale():
     cfg, _ = T.parse_config(["--preset", "baseline_h200"])
     stages = [st for st in T.Schedule(cfg).stages]
     assert [st.length(cfg.seq_len) for st in stages] == [16384, 32768, 49152, 49152]
-    assert [T.grad_seqs(cfg, st) for st in stages] == [8, 8, 8, 8]
+    assert [T.grad_divisor(cfg, st) for st in stages] == [8, 8, 8, 8]
     assert T.longest_sequence(cfg) == 262_144 and T.val_chunk(cfg) == 262_144
     smoke, _ = T.parse_config(["--preset", "cpu_smoke"])
     assert {st.length(smoke.seq_len) for st in T.Schedule(smoke).stages} == {768}
