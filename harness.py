@@ -664,8 +664,8 @@ def plan_summary(cfg, n_params, table):
         cfg: the run's Config.
         n_params: the model's parameter count.
         table: the stage table: ``stages`` (each with ``start``, ``end``, ``phase``, ``bag_size``,
-            ``mode``, ``batch_tokens``, ``doc_cap``, ``lr_mul``, ``raw_tokens(seq_len)``) and a row per
-            step 0..N (``stage``, ``window``, ``flops_per_position``).
+            ``mode``, ``batch_tokens``, ``doc_cap``, ``lr_mul``, ``raw_tokens(seq_len)``, ``length(seq_len)``),
+            a row per step 0..N (``stage``, ``window``, ``flops_per_position``) and ``val_chunk`` (tokens).
 
     Returns:
         ``dict(lines, flops_total, tokens_total, positions_total, steps)``: lines for the model and
@@ -675,14 +675,21 @@ def plan_summary(cfg, n_params, table):
     N, L = cfg.num_iterations, cfg.seq_len
     flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
     lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
-             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+             f"sequences of {' -> '.join(f'{n:,}' for n in dict.fromkeys(st.length(L) for st in table.stages))} "
+             f"latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+    chunk = table.val_chunk
+    n_chunks = -(-cfg.val_tokens // chunk)
+    lines.append(f"validation: {cfg.val_tokens:,} tokens in {n_chunks:,} document-masked chunks of {chunk:,} tokens, "
+                 f"chunk i on process i mod world: {-(-n_chunks // 8):,} per process on 8, {n_chunks:,} on 1 "
+                 f"(the same chunks, so the same val loss, whatever the process count)")
     for st in table.stages:
         what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
         recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
                   if cfg.stages != "flags" else "")
-        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
-                     f"{st.raw_tokens(L):,} raw tokens per step{recipe}, "
-                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
+        n_seqs = st.batch_tokens // st.length(L)
+        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
+                     f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} raw tokens per step"
+                     f"{recipe}, {min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
     positions = sum(row.stage.batch_tokens for row in table.rows[:N])
     return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)

@@ -107,3 +107,14 @@ def test_record_presets_use_heads_train_layout_and_gradient_scale():
     smoke, _ = T.parse_config(["--preset", "cpu_smoke"])
     assert {st.length(smoke.seq_len) for st in T.Schedule(smoke).stages} == {768}
     assert T.val_chunk(smoke) == 768
+
+
+def test_describe_prints_the_validation_layout_and_each_stages_train_layout():
+    import harness
+    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
+    lines = harness.plan_summary(cfg, *T.plan(cfg))["lines"]
+    assert any(ln.startswith("validation: 10,485,760 tokens in 40 document-masked chunks of 262,144 tokens")
+               and "5 per process on 8, 40 on 1" in ln for ln in lines)
+    stage_lines = [ln for ln in lines if ln.startswith("phase 2")]
+    assert ["(8 sequence(s) of 16,384)" in stage_lines[0], "(8 sequence(s) of 32,768)" in stage_lines[1],
+            "(8 sequence(s) of 49,152)" in stage_lines[2]] == [True] * 3
