@@ -1444,7 +1444,6 @@ class ValData:
             _, ok = make_batch(oks[start:start + batch_seqs], mode, bag_size)
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
-
     def chunks(self, chunk, batch_seqs, rt):
         """This rank's metric batches ``(inputs, targets)`` int64 ``[batch_seqs, chunk, 1]``: chunk i is tokens
         [i chunk, (i + 1) chunk) and their next tokens, on rank i mod world, so any process count scores the
