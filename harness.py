@@ -895,6 +895,12 @@ def find_data(cfg):
 CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
 
 
+def rank_buffers(model):
+    """The model buffers that differ between ranks: the FP8 delayed scales (``kernels.down_scales``, HEAD's per
+    process: each rank's last forward set its input scale), on the CPU."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if k.endswith("down_scales")}
+
+
 def checkpoint_state(run, step):
     """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
     return dict(config=dataclasses.asdict(run.cfg), step=step, phase=run.phase_at(step),
@@ -1028,6 +1034,8 @@ def restore(run, state, path):
     own = run.model.state_dict()
     saved = {k: v for k, v in state["model"].items() if k in own or not k.endswith("down_scales")}
     saved.update({k: v for k, v in own.items() if k.endswith("down_scales") and k not in saved})
+    ranks = state.get("rank_buffers") or [{}]
+    saved.update({k: v for k, v in ranks[run.rt.rank if len(ranks) == run.rt.world else 0].items() if k in own})
     run.model.load_state_dict(saved)
     for opt, sd in zip(run.opts, state["optimizers"]):
         opt.load_state_dict(sd)
@@ -1054,9 +1062,14 @@ def save(run, step, log_line=True, periodic=False):
     the older ones beyond --keep-checkpoints are deleted (``prune_checkpoints``).
     """
     run.guard.check(run.model)
+    own = rank_buffers(run.model)
+    ranks = [own]
+    if run.rt.distributed and own:  # every rank's own FP8 delayed scales (a collective: every rank is here)
+        ranks = [None] * run.rt.world
+        dist.all_gather_object(ranks, own)
     if run.rt.master:
         path = checkpoint_path(run, step)
-        save_checkpoint(checkpoint_state(run, step), path)
+        save_checkpoint(dict(checkpoint_state(run, step), rank_buffers=ranks), path)
         if log_line:
             run.log.line(f"checkpoint: step {step} -> {path}")
         else:
