@@ -1520,7 +1520,7 @@ def log_stage(run, step):
                      f"{was.mode} -> next-token); {tail}")
         return
     changes = [f"{name} {getattr(was, name)} -> {getattr(now, name)}"
-               for name in ("bag_size", "mode", "batch_tokens", "doc_cap", "blocks", "lr_mul")
+               for name in ("bag_size", "mode", "batch_tokens", "seq_len", "doc_cap", "blocks", "lr_mul")
                if getattr(was, name) != getattr(now, name)]
     run.log.line(f"stage: step {step}: {', '.join(changes) or 'a new stage'}; {tail}")
 
