@@ -314,3 +314,31 @@ def test_delayed_scales_are_model_state_that_a_checkpoint_restores_bit_for_bit()
     assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in keys)
     a.set_loss_divisor(8)
     assert float(a.head_scales[2]) == pytest.approx(0.75 / 448 / 8, rel=1e-7)
+
+
+def test_restore_gives_each_rank_its_own_delayed_scales_and_tolerates_their_absence():
+    """harness.restore: a checkpoint's ``rank_buffers`` (every rank's down_scales, all-gathered at save) go back to
+    their rank; a checkpoint without them (a run without --fp8) leaves the model's own (bootstrapped by train)."""
+    import types
+    import harness
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8", "--model-dim", "32", "--n-head", "2",
+                             "--bigram-vocab", "64"])
+    model = T.GPT(cfg)
+    keys = [k for k in model.state_dict() if k.endswith("down_scales")]
+    per_rank = [{k: torch.full((3,), float(r + 2)) for k in keys} for r in range(2)]  # neither the init (1)
+    state = dict(model={k: v.clone() for k, v in model.state_dict().items()}, optimizers=[], loader_position=0,
+                 counters={}, rng=dict(torch=torch.get_rng_state(), cuda=[]), step=3, phase=2,
+                 rank_buffers=per_rank)
+
+    def run_at(rank):
+        return types.SimpleNamespace(model=model, opts=[], loader=types.SimpleNamespace(position=None),
+                                     progress=T.Progress(), log=types.SimpleNamespace(line=lambda s: None),
+                                     rt=types.SimpleNamespace(rank=rank, world=2, device=torch.device("cpu")))
+    for rank in (1, 0):
+        run = run_at(rank)
+        harness.restore(run, state, "ckpt")
+        assert all(torch.equal(model.state_dict()[k], per_rank[rank][k]) for k in keys)
+    own = {k: model.state_dict()[k].clone() for k in keys}
+    bare = dict(state, model={k: v for k, v in state["model"].items() if k not in keys}, rank_buffers=None)
+    harness.restore(run, bare, "ckpt")
+    assert all(torch.equal(model.state_dict()[k], own[k]) for k in keys)
