@@ -625,8 +625,9 @@ class FlopProfile:
                        for i, block in enumerate(model.blocks)]
         self.cfg = cfg
 
-    def per_position(self, window):
-        """Training FLOPs per latent position under ``window`` (long, short): ``6 N_matmul + 12 d keys``.
+    def per_position(self, window, seq_len=None):
+        """Training FLOPs per latent position under ``window`` (long, short) in sequences of ``seq_len`` (None:
+        --seq-len; a stage's own with --grow-seq-len): ``6 N_matmul + 12 d keys``.
 
         12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
         (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
@@ -634,7 +635,7 @@ class FlopProfile:
         sequence. TST phase 1 costs the same per latent position.
         """
         long, half = window
-        L = self.cfg.seq_len
+        L = seq_len or self.cfg.seq_len
         keys = sum(attended_keys(2 * L if paired else L, half if short else long)
                    for attn, short, paired in self.layers if attn)
         return 6 * self.n_matmul + 12 * self.cfg.model_dim * keys
@@ -648,7 +649,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
 # LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
-# model, 2.506e17 FLOPs (`--preset baseline_h200 --describe`), is 42.9%.)
+# model, 2.509e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

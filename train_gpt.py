@@ -346,7 +346,8 @@ class Schedule:
             if step < N and window[0] and yarn[-1:] != (window[0],):
                 yarn = yarn + (window[0],)
             self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
-                                     flops.per_position(window), stage_objective(step, stage), yarn))
+                                     flops.per_position(window, stage.length(cfg.seq_len)),
+                                     stage_objective(step, stage), yarn))
 
     def __getitem__(self, step):
         return self.rows[step]
