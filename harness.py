@@ -546,10 +546,11 @@ EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
 def eager_attention_bytes(cfg):
     """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
     (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
-    each ``B * n_head * seq_len**2 * 4`` bytes."""
-    scores = cfg.n_head * cfg.seq_len ** 2 * 4
-    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * scores,
-               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * scores)
+    each ``B * n_head * T**2 * 4`` bytes, T the longest train sequence or the val chunk (--val-seq-len)."""
+    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
+    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * (cfg.val_seq_len or cfg.seq_len) ** 2 * 4
+    return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * train,
+               EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * val)
 
 
 def check_eager_attention(cfg, use_compile, flex, device_bytes):
@@ -566,7 +567,7 @@ def check_eager_attention(cfg, use_compile, flex, device_bytes):
     need = eager_attention_bytes(cfg)
     if flex and not use_compile and need > device_bytes:
         raise ConfigError(f"--no-compile: eager FlexAttention needs at least {need / 2**30:,.0f} GiB for one layer's "
-                          f"fp32 attention scores (--seq-len {cfg.seq_len} squared x {cfg.n_head} heads per sequence), "
+                          f"fp32 attention scores (the longest train sequence or val chunk squared x {cfg.n_head} heads), "
                           f"more than the GPU's {device_bytes / 2**30:,.0f} GiB; run with --compile (its fused kernel "
                           f"never builds them)")
 
@@ -581,6 +582,7 @@ def grad_accum_steps(cfg, world):
     """
     seqs = cfg.batch_tokens // cfg.seq_len
     least = seqs // 3 if cfg.stages == "record89" else seqs  # the smallest step's sequences
+    seqs = least if cfg.grow_seq_len and cfg.stages == "record89" else seqs  # every step: stage 1's count, longer
     if least % (cfg.micro_batch_seqs * world) == 0:
         return seqs // (cfg.micro_batch_seqs * world)
     what = (f"{least} sequences of stage 1's steps (--stages record89: a third of --batch-tokens / --seq-len)"
@@ -632,8 +634,9 @@ class FlopProfile:
                            block.attn.dc_window]
         self.cfg = cfg
 
-    def per_position(self, window):
-        """Training FLOPs per latent position under ``window`` (long, short): ``6 N_matmul + 12 d keys``.
+    def per_position(self, window, seq_len=None):
+        """Training FLOPs per latent position under ``window`` (long, short) in sequences of ``seq_len`` (None:
+        --seq-len; a stage's own with --grow-seq-len): ``6 N_matmul + 12 d keys``.
 
         12 d per attended key: QK^T and AV, forward and backward, over each attention layer's keys
         (``attended_keys``; PaLM's accounting, arXiv 2204.02311 app. B, exact for the window). A
@@ -642,7 +645,7 @@ class FlopProfile:
         same per latent position.
         """
         long, half = window
-        L = self.cfg.seq_len
+        L = seq_len or self.cfg.seq_len
         keys = sum(attended_keys(2 * L if paired else L, half if short else long)
                    for attn, short, paired in self.layers if attn)
         keys += sum(attended_keys(L, w - 1) for w in self.dc_windows)  # w keys: a window of w - 1
@@ -657,7 +660,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
 # --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
 # LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
-# model, 2.510e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
+# model, 2.512e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 
@@ -673,8 +676,8 @@ def plan_summary(cfg, n_params, table):
         cfg: the run's Config.
         n_params: the model's parameter count.
         table: the stage table: ``stages`` (each with ``start``, ``end``, ``phase``, ``bag_size``,
-            ``mode``, ``batch_tokens``, ``doc_cap``, ``lr_mul``, ``raw_tokens(seq_len)``) and a row per
-            step 0..N (``stage``, ``window``, ``flops_per_position``).
+            ``mode``, ``batch_tokens``, ``doc_cap``, ``lr_mul``, ``raw_tokens(seq_len)``, ``length(seq_len)``),
+            a row per step 0..N (``stage``, ``window``, ``flops_per_position``) and ``val_chunk`` (tokens).
 
     Returns:
         ``dict(lines, flops_total, tokens_total, positions_total, steps)``: lines for the model and
@@ -684,14 +687,21 @@ def plan_summary(cfg, n_params, table):
     N, L = cfg.num_iterations, cfg.seq_len
     flops = [row.flops_per_position * row.stage.batch_tokens for row in table.rows[:N]]
     lines = [f"model: {n_params:,} parameters; {cfg.n_layer} layers x {cfg.model_dim}, {cfg.n_head} heads, "
-             f"sequences of {L:,} latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+             f"sequences of {' -> '.join(f'{n:,}' for n in dict.fromkeys(st.length(L) for st in table.stages))} "
+             f"latent positions, window {table[0].window[0]} -> {table[N].window[0]}"]
+    chunk = table.val_chunk
+    n_chunks = -(-cfg.val_tokens // chunk)
+    lines.append(f"validation: {cfg.val_tokens:,} tokens in {n_chunks:,} document-masked chunks of {chunk:,} tokens, "
+                 f"chunk i on process i mod world: {-(-n_chunks // 8):,} per process on 8, {n_chunks:,} on 1 "
+                 f"(the same chunks, so the same val loss, whatever the process count)")
     for st in table.stages:
         what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
         recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
                   if cfg.stages != "flags" else "")
-        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions and "
-                     f"{st.raw_tokens(L):,} raw tokens per step{recipe}, "
-                     f"{min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
+        n_seqs = st.batch_tokens // st.length(L)
+        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
+                     f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} raw tokens per step"
+                     f"{recipe}, {min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
     positions = sum(row.stage.batch_tokens for row in table.rows[:N])
     return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
@@ -897,6 +907,12 @@ def find_data(cfg):
 CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
 
 
+def rank_buffers(model):
+    """The model buffers that differ between ranks: the FP8 delayed scales (``kernels.down_scales``, HEAD's per
+    process: each rank's last forward set its input scale), on the CPU."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if k.endswith("down_scales")}
+
+
 def checkpoint_state(run, step):
     """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
     return dict(config=dataclasses.asdict(run.cfg), step=step, phase=run.phase_at(step),
@@ -1025,7 +1041,14 @@ def prepare_resume(cfg, data, trainer):
 
 def restore(run, state, path):
     """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
-    run.model.load_state_dict(state["model"])
+    # the FP8 delayed scales (kernels.down_scales) exist only in a --fp8 run on an sm_89+ GPU: a checkpoint may lack
+    # them (the trainer bootstraps them) or hold them for a run without; every other key must match
+    own = run.model.state_dict()
+    saved = {k: v for k, v in state["model"].items() if k in own or not k.endswith("down_scales")}
+    saved.update({k: v for k, v in own.items() if k.endswith("down_scales") and k not in saved})
+    ranks = state.get("rank_buffers") or [{}]
+    saved.update({k: v for k, v in ranks[run.rt.rank if len(ranks) == run.rt.world else 0].items() if k in own})
+    run.model.load_state_dict(saved)
     for opt, sd in zip(run.opts, state["optimizers"]):
         opt.load_state_dict(sd)
     run.loader.position = state["loader_position"]
@@ -1051,9 +1074,14 @@ def save(run, step, log_line=True, periodic=False):
     the older ones beyond --keep-checkpoints are deleted (``prune_checkpoints``).
     """
     run.guard.check(run.model)
+    own = rank_buffers(run.model)
+    ranks = [own]
+    if run.rt.distributed and own:  # every rank's own FP8 delayed scales (a collective: every rank is here)
+        ranks = [None] * run.rt.world
+        dist.all_gather_object(ranks, own)
     if run.rt.master:
         path = checkpoint_path(run, step)
-        save_checkpoint(checkpoint_state(run, step), path)
+        save_checkpoint(dict(checkpoint_state(run, step), rank_buffers=ranks), path)
         if log_line:
             run.log.line(f"checkpoint: step {step} -> {path}")
         else:
@@ -1504,7 +1532,7 @@ def log_stage(run, step):
                      f"{was.mode} -> next-token); {tail}")
         return
     changes = [f"{name} {getattr(was, name)} -> {getattr(now, name)}"
-               for name in ("bag_size", "mode", "batch_tokens", "doc_cap", "blocks", "lr_mul")
+               for name in ("bag_size", "mode", "batch_tokens", "seq_len", "doc_cap", "blocks", "lr_mul")
                if getattr(was, name) != getattr(now, name)]
     run.log.line(f"stage: step {step}: {', '.join(changes) or 'a new stage'}; {tail}")
 

@@ -45,6 +45,39 @@ def fp8_scale(t, fp8_max=E4M3_MAX):
     return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
 
 
+# modded-nanogpt HEAD's (record #89) fixed LM-head scales, (x, w, grad): CastedLinearT(x_s=100/448, w_s=1.6/448,
+# grad_s=0.75/448 x its loss factor 1/grad_accum_steps); no amax is read. RMS-normed inputs stay under 100
+# (sqrt(768) = 28), the head's weights under 1.6, each logit's gradient of the loss sum under 96 (e5m2's 57344 x 0.75/448).
+HEAD_SCALES = (100 / E4M3_MAX, 1.6 / E4M3_MAX, 0.75 / E4M3_MAX)
+# HEAD's delayed scales of the MLP down-projection (record #89, quantize_mlp_fp8 and triton_kernels.py's
+# reduce_mlp_activation_scales): the input (relu^2) at the amax of the previous training forward x 1.80, the weight
+# at its amax before the last optimizer step x 1.12 (after each of the first 16 steps and at init: its own amax x 1).
+DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_BOOTSTRAP_STEPS = 1.80, 1.12, 16
+
+
+def down_scales(device=None):
+    """The delayed state of one MLP down-projection: float32 ``[3]`` (input scale, weight scale, next weight
+    scale); the input's starts at 1 (HEAD's buffer init), the weight's are set by ``refresh_down_scales_``."""
+    return torch.ones(3, dtype=torch.float32, device=device)
+
+
+@torch.no_grad()
+def delay_input_scale_(scales, h):
+    """After a training forward: the next forward's input scale ``max(amax(h), 1e-12) x 1.80 / 448`` into
+    ``scales[0]`` (device ops: no sync)."""
+    scales[0].copy_(upcast(h.detach()).abs().amax().float().clamp_min(1e-12) * (DOWN_ACT_HEADROOM / E4M3_MAX))
+
+
+@torch.no_grad()
+def refresh_down_scales_(scales, weight, bootstrap):
+    """After an optimizer step (HEAD's ``quantize_mlp_fp8``): the weight scale ``scales[1]`` the coming forwards use
+    is the one computed at the previous refresh (``scales[2]``), or with ``bootstrap`` the weight's own
+    ``amax / 448``; then ``scales[2] = amax x 1.12 / 448`` of the weight now."""
+    amax = upcast(weight.detach()).abs().amax().float().clamp_min(1e-12)
+    scales[1].copy_(amax / E4M3_MAX if bootstrap else scales[2])
+    scales[2].copy_(amax * (DOWN_WEIGHT_HEADROOM / E4M3_MAX))
+
+
 def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
     """``t / scale`` saturated to ``dtype``'s max (no NaN on overflow, as the records), rounded to nearest."""
     limit = torch.finfo(dtype).max
@@ -61,16 +94,17 @@ def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
 
 
 class _FP8Linear(torch.autograd.Function):
-    """``y = x @ w.T`` with x and w in e4m3 at current per-tensor scales (see ``fp8_linear``)."""
+    """``y = x @ w.T`` with x and w in e4m3 at per-tensor scales, given or current (see ``fp8_linear``)."""
 
     @staticmethod
-    def forward(ctx, x, w, fp8_grad, emulate):
-        x_s, w_s = fp8_scale(x), fp8_scale(w)
+    def forward(ctx, x, w, fp8_grad, emulate, scales):
+        x_s, w_s = (fp8_scale(x), fp8_scale(w)) if scales is None else (scales[0], scales[1])
+        g_s = (scales[2],) if scales is not None and scales.numel() > 2 else ()
         x_f8, w_f8 = fp8_quantize(x, x_s), fp8_quantize(w, w_s)
         out = upcast(x).dtype if emulate else torch.bfloat16
         ctx.fp8_grad, ctx.emulate, ctx.dtypes = fp8_grad, emulate, (x.dtype, w.dtype)
         if fp8_grad:  # the head (record #21): the backward reads the fp8 copies, half the bytes of bf16
-            ctx.save_for_backward(x_f8, w_f8, x_s, w_s)
+            ctx.save_for_backward(x_f8, w_f8, x_s, w_s, *g_s)
         else:         # the MLP (records #84, #89): the backward stays in bf16 (high precision if emulated)
             ctx.save_for_backward(*((x, w) if emulate else (x.bfloat16(), w.bfloat16())))
         return fp8_mm(x_f8, x_s, w_f8, w_s, out, fast_accum=True, emulate=emulate)
@@ -81,28 +115,29 @@ class _FP8Linear(torch.autograd.Function):
         if not ctx.fp8_grad:
             x, w = ctx.saved_tensors
             g = grad.to(x.dtype)
-            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None
-        x_f8, w_f8, x_s, w_s = ctx.saved_tensors
-        # gradients in e5m2 (wider range, fewer mantissa bits: record #21); the record's static
-        # scale assumes its loss's gradient bound, ours is divided by the global label count (a
-        # device value), so the scale follows the gradient's own amax
-        g_s = fp8_scale(grad, E5M2_MAX)
+            return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None, None
+        x_f8, w_f8, x_s, w_s, *fixed = ctx.saved_tensors
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21): HEAD's fixed scale where given (its
+        # loss is a sum, so the bound is known), else the gradient's own amax (a mean's gradient over a device count)
+        g_s = fixed[0] if fixed else fp8_scale(grad, E5M2_MAX)
         g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
         out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
         grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
         out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
         grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None
 
 
-def fp8_linear(x, weight, fp8_grad=False, emulate=False):
-    """``F.linear(x [..., in], weight [out, in])``, both in e4m3 at current scales, bf16 out (records #21, #84, #89).
+def fp8_linear(x, weight, fp8_grad=False, emulate=False, scales=None):
+    """``F.linear(x [..., in], weight [out, in])``, both in e4m3 (saturated), bf16 out (records #21, #84, #89).
 
-    ``fp8_grad`` (the LM head, record #21): the output gradient in e5m2, dx and dW from the e4m3
-    copies; else (the MLP) dx, dW in bf16. Record #89's delayed scaling is not ported: every scale
-    is current. ``emulate``: the same roundings, products in float32 (float64), for CPU tests.
+    ``scales``: None, every scale current (``amax / max``); or float32 ``[2]`` (x, w) or ``[3]`` (x, w, grad)
+    per-tensor scales used as they are (HEAD's fixed ``HEAD_SCALES``, the delayed ``down_scales``): the e4m3
+    value is ``x / scales[0]``. ``fp8_grad`` (the LM head, record #21): the output gradient in e5m2 (at
+    ``scales[2]`` or current), dx and dW from the e4m3 copies; else (the MLP) dx, dW in bf16.
+    ``emulate``: the same roundings, products in float32 (float64), for CPU tests.
     """
-    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate)
+    y = _FP8Linear.apply(x.reshape(-1, x.size(-1)), weight, fp8_grad, emulate, scales)
     return y.view(*x.shape[:-1], weight.size(0))
 
 

@@ -26,7 +26,7 @@ n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cu
 if [ "$n_gpus" -eq 0 ]; then
     preset=cpu_smoke; nproc=0
 else
-    # every stage's batch (8, 16, 24 packed sequences of 16,384 positions) splits evenly over 1, 2, 4 or 8 processes
+    # every step's 8 packed sequences (16,384 -> 32,768 -> 49,152 positions each) split evenly over 1, 2, 4 or 8 processes
     nproc=1
     while [ $((nproc * 2)) -le "$n_gpus" ] && [ $((nproc * 2)) -le 8 ]; do nproc=$((nproc * 2)); done
     if [ "$nproc" -ne "$n_gpus" ]; then

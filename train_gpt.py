@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import harness
-from kernels import (DC_WINDOW, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks, attend, build_attention_mask,
-                     dc_attention, fp8_active, fp8_linear, fp8_unavailable_reason, grad_buckets, layer_masks,
-                     mce_loss, multi_target_loss, upcast)
+from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks,
+                     attend, build_attention_mask, dc_attention, delay_input_scale_, down_scales, fp8_active,
+                     fp8_linear, fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss,
+                     refresh_down_scales_, upcast)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups, warm_step)
 from harness import (GPT2_IDS, Clock, ConfigError, DataError, NanGuard, Runtime, TokenStream, compiled_graphs,
@@ -50,6 +51,8 @@ class Config:
     train_files: str = _f("data/fineweb10B/fineweb_train_*.bin", "glob of train shards, read in sorted order")
     val_files: str = _f("data/fineweb10B/fineweb_val_*.bin", "glob of val shards")
     val_tokens: int = _f(10_485_760, "val loss is measured on the first this-many tokens of the val shards", low=1)
+    val_seq_len: int = _f(0, "val chunk: document-masked flat sequences of this many tokens, chunk i on process "
+                             "i mod world (HEAD: 262,144); 0 = --seq-len", low=0)
     # model
     vocab_size: int = _f(50304, "embedding/head rows: GPT-2's 50257 ids padded to a multiple of 128", low=1)
     n_layer: int = _f(12, "Transformer blocks", low=1)
@@ -106,6 +109,8 @@ class Config:
     stages: str = _f("flags", "stage table: flags (one stage) or record89", choices=("flags", "record89"))
     extension_steps: int = _f(0, "--stages record89: the last this-many steps run past the schedule", low=0)
     window_block: int = _f(128, "--stages record89: latent positions per window block", low=1)
+    grow_seq_len: bool = _f(False, "--stages record89: stage k's batch as stage 1's count of k x --seq-len sequences "
+                                   "(HEAD: 8 of 16,384 -> 32,768 -> 49,152), not 3k sequences of --seq-len")
     # TST (docs/METHODS.md §1)
     tst_bag_size: int = _f(4, "TST bag size s; 1 turns TST off")
     tst_frac: float = _f(0.3, "fraction r of the N steps spent in TST phase 1; switch at step round(r*N)")
@@ -196,7 +201,8 @@ MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,
 RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
                 window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
                 tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
-                logit_cap="sigmoid", tied_embed=True, fp8=True, adam_bf16=True)
+                logit_cap="sigmoid", tied_embed=True, fp8=True, adam_bf16=True, grow_seq_len=True,
+                val_seq_len=262_144)
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
@@ -219,7 +225,7 @@ PRESETS = {
     # flat (document-packed) sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, **SMOKE_MODEL89, seq_len=768, batch_tokens=2304, num_iterations=100,
                       extension_steps=2, window_block=32, momentum_warmup_steps=24, momentum_cooldown_steps=4,
-                      val_tokens=16384, val_every=50, log_every=1,
+                      val_tokens=16384, val_every=50, log_every=1, grow_seq_len=False, val_seq_len=0,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
 
@@ -251,10 +257,16 @@ class Stage:
     blocks: tuple = ()   # (short, long) windows in window blocks; () = the --window flags
     objective: tuple = ()  # OBJECTIVE_WEIGHTS rows (start, end) of the extra columns; () = next-token only
     ramp: tuple = ()     # [first, end) of the recipe stage the objective ramps over (kept by a TST split)
+    seq_len: int = 0     # latent positions per sequence (0 = --seq-len; --grow-seq-len: k x it in stage k)
+
+    def length(self, seq_len):
+        """Latent positions per sequence of this stage: its own, else ``seq_len`` (--seq-len)."""
+        return self.seq_len or seq_len
 
     def raw_tokens(self, seq_len):
         """Text tokens a step reads (s x the positions in TST; a packed step's skipped tails: logged, not planned)."""
-        return self.batch_tokens // seq_len * sequence_layout(self.mode, self.bag_size, seq_len)[1]
+        L = self.length(seq_len)
+        return self.batch_tokens // L * sequence_layout(self.mode, self.bag_size, L)[1]
 
 
 @dataclass(frozen=True)
@@ -300,7 +312,7 @@ def record89_stages(cfg):
     rows = []
     for (lo, hi), (_, thirds, cap, blocks, lr_mul, obj) in zip(zip(bounds, bounds[1:]), RECORD89_STAGES):
         rows.append(Stage(lo, hi, 2, 1, "full", cfg.batch_tokens * thirds // 3, cap, lr_mul, blocks,
-                          OBJECTIVE_WEIGHTS[obj], (lo, hi)))
+                          OBJECTIVE_WEIGHTS[obj], (lo, hi), cfg.seq_len * (thirds if cfg.grow_seq_len else 1)))
     if cfg.extension_steps:
         last = rows[-1]
         rows.append(dataclasses.replace(last, start=scheduled, end=N, blocks=RECORD89_EXTENSION_BLOCKS, lr_mul=1.0,
@@ -331,6 +343,7 @@ class Schedule:
 
     def __init__(self, cfg):
         self.stages, flops = stages(cfg), harness.FlopProfile(cfg, GPT)
+        self.val_chunk = val_chunk(cfg)  # tokens per val chunk (--describe)
         self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
@@ -339,7 +352,8 @@ class Schedule:
             if step < N and window[0] and yarn[-1:] != (window[0],):
                 yarn = yarn + (window[0],)
             self.rows.append(StepRow(stage, stage_lr_scale(step, stage, cfg), momentum_at(step, cfg), window,
-                                     flops.per_position(window), stage_objective(step, stage), yarn))
+                                     flops.per_position(window, stage.length(cfg.seq_len)),
+                                     stage_objective(step, stage), yarn))
 
     def __getitem__(self, step):
         return self.rows[step]
@@ -555,10 +569,16 @@ def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     return lin
 
 
+def longest_sequence(cfg):
+    """Most positions one forward sees: the longest train sequence (--grow-seq-len: 3 x --seq-len) or val chunk."""
+    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
+    return max(cfg.seq_len * grow, val_chunk(cfg))
+
+
 def make_rotary(cfg):
-    """The model's one RoPE table (``Rotary``): 2 seq_len positions with paired layers, a scale with --rope-yarn."""
+    """The model's one RoPE table (``Rotary``): 2 x the longest sequence with paired layers, a scale with --rope-yarn."""
     hd = cfg.model_dim // cfg.n_head
-    return Rotary(hd, cfg.seq_len * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
+    return Rotary(hd, longest_sequence(cfg) * (2 if cfg.paired_head_layers else 1), cfg.rope_base, cfg.rope_half,
                   (cfg.attn_scale or hd ** -0.5) if cfg.rope_yarn else None)
 
 
@@ -640,18 +660,34 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``)."""
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``): fc at
+    current scales, proj (record #89's stages) at HEAD's delayed ones, state kept in ``down_scales``."""
 
     def __init__(self, cfg):
         super().__init__()
         self.fc = _linear(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
         self.proj = _linear(cfg.mlp_ratio * cfg.model_dim, cfg.model_dim, zero=True)
         self.fp8 = cfg.fp8
+        delayed = cfg.fp8 and cfg.stages == "record89"  # a persistent buffer: checkpoints carry it, resume is exact
+        self.register_buffer("down_scales", down_scales() if delayed else None)
 
     def forward(self, x):
         if fp8_active(self.fp8, x, self.fc.weight):  # records #84, #89
-            return fp8_linear(F.relu(fp8_linear(x, self.fc.weight)).square(), self.proj.weight)
+            h = F.relu(fp8_linear(x, self.fc.weight)).square()
+            if self.down_scales is None:
+                return fp8_linear(h, self.proj.weight)
+            y = fp8_linear(h, self.proj.weight, scales=self.down_scales[:2])
+            delay_input_scale_(self.down_scales, h)  # the next forward's input scale (HEAD: per forward)
+            return y
         return self.proj(F.relu(self.fc(x)).square())
+
+
+def fp8_refresh(model, step):
+    """HEAD's FP8 refresh after optimizer ``step`` (-1: at init): the MLP down-projections' weight scales
+    (``refresh_down_scales_``; current over the first 16 steps, then delayed)."""
+    for block in model.blocks:
+        if block.mlp.down_scales is not None:
+            refresh_down_scales_(block.mlp.down_scales, block.mlp.proj.weight, step < DOWN_BOOTSTRAP_STEPS)
 
 
 class Block(nn.Module):
@@ -771,6 +807,9 @@ class GPT(nn.Module):
         self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
         self.init_model89(cfg)
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
+        fixed = cfg.fp8 and cfg.stages == "record89"  # HEAD's fixed FP8 head scales (x, w, grad)
+        self.register_buffer("head_scales", torch.tensor(HEAD_SCALES) if fixed else None, persistent=False)
+        self._divisor = 1
         self._window = window_at(0, cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
@@ -824,6 +863,13 @@ class GPT(nn.Module):
         if self.cfg.rope_yarn and yarn is not None and yarn != getattr(self, "_yarn", ()):
             self.rotary.set_history(yarn)
             self._yarn = yarn
+
+    def set_loss_divisor(self, divisor):
+        """The FP8 head's gradient scale: HEAD's 0.75/448 times the loss factor 1/``divisor`` (``grad_divisor``), as
+        HEAD's grad_s x 1/grad_accum_steps; written only on a change (no sync)."""
+        if self.head_scales is not None and divisor != self._divisor:
+            self.head_scales[2] = HEAD_SCALES[2] / divisor
+            self._divisor = divisor
 
     def masks_for(self, inputs):
         """``(long, short)`` masks of a forward on ``inputs`` ``[B, L, k]`` (``build_attention_mask``; ``LayerMasks``
@@ -886,8 +932,10 @@ class GPT(nn.Module):
             srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
             x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
+        if targets is not None and not self.training:  # the metric: the logits of a long val chunk in pieces
+            return sum(loss_sum(self.lm_head(xp), tp, None, self.cfg) for xp, tp in head_pieces(x, targets))
         if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
-            logits = fp8_linear(x, head, fp8_grad=True)
+            logits = fp8_linear(x, head, fp8_grad=True, scales=self.head_scales)
         else:
             logits = self.lm_head(x)
         c = self.cfg.logit_softcap
@@ -961,6 +1009,15 @@ class GPT(nn.Module):
         """Training-only loss terms (a sum over labels) of x ``[B, L, d]``, logits, targets, or None: none today.
         Never called in eval mode, so no term here can reach ``val_loss``."""
         return None
+
+
+VAL_PIECE = 16_384  # positions whose logits eval holds at once (a 262,144-token chunk's: 26 GB in bf16)
+
+
+def head_pieces(x, targets):
+    """x ``[B, L, d]`` and targets ``[B, L, j]`` in matching pieces of about ``VAL_PIECE`` positions (along L)."""
+    n = max(1, VAL_PIECE // x.size(0))
+    return zip(x.split(n, dim=1), targets.split(n, dim=1))
 
 
 def windowed(cfg):
@@ -1194,6 +1251,7 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
 def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
     """``([(inputs, targets)] of this rank on the device, raw tokens the step read)`` for a step of ``stage``
     (packed with a document cap, else flat)."""
+    seq_len = stage.length(seq_len)
     s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
     if stage.doc_cap:
         tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
@@ -1331,6 +1389,15 @@ def all_reduce_sum(t, rt):
     return t
 
 
+def grad_divisor(cfg, stage):
+    """What a step's loss sum is divided by for its gradient (``accumulate_gradients``): with record #89's stages
+    HEAD's, the step's sequence count (times s for an MCE's s labels per position); None: the label count."""
+    if cfg.stages != "record89":
+        return None
+    per_label = stage.bag_size if stage.phase == 1 and stage.mode != "input" else 1
+    return stage.batch_tokens // stage.length(cfg.seq_len) * per_label
+
+
 class Objectives:
     """The stage table's multi-token and prefix columns (``--objectives``): every step's weights float32
     ``[N + 1, 4]`` on the device, copied into ``weights`` per step (no host sync, no new graph)."""
@@ -1349,14 +1416,18 @@ class Objectives:
         return [(inputs, objective_targets(targets[..., 0], self.table)) for inputs, targets in micro], self.weights
 
 
-def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
+def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divisor=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
     sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``, record #89) HEAD's: the weighted sum
+    over labels over the step's sequence count (x s for an MCE), i.e. HEAD's per-rank sum over its flat sequence
+    averaged over 8 ranks, which grows 2x and 1.5x with the stage's sequence length (a Python number: no sync).
+    Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     n_valid = all_reduce_sum(n_valid, rt).clamp_min(1)
+    divisor = n_valid if divisor is None else divisor
     total = torch.zeros((), device=rt.device)
     buckets = grad_buckets(model) if rt.distributed else None
     for m, (inputs, targets) in enumerate(micro_batches):
@@ -1364,7 +1435,7 @@ def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None):
             loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
         handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
         try:
-            (loss_sum / n_valid).backward()
+            (loss_sum / divisor).backward()
         finally:
             for h in handles:
                 h.remove()
@@ -1391,7 +1462,11 @@ class ValData:
 
     def batches(self, mode, bag_size, seq_len, batch_seqs, rt):
         """This rank's ``[batch_seqs, ...]`` val batches of a phase objective (fixed shapes); labels past
-        ``n_tokens`` are ignored, so the mean is exactly over the first ``n_tokens`` labels."""
+        ``n_tokens`` are ignored, so the mean is exactly over the first ``n_tokens`` labels. Next-token
+        (s = 1, the metric): ``chunks`` of ``seq_len``."""
+        if bag_size == 1:
+            yield from self.chunks(seq_len, batch_seqs, rt)
+            return
         seq_tokens, advance = sequence_layout(mode, bag_size, seq_len)
         n_seqs = -(-self.n_tokens // advance)
         per_rank = -(-n_seqs // (rt.world * batch_seqs)) * batch_seqs
@@ -1406,9 +1481,32 @@ class ValData:
             _, ok = make_batch(oks[start:start + batch_seqs], mode, bag_size)
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
+    def chunks(self, chunk, batch_seqs, rt):
+        """This rank's metric batches ``(inputs, targets)`` int64 ``[batch_seqs, chunk, 1]``: chunk i is tokens
+        [i chunk, (i + 1) chunk) and their next tokens, on rank i mod world, so any process count scores the
+        same chunks (HEAD: its 2,097,152-token val batch, 262,144 per rank of 8, document-masked by the model).
+        Every rank runs the same count of forwards: labels past ``n_tokens`` and of padding chunks are ignored."""
+        n = -(-self.n_tokens // chunk)
+        per_rank = -(-(-(-n // rt.world)) // batch_seqs) * batch_seqs
+        length = per_rank * rt.world * chunk + 1
+        tokens = torch.full((length,), EOT_TOKEN, dtype=torch.int64)
+        tokens[:self.n_tokens + 1] = self.tokens
+        label_ok = torch.zeros(length, dtype=torch.bool)
+        label_ok[1:self.n_tokens + 1] = True
+        seqs, oks = tokens.unfold(0, chunk + 1, chunk), label_ok.unfold(0, chunk + 1, chunk)
+        mine = torch.arange(rt.rank, per_rank * rt.world, rt.world)
+        for group in mine.split(batch_seqs):
+            inputs, targets = make_batch(seqs[group], "full", 1)
+            yield inputs, torch.where(make_batch(oks[group], "full", 1)[1], targets, IGNORE_INDEX)
+
 
 def val_batch_seqs(cfg):
     return cfg.val_batch_seqs or cfg.micro_batch_seqs
+
+
+def val_chunk(cfg, bag_size=1):
+    """Tokens per val sequence: the metric's (s = 1) chunk, --val-seq-len (HEAD: 262,144), else --seq-len."""
+    return (cfg.val_seq_len or cfg.seq_len) if bag_size == 1 else cfg.seq_len
 
 
 @contextmanager
@@ -1430,7 +1528,7 @@ def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
     count = torch.zeros((), device=rt.device, dtype=torch.float64)
     with eval_mode(model):
-        for inputs, targets in val.batches(mode, bag_size, cfg.seq_len, val_batch_seqs(cfg), rt):
+        for inputs, targets in val.batches(mode, bag_size, val_chunk(cfg, bag_size), val_batch_seqs(cfg), rt):
             if harness.should_stop(stop):  # every rank still meets the all-reduces below
                 break
             inputs, targets = rt.to_device(inputs), rt.to_device(targets)
@@ -1526,7 +1624,7 @@ def graph_batches(run):
         stage = run.schedule[max(step - 1, 0)].stage  # as ``validate``: the metric, and the TST objective in phase 1
         evals |= {("full", 1, tied_at(step)), *([(stage.mode, stage.bag_size, tied_at(step))] * (stage.phase == 1))}
     for mode, s, tied in sorted(evals):
-        for inputs, targets in run.val.batches(mode, s, cfg.seq_len, val_batch_seqs(cfg), rt):  # as ``evaluate``
+        for inputs, targets in run.val.batches(mode, s, val_chunk(cfg, s), val_batch_seqs(cfg), rt):  # as ``evaluate``
             add(inputs, targets, None, tied, False)  # moved to the device by ``warm_up``
     return out
 
@@ -1586,9 +1684,12 @@ def training_loop(run, start_step, end_step):
         weights = None
         if run.objectives is not None:
             micro, weights = run.objectives.batches(micro, row, step)
-        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop)
+        divisor = grad_divisor(cfg, row.stage)
+        run.model.set_loss_divisor(divisor)
+        loss = accumulate_gradients(run.net, micro, rt, weights, run.stop, divisor)
         for opt in run.opts:
             opt.step()
+        fp8_refresh(run.model, step)
         if step == run.split_step:
             untie(run.model, run.opts[0])
         run.model.zero_grad(set_to_none=True)
@@ -1638,7 +1739,11 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     if run.split_step is not None:  # a resumed run past the split step is untied (weights and state restored)
         model.tied = start_step <= run.split_step
     harness.log_model_line(run)
+    if start_step == 0 or not any(k.endswith("down_scales") for k in resume[0]["model"]):
+        fp8_refresh(model, -1)  # HEAD's bootstrap of the delayed FP8 weight scales (a resume keeps its own)
+    fp8_state = {n: b.clone() for n, b in model.named_buffers() if n.endswith("down_scales")}
     compile_ms = warm_up(run)
+    model.load_state_dict(fp8_state, strict=False)  # the warm-up's forwards leave the delayed scales (HEAD resets)
     log.update(compile_time_ms=round(compile_ms))
     end_step = min(cfg.num_iterations, start_step + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
     graphs_before = compiled_graphs() if rt.compile else 0

@@ -13,6 +13,7 @@ does not know.
     python records/compare.py --plot curves.png --x tokens DIR...   # val (and train) loss curves
     python records/compare.py --pool-train-data ARM_DIR...          # one group over data orders
     python records/compare.py --first-passing A_DIR B_DIR --baseline A_DIR  # earliest passing val step, steps saved
+    python records/compare.py --per-step MODDED_RECORD_DIR          # mean ± std at each val step (docs/RECORD89.md)
 
 Grouping (``--group-by``):
   auto    a folder given on the command line is one group (its ``*.txt`` files, not recursive);
@@ -59,6 +60,10 @@ mean val loss, p (and z) there, and the mean train time, tokens and FLOPs of the
 at that step; with ``--baseline`` the baseline's first-passing step minus the group's
 (``steps_saved``, positive: fewer steps) and the same for the mean train time
 (``time_saved_ms``); both null, with a note, when either group never passes.
+
+Per step (``--per-step``): per group, the mean, sample std, min and max of the val loss at each
+val step every complete run logged (``per_step_stats``; JSON: ``val_by_step``), e.g. the reference
+curve of modded-nanogpt record #89's 13 logs (docs/RECORD89.md).
 
 A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read permission, ...) is
 listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
@@ -697,13 +702,34 @@ def first_passing(done, target, rule):
     return out
 
 
-def group_stats(runs, target=3.28, rule=None):
+def per_step_stats(done):
+    """The val loss at each val step every run of ``done`` logged (``shared_val_steps``): a list of dicts
+    ``step``, ``runs``, ``mean``, ``std`` (sample, ddof=1; nan for one run), ``min``, ``max``."""
+    steps, _ = shared_val_steps(done)
+    at = [{p["step"]: p["val_loss"] for p in r.val} for r in done]
+    out = []
+    for step in steps:
+        losses = [a[step] for a in at]
+        out.append(dict(step=step, runs=len(losses), mean=sum(losses) / len(losses), std=_std(losses),
+                        min=min(losses), max=max(losses)))
+    return out
+
+
+def per_step_block(rows, markdown=False):
+    """The ``--per-step`` table: one line per group and shared val step."""
+    body = [[r["group"], str(q["step"]), str(q["runs"]), f"{q['mean']:.4f}", _num(q["std"], ".4f"),
+             f"{q['min']:.4f}", f"{q['max']:.4f}"] for r in rows for q in r["val_by_step"]]
+    return render(["group", "step", "runs", "mean_val_loss", "std", "min", "max"], body, markdown)
+
+
+def group_stats(runs, target=3.28, rule=None, per_step=False):
     """One dict per group (in order of first appearance): the columns of the table / JSON.
 
     Final val loss statistics over the complete runs (mean, sample std, the one-sided
     ``p_below`` p-value against ``target``), their mean train time, tokens and FLOPs, and where
     each run first reaches ``target`` (``reach_target``; lists in ``run_names`` order, None where
-    not reached). With ``rule`` (a ``PassRule``), also the group's ``first_passing`` fields.
+    not reached). With ``rule`` (a ``PassRule``), also the group's ``first_passing`` fields; with
+    ``per_step``, ``val_by_step`` (``per_step_stats``).
     """
     out = []
     for g in dict.fromkeys(r.group for r in runs):
@@ -726,6 +752,8 @@ def group_stats(runs, target=3.28, rule=None):
         row.update(_to_target_stats(done, target))
         if rule is not None:
             row.update(first_passing(done, target, rule))
+        if per_step:
+            row["val_by_step"] = per_step_stats(done)
         out.append(row)
     return out
 
@@ -947,6 +975,9 @@ def format_table(rows, markdown=False):
         blocks.append(f"time to {target}: no run reached it")
     if rows and "first_passing_step" in rows[0]:
         blocks.append(passing_block(rows, markdown))
+    if rows and "val_by_step" in rows[0]:
+        blocks.append("val loss at each val step all complete runs of a group logged (mean, sample std, min, max "
+                      "over the runs):" + gap + per_step_block(rows, markdown))
     based = [r for r in rows if "baseline" in r]
     if based:
         notes = [f"{bullet}{r['group']}: {r['welch_note']}" for r in based if r.get("welch_note")]
@@ -1275,6 +1306,8 @@ def build_parser():
     ap.add_argument("--z-margin", type=positive_float, default=Z_MARGIN,
                     help="--rule ztest: pass when (target - mean) * sqrt(n) >= this")
     out = ap.add_mutually_exclusive_group()
+    ap.add_argument("--per-step", action="store_true",
+                    help="also the mean ± std of the val loss at each val step every complete run of a group logged")
     out.add_argument("--json", action="store_true", help="print the groups as JSON instead of the table")
     out.add_argument("--markdown", action="store_true",
                      help="print the tables as Markdown (to paste into a README)")
@@ -1316,7 +1349,7 @@ def main(argv=None):
     if all(r.reason.startswith("unreadable:") for r in runs):
         return error("no log could be read (see the warnings above)")
     rule = PassRule(args.rule, sigma=args.z_sigma, margin=args.z_margin) if args.first_passing else None
-    rows = group_stats(runs, args.target, rule)
+    rows = group_stats(runs, args.target, rule, args.per_step)
     for row in rows:
         if short_runs_warning(row):
             print(f"compare.py: warning: {short_runs_warning(row)}", file=sys.stderr)

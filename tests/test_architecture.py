@@ -586,7 +586,7 @@ def test_new_architecture_trains_through_the_switch_and_accumulation_is_exact(tm
     assert T.model_flops_per_position(cfg, 0) < T.model_flops_per_position(cfg, 5)
 
 
-def hand_flops_per_position(cfg, window):
+def hand_flops_per_position(cfg, window, L=None):
     """The FLOP formula written out by hand from the shapes (the accounting before it was read off the
     model) under ``window`` (long, short), the stage table's column."""
     from test_model89_inputs import extra_matmuls89  # record #89's input matmuls (smear, VE gates, MUDD), by hand
@@ -596,7 +596,7 @@ def hand_flops_per_position(cfg, window):
     own_gates = 0 if cfg.mudd_gates else len(T.layer_set(cfg.attn_gate_layers))  # else from the gate MLPs (#85)
     n_matmul += extra_matmuls89(cfg) + own_gates * cfg.n_head * 12  # + the output gates' own [n_head, 12] matmuls
     long, half = window
-    paired, L = T.layer_set(cfg.paired_head_layers), cfg.seq_len  # paired-head layers attend over 2L positions
+    paired, L = T.layer_set(cfg.paired_head_layers), L or cfg.seq_len  # paired-head layers attend over 2L positions
     keys = sum(H.attended_keys(2 * L if i in paired else L, half if i in short else long) for i in attn_layers)
     keys += len(T.layer_set(cfg.dc_layers)) * H.attended_keys(L, 111)  # DC (record #85): QK^T, AV over 112 keys
     return 6 * n_matmul + 12 * d * keys
@@ -607,7 +607,7 @@ def test_every_presets_flops_from_the_model_equal_the_hand_count_at_every_step(p
     cfg, _ = T.parse_config(["--preset", preset])
     table = T.Schedule(cfg)
     assert [row.flops_per_position for row in table.rows] == [
-        hand_flops_per_position(cfg, row.window) for row in table.rows]
+        hand_flops_per_position(cfg, row.window, row.stage.length(cfg.seq_len)) for row in table.rows]
 
 
 def test_a_new_matmul_weight_is_counted_without_editing_the_flop_count(monkeypatch):

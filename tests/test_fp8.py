@@ -221,3 +221,124 @@ def test_the_gpu_kernel_check_fails_a_dropped_or_doubled_scale(monkeypatch, bug)
     c = _fp8_check()
     assert not c["passed"]
     assert max(v for k, v in c["diffs"].items() if k.endswith("_out")) > 0.4
+
+
+# HEAD's (record #89) fixed head scales and delayed MLP down-projection scales (issue 36)
+
+def fixed_reference(x, w, G, x_s, w_s, g_s):
+    """The head at given scales: e4m3 of x / x_s and w / w_s, e5m2 of G / g_s (saturated), float64 products."""
+    xq = dequant(nearest_fp8(x / x_s, E4M3), x_s)
+    wq = dequant(nearest_fp8(w / w_s, E4M3), w_s)
+    gq = dequant(nearest_fp8(G / g_s, E5M2), g_s)
+    return xq @ wq.t(), gq @ wq, gq.t() @ xq
+
+
+def head_operands(seed):
+    """Inputs, weights and gradients from fp8's subnormals to past its saturation at HEAD's scales, so that
+    a scale off by 2x shows (within the normal range a power of 2 only shifts the exponent)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    x = torch.randn(48, 64, generator=g, dtype=torch.float64) * torch.logspace(-4, 2.3, 64, dtype=torch.float64)
+    w = torch.randn(32, 64, generator=g, dtype=torch.float64) * torch.logspace(-6, 0.5, 64, dtype=torch.float64)
+    G = torch.randn(48, 32, generator=g, dtype=torch.float64) * torch.logspace(-10, 1.5, 32, dtype=torch.float64)
+    return x, w, G
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_head_uses_heads_fixed_scales_and_a_dropped_or_doubled_scale_fails(seed):
+    x, w, G = head_operands(seed)
+    scales = torch.tensor(kernels.HEAD_SCALES)
+    scales[2] /= 8  # HEAD's grad_s x the loss factor 1/8 (grad_divisor of the GPU presets)
+    assert scales.tolist() == pytest.approx([100 / 448, 1.6 / 448, 0.75 / 448 / 8], rel=1e-7)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    y = kernels.fp8_linear(x, w, fp8_grad=True, emulate=True, scales=scales)
+    (y * G).sum().backward()
+    got = (y.detach(), x.grad, w.grad)
+    s = [float(v) for v in scales]
+    for a, b in zip(got, fixed_reference(x.detach(), w.detach(), G, *s)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-18)
+    for i in range(3):  # each scale dropped (1) or doubled: a reference the op does not match
+        for wrong in (1.0, 2 * s[i]):
+            bad = fixed_reference(x.detach(), w.detach(), G, *[wrong if j == i else v for j, v in enumerate(s)])
+            assert any((a - b).abs().max() > 1e-6 * b.abs().max() for a, b in zip(got, bad)), (i, wrong)
+
+
+def test_current_scales_stay_the_default():
+    x, w, G = head_operands(0)
+    y = kernels.fp8_linear(x, w, fp8_grad=True, emulate=True)
+    torch.testing.assert_close(y, reference(x, w, G)[0], rtol=1e-12, atol=1e-15)
+
+
+def down_projection(h, w, scales):
+    """What MLP.forward does with HEAD's delayed scales: the product at the state's scales, then the next input scale."""
+    y = kernels.fp8_linear(h, w, emulate=True, scales=scales[:2])
+    kernels.delay_input_scale_(scales, h)
+    return y
+
+
+def test_down_projection_uses_the_previous_forwards_amax_and_the_weights_delayed_scale():
+    """Over 20 optimizer steps of 2 forwards each: the input scale is the previous forward's amax x 1.80 / 448 (1 at
+    the first), the weight's its amax x 1 / 448 after each of the first 16 steps (and at init), then the amax
+    before the last step x 1.12 / 448; each forward equals the float64 product at those scales."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 64, generator=g, dtype=torch.float64) * 0.02
+    state = kernels.down_scales()
+    kernels.refresh_down_scales_(state, w, bootstrap=True)  # at init
+    prev_act, prev_w, used_w = None, w.clone(), w.abs().max() / 448
+    for step in range(20):
+        for micro in range(2):
+            h = torch.relu(torch.randn(32, 64, generator=g, dtype=torch.float64)).square() * (1 + step)
+            act = 1.0 if prev_act is None else float(prev_act * 1.80 / 448)
+            y = down_projection(h, w, state)
+            assert float(state[0]) == pytest.approx(float(h.max()) * 1.80 / 448, rel=1e-6)
+            ref = dequant(nearest_fp8(h / act, E4M3), act) @ dequant(nearest_fp8(w / used_w.float(), E4M3),
+                                                                    used_w.float()).t()
+            assert float(state[1]) == pytest.approx(float(used_w), rel=1e-6)
+            torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-9)
+            prev_act = h.max()
+        w = w + torch.randn(16, 64, generator=g, dtype=torch.float64) * 0.01   # the optimizer step
+        kernels.refresh_down_scales_(state, w, bootstrap=step < kernels.DOWN_BOOTSTRAP_STEPS)
+        used_w = w.abs().max() / 448 if step < 16 else prev_w.abs().max() * 1.12 / 448
+        prev_w = w.clone()
+    assert float(state[1]) == pytest.approx(float(used_w), rel=1e-6)
+
+
+def test_delayed_scales_are_model_state_that_a_checkpoint_restores_bit_for_bit():
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8", "--model-dim", "32", "--n-head", "2",
+                             "--bigram-vocab", "64"])
+    a, b = T.GPT(cfg), T.GPT(cfg)
+    keys = [k for k in a.state_dict() if k.endswith("down_scales")]
+    assert len(keys) == cfg.n_layer and a.head_scales.tolist() == pytest.approx(list(kernels.HEAD_SCALES))
+    for block in a.blocks:
+        block.mlp.down_scales.copy_(torch.rand(3, dtype=torch.float32) / 448)
+    b.load_state_dict(a.state_dict())
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in keys)
+    a.set_loss_divisor(8)
+    assert float(a.head_scales[2]) == pytest.approx(0.75 / 448 / 8, rel=1e-7)
+
+
+def test_restore_gives_each_rank_its_own_delayed_scales_and_tolerates_their_absence():
+    """harness.restore: a checkpoint's ``rank_buffers`` (every rank's down_scales, all-gathered at save) go back to
+    their rank; a checkpoint without them (a run without --fp8) leaves the model's own (bootstrapped by train)."""
+    import types
+    import harness
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8", "--model-dim", "32", "--n-head", "2",
+                             "--bigram-vocab", "64"])
+    model = T.GPT(cfg)
+    keys = [k for k in model.state_dict() if k.endswith("down_scales")]
+    per_rank = [{k: torch.full((3,), float(r + 2)) for k in keys} for r in range(2)]  # neither the init (1)
+    state = dict(model={k: v.clone() for k, v in model.state_dict().items()}, optimizers=[], loader_position=0,
+                 counters={}, rng=dict(torch=torch.get_rng_state(), cuda=[]), step=3, phase=2,
+                 rank_buffers=per_rank)
+
+    def run_at(rank):
+        return types.SimpleNamespace(model=model, opts=[], loader=types.SimpleNamespace(position=None),
+                                     progress=T.Progress(), log=types.SimpleNamespace(line=lambda s: None),
+                                     rt=types.SimpleNamespace(rank=rank, world=2, device=torch.device("cpu")))
+    for rank in (1, 0):
+        run = run_at(rank)
+        harness.restore(run, state, "ckpt")
+        assert all(torch.equal(model.state_dict()[k], per_rank[rank][k]) for k in keys)
+    own = {k: model.state_dict()[k].clone() for k in keys}
+    bare = dict(state, model={k: v for k, v in state["model"].items() if k not in keys}, rank_buffers=None)
+    harness.restore(run, bare, "ckpt")
+    assert all(torch.equal(model.state_dict()[k], own[k]) for k in keys)
