@@ -1390,8 +1390,9 @@ def all_reduce_sum(t, rt):
 
 
 def grad_divisor(cfg, stage):
-    """What a step's loss sum is divided by for its gradient (``accumulate_gradients``): with record #89's stages
-    HEAD's, the step's sequence count (times s for an MCE's s labels per position); None: the label count."""
+    """What a step's loss sum is divided by for its gradient (``accumulate_gradients``), None: the label count. With
+    record #89's stages HEAD's: its per-rank sum over one flat sequence, averaged over 8 ranks, i.e. the step's
+    sequence count (x s for an MCE's s labels per position): the gradient grows 2x, 1.5x with the sequences."""
     if cfg.stages != "record89":
         return None
     per_label = stage.bag_size if stage.phase == 1 and stage.mode != "input" else 1
@@ -1419,10 +1420,8 @@ class Objectives:
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divisor=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
     sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``, record #89) HEAD's: the weighted sum
-    over labels over the step's sequence count (x s for an MCE), i.e. HEAD's per-rank sum over its flat sequence
-    averaged over 8 ranks, which grows 2x and 1.5x with the stage's sequence length (a Python number: no sync).
-    Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``: HEAD's scale, a Python number) that of
+    the sum over ``divisor``. Gradients are all-reduced in buckets during the last micro-batch's backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
@@ -1482,10 +1481,9 @@ class ValData:
             yield inputs, torch.where(ok, targets, IGNORE_INDEX)
 
     def chunks(self, chunk, batch_seqs, rt):
-        """This rank's metric batches ``(inputs, targets)`` int64 ``[batch_seqs, chunk, 1]``: chunk i is tokens
-        [i chunk, (i + 1) chunk) and their next tokens, on rank i mod world, so any process count scores the
-        same chunks (HEAD: its 2,097,152-token val batch, 262,144 per rank of 8, document-masked by the model).
-        Every rank runs the same count of forwards: labels past ``n_tokens`` and of padding chunks are ignored."""
+        """This rank's metric batches ``(inputs, targets)`` int64 ``[batch_seqs, chunk, 1]``: chunk i (tokens [i chunk,
+        (i + 1) chunk) and their next tokens) on rank i mod world, so any process count scores the same chunks (HEAD:
+        262,144 per rank of 8); as many forwards on every rank, labels past ``n_tokens`` or in padding ignored."""
         n = -(-self.n_tokens // chunk)
         per_rank = -(-(-(-n // rt.world)) // batch_seqs) * batch_seqs
         length = per_rank * rt.world * chunk + 1
