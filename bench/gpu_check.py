@@ -1089,9 +1089,13 @@ KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
 
 
 def profile_config(preset, device):
-    """Config of the profiled CUDA step: ``preset`` at seq_len 4096 (eager FlexAttention fits), one sequence."""
-    return T.parse_config(["--preset", preset, "--seq-len", "4096", "--batch-tokens", "32768",
-                           "--micro-batch-seqs", "1", "--device", device.type])[0]
+    """Config of the profiled CUDA step: ``preset`` at seq_len 4096 (eager FlexAttention fits), one sequence.
+
+    The stage table needs the batch a multiple of 3 sequences (1 -> 2 -> 3 a step); one fixed length keeps
+    the profiled sequence at 4096 whatever the stage.
+    """
+    return T.parse_config(["--preset", preset, "--seq-len", "4096", "--batch-tokens", str(3 * 4096),
+                           "--no-grow-seq-len", "--micro-batch-seqs", "1", "--device", device.type])[0]
 
 
 def kernels_and_profile(device, args, out_dir, deadline):

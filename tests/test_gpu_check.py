@@ -524,3 +524,12 @@ def test_each_section_rewrites_the_json_so_a_stop_keeps_what_was_measured(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check_logs.tar.gz", "gpu_check_summary.txt"]
     final = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "interrupted (signal SIGTERM)" in final["errors"] and "status failed (exit 2)" in final["summary"]
+
+
+@pytest.mark.parametrize("preset", ["baseline_h200", "record_h200", "record_8xb200"])
+def test_the_cuda_profile_config_is_valid_for_every_gpu_preset(preset):
+    """The one-step profile (CUDA only, so the dry run never builds it) must pass the trainer's own checks."""
+    cfg = gpu_check.profile_config(preset, torch.device("cpu"))
+    rows = T.stages(cfg)
+    assert cfg.seq_len == 4096 and all(r.seq_len == 4096 for r in rows)
+    assert rows[0].batch_tokens == 4096  # one sequence in the first stage
