@@ -401,9 +401,6 @@ def check_config(cfg, need):
 
 def check_architecture(cfg, need):
     """The architecture flags' checks (part of ``check_config``); ``need(ok, msg)`` raises ConfigError."""
-    need(cfg.window_start >= 0, f"--window-start must be >= 0 (got {cfg.window_start}); 0 = a fixed window")
-    need(not cfg.window_start or 0 < cfg.window_start <= cfg.window,
-         f"--window-start {cfg.window_start} needs --window >= {cfg.window_start} (got {cfg.window})")
     layers = {}
     for name in ("short_window_layers", "no_attn_layers", "paired_head_layers", "xsa_layers", "attn_gate_layers",
                  "dc_layers"):
@@ -497,7 +494,6 @@ def check_model89(cfg, need, no_attn):
         skip = skip_pair(cfg)
     except ValueError as e:
         raise ConfigError(f"--skip-gate {cfg.skip_gate!r}: {e}") from None
-    need(not (skip and cfg.unet), "--skip-gate replaces --unet: set one of them")
     need(cfg.attn_state_layer < cfg.n_layer - 1,
          f"--attn-state-layer {cfg.attn_state_layer} must be below the last layer ({cfg.n_layer - 1})")
     need(cfg.bigram_dim <= cfg.model_dim, f"--bigram-dim {cfg.bigram_dim} exceeds --model-dim {cfg.model_dim}")
@@ -656,11 +652,11 @@ class FlopProfile:
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 
 # The utilization modded-nanogpt's records reach: record #21 (2025-01-26; 2.933 min = 175.98 s on
-# 8 x H100, the README's record table) trained record21_h200's model for 1,770 steps of 393,216
-# positions, 5.517e17 model FLOPs by FlopProfile's count (`--preset record21_h200 --tst-frac 0
-# --describe`): 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its
-# LM head in FP8 (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and
-# model, 2.512e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
+# 8 x H100, the README's record table) trained its 12 x 768 model for 1,770 steps of 393,216
+# positions, 5.517e17 model FLOPs by FlopProfile's count (taken while its recipe was a preset here):
+# 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its LM head in FP8
+# (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and model, 2.512e17
+# FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

@@ -68,14 +68,10 @@ class Config:
     rope_base: float = _f(10000.0, "rotary embedding base")
     doc_mask: bool = _f(False, "attention within documents (each opens with <|endoftext|>; a bag: its last token's)")
     window: int = _f(0, "sliding window in latent positions: q sees q-window..q, window + 1 keys as FA3 (0 = none)")
-    window_start: int = _f(0, "window at step 0, grown to --window in multiples of itself (record #13; 0 = fixed)")
     short_window_layers: str = _f("", "comma list of 0-based layers that attend over half the window")
     no_attn_layers: str = _f("", "comma list of 0-based layers without attention (MLP only)")
     attn_scale: float = _f(0.0, "attention logit scale (0 = 1/sqrt(head_dim))")
-    merged_qkv: bool = _f(False, "q, k, v from one [3 * model_dim, model_dim] matmul (three matrices to the optimizer)")
     value_embeds: int = _f(0, "value-embedding tables k: j feeds layers j, n_layer - k + j (or --ve-layers)")
-    unet: bool = _f(False, "U-net: block i's output, weighted, into block n_layer - 1 - i (record #21)")
-    x0_mix: bool = _f(False, "block input a x + b x0, x0 the normed embedding, a = 1, b = 0 at init (record #21)")
     # record #89's model: residual and inputs (docs/METHODS.md §5)
     resid_lambdas: bool = _f(False, "x = r x + p sublayer(norm(x)) per sublayer, r = sqrt(1.1), p = 1 at init (HEAD)")
     skip_gate: str = _f("", "'a,b': stream after layer a into layer b's input x sigmoid(s), s = -1.5 (HEAD: 3,6)")
@@ -167,42 +163,30 @@ class Config:
 
 
 
-# The architecture of the modded-nanogpt record history, switched on by the presets (each element
-# a flag, off by default, so each can be ablated): record #21 (2025-01-26, 3.28 in 1,770 steps of
-# 393,216 tokens) has document masks with sliding windows growing 128 -> 1,792 (records #12-#13),
-# half windows in the "short" layers, value embeddings (#9), U-net skips and the x0 mix, merged
-# QKV, attention scale 0.12, no attention in layer 7, logit softcap 15, and an lr cooldown over the
-# last 40% (the default --cooldown-frac) to 0.1x (record #19 onward). Presets list only what differs
-# from Config's defaults (or their parent preset's values): tests/test_trainer.py checks it.
-ARCHITECTURE = dict(doc_mask=True, value_embeds=3, unet=True, x0_mix=True, merged_qkv=True, attn_scale=0.12,
-                    logit_softcap=15.0, lr_floor=0.1)
-
-# Record #21's model, batch and steps (its 12 x 768 model and 6 heads are the defaults) with Aurora
-# and TST at their defaults. One flat 49,152-token sequence per micro-step: 8 micro-steps on one
-# GPU, one each on eight -- the same run whatever the GPU count.
-RECORD = dict(ARCHITECTURE, seq_len=48 * 1024, batch_tokens=393_216, micro_batch_seqs=1, num_iterations=1770,
-              window_start=128, window=1792, short_window_layers="1,2,3,5,6,8,9,10", no_attn_layers="7",
-              head_lr=0.22, log_every=10)  # a train-loss line is the only host sync between val points
 # Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on its model: 1,270
 # scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
-# sequences of 16,384 (HEAD's 2,048 x 8 per GPU), cooldown over the last 60% to 0.15 (record #72),
-# momentum 0.85 -> 0.95 over 300 steps (the defaults) and back over the last 50 (record #39). No TST.
+# sequences of 16,384 (HEAD's 2,048 x 8 per GPU) in document masks, one sequence per micro-step,
+# cooldown over the last 60% to 0.15 (record #72), momentum 0.85 -> 0.95 over 300 steps (the
+# defaults) and back over the last 50 (record #39). No TST. Earlier recipes (record #21's U-net,
+# x0 mix and growing window among them) live in their logs: records/verify.py --extract restores them.
+# Presets list only what differs from Config's defaults (or their parent's): tests/test_trainer.py checks it.
 # Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
 # layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
 # its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
 # #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key offset
 # (#49), XSA (#82), output gates (#28), uniform V/O init (#64), attention lambdas, DC on layer 10 (#85).
-MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9", unet=False, x0_mix=False,
+MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9",
                value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
                rope_half=True, rope_yarn=True, attn_scale=0.1, paired_head_layers="0,2,5,9", key_offset=True,
                xsa_layers="1,3,4,7", attn_gate_layers="3,10", attn_vo_init="uniform", attn_lambdas=True,
                dc_layers="10")
-RECORD89 = dict(RECORD, **MODEL89, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384, window=0,
-                window_start=0, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50, tst_frac=0.0,
-                tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, objectives=True,
-                logit_cap="sigmoid", tied_embed=True, fp8=True, adam_bf16=True, grow_seq_len=True,
-                val_seq_len=262_144)
+RECORD89 = dict(MODEL89, doc_mask=True, stages="record89", num_iterations=1285, extension_steps=15, seq_len=16384,
+                batch_tokens=393_216, micro_batch_seqs=1, cooldown_frac=0.6, lr_floor=0.15, momentum_cooldown_steps=50,
+                tst_frac=0.0, tst_bag_size=1, optimizer="normuon", matrix_lr=0.023, matrix_wd=1.2, head_lr=0.22,
+                objectives=True, logit_cap="sigmoid", logit_softcap=15.0, tied_embed=True, fp8=True, adam_bf16=True,
+                grow_seq_len=True, val_seq_len=262_144,
+                log_every=10)  # a train-loss line is the only host sync between val points
 # ... plus this repository's methods: TST for the first 30% of the steps (s = 4) and Aurora's
 # polar on the MLP matrices of NorMuon (docs/METHODS.md §1, §3).
 RECORD89_OURS = dict(RECORD89, tst_frac=0.3, tst_bag_size=4, optimizer="aurora_normuon")
@@ -215,12 +199,6 @@ PRESETS = {
     "baseline_h200": RECORD89,     # record #89's recipe as HEAD's code runs it: the A/B baseline on a GPU
     "record_h200": RECORD89_OURS,  # the record's name on one H200
     "record_8xb200": RECORD89_OURS,  # ... and on 8 B200s: the same run
-    "record21_h200": RECORD,       # the former record preset: record #21's recipe with Aurora and TST
-    # The former smoke preset (record #21's recipe at a tiny shape): the tests' and bench/small_scale.py's base.
-    "cpu_smoke_r21": dict(ARCHITECTURE, n_layer=4, n_head=4, model_dim=128, seq_len=128, batch_tokens=2048,
-                          micro_batch_seqs=8, num_iterations=100, momentum_warmup_steps=0, value_embeds=1,
-                          window_start=32, window=128, short_window_layers="1",
-                          embed_lr=0.3, head_lr=0.02, val_tokens=16384, val_every=50),
     # 2 CPU cores, under 5 minutes: the record recipe and model at a tiny shape on the real-text sample, one
     # flat (document-packed) sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, **SMOKE_MODEL89, seq_len=768, batch_tokens=2304, num_iterations=100,
@@ -252,7 +230,7 @@ class Stage:
     bag_size: int        # TST bag size s
     mode: str            # TST mode: full, input, output
     batch_tokens: int    # latent positions per step
-    doc_cap: int = 0     # most tokens of a document in a packed sequence (0 = the flat stream)
+    doc_cap: int = 0     # most tokens of a document in a packed sequence (0 = no cap)
     lr_mul: float = 1.0
     blocks: tuple = ()   # (short, long) windows in window blocks; () = the --window flags
     objective: tuple = ()  # OBJECTIVE_WEIGHTS rows (start, end) of the extra columns; () = next-token only
@@ -364,9 +342,9 @@ class Schedule:
 
 
 def stage_window(step, stage, cfg):
-    """``(long, short)`` windows at ``step`` in latent positions: blocks x --window-block, else ``window_at``."""
+    """``(long, short)`` windows at ``step`` in latent positions: blocks x --window-block, else ``flag_windows``."""
     if not stage.blocks:
-        return window_at(step, cfg)
+        return flag_windows(cfg)
     short, long = stage.blocks
     if step >= cfg.num_iterations:  # row N: record #89's final validation
         long = RECORD89_FINAL_LONG_BLOCKS
@@ -405,8 +383,7 @@ PACKED_READ_MARGIN = 1.5
 def train_tokens_needed(cfg):
     """Raw train tokens a whole run reads, labels included (a packed stage budgets PACKED_READ_MARGIN x)."""
     run_stages = stages(cfg)
-    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) * (PACKED_READ_MARGIN if st.doc_cap else 1)
-                for st in run_stages)
+    total = sum((st.end - st.start) * st.raw_tokens(cfg.seq_len) * PACKED_READ_MARGIN for st in run_stages)
     total = int(math.ceil(total))
     return total + max(cfg.tst_bag_size, *(st.bag_size for st in run_stages)) * cfg.seq_len  # last labels
 
@@ -440,22 +417,16 @@ def momentum_at(step, cfg):
     return hi
 
 
-def window_at(step, cfg):
-    """``(long, short = long // 2)`` windows at ``step`` (0 = none); with --window-start w0 the long one grows
-    linearly from w0 to --window at step N in multiples of w0 (record #13; #21: 128 -> 1,792)."""
-    w, w0, N = cfg.window, cfg.window_start, cfg.num_iterations
-    if w == 0:
-        return 0, 0
-    if w0:
-        grown = w0 * N + (w - w0) * min(step, N)  # w0 + (w - w0) * step / N, times N: exact integers
-        w = min(w, w0 * -(-grown // (w0 * N)))
-    return w, max(w // 2, 1)
+def flag_windows(cfg):
+    """``(long, short = long // 2)`` windows of a one-stage (--stages flags) run: --window at every step (0 = none)."""
+    w = cfg.window
+    return (w, max(w // 2, 1)) if w else (0, 0)
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with the record
-# history's elements behind flags: document masks and sliding windows, value embeddings, U-net skips,
-# the x0 mix, merged QKV, the attention scale, layers without attention (see ARCHITECTURE)
+# Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with record #89's
+# elements behind flags (MODEL89): document masks and sliding windows, value embeddings, the
+# attention scale, layers without attention, the residual and input elements, the attention variants
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim."""
@@ -583,12 +554,12 @@ def make_rotary(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: merged QKV (one
-    matmul, three optimizer matrices; record #21), ``v <- a v + b ve`` value embeddings (a = b = 0.5; #9),
-    paired heads (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31),
-    HEAD's lambdas, the DC correction (#85)."""
+    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: q, k, v in one matmul
+    (three optimizer matrices), ``v + g ve`` value embeddings (g the gate, else 1; #9, #55), paired heads
+    (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31), HEAD's
+    lambdas, the DC correction (#85)."""
 
-    def __init__(self, cfg, value_embed=False, rotary=None, layer=0):
+    def __init__(self, cfg, rotary=None, layer=0):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.model_dim // cfg.n_head
         d = cfg.model_dim
@@ -600,8 +571,7 @@ class CausalSelfAttention(nn.Module):
                     w.normal_(0.0, 0.01).diagonal().add_(sign * 0.05 ** 0.5)
         # the model passes its one table (GPT.rotary); a layer built alone makes its own
         self.rotary = rotary if rotary is not None else make_rotary(cfg)
-        self.merged_qkv, self.scale, self.yarn = cfg.merged_qkv, cfg.attn_scale or None, cfg.rope_yarn
-        self.ve_mix = route(nn.Parameter(torch.full((2,), 0.5)), "scalar") if value_embed else None
+        self.scale, self.yarn = cfg.attn_scale or None, cfg.rope_yarn
         self.paired = layer in layer_set(cfg.paired_head_layers)
         self.key_offset = cfg.key_offset and not self.paired and layer not in layer_set(cfg.short_window_layers)
         own = not cfg.mudd_gates  # with --mudd-gates, XSA alphas and output gates come per token (record #85)
@@ -624,14 +594,11 @@ class CausalSelfAttention(nn.Module):
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
-        if self.merged_qkv:
-            qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0))
-            q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
-        else:
-            q, k, v = (F.linear(x, self.weight(lin.weight, 0)).view(shape) for lin in (self.q, self.k, self.v))
-        if ve is not None:  # 0-d scalars keep v's dtype (bf16 under autocast)
+        qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0))  # one matmul
+        q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
+        if ve is not None:
             ve = ve.view(shape).type_as(v)
-            v = v + ve_gate.type_as(v) * ve if ve_gate is not None else self.ve_mix[0] * v + self.ve_mix[1] * ve
+            v = v + ve_gate.type_as(v) * ve if ve_gate is not None else v + ve
         mask, doubled, first, docs = mask if isinstance(mask, LayerMasks) else (mask, None, None, None)
         q, k, vs = rms_norm(q), rms_norm(k), v  # QK-norm, then RoPE
         q, k = self.rotary(q, self.paired), self.rotary(k, self.paired)
@@ -693,16 +660,15 @@ def fp8_refresh(model, step):
 class Block(nn.Module):
     """Pre-norm block ``x + attn(norm(x))``, ``x + mlp(norm(x))`` (attention absent in --no-attn-layers); with
     record #89's residual (HEAD) ``r x + p sublayer``, then ``+ g x0`` and ``+ g' bigram`` after attention.
-    The last layer under --mudd takes these per token from MUDD (``dyn``); --x0-mix is record #21's input mix."""
+    The last layer under --mudd takes these per token from MUDD (``dyn``)."""
 
     def __init__(self, cfg, layer, value_embed=False, rotary=None):
         super().__init__()
         has_attn = layer not in layer_set(cfg.no_attn_layers)
         static = injects(cfg, layer)  # not MUDD's layer: MUDD gives its gates and lambdas per token
         const = static and not cfg.mudd_gates  # --mudd-gates: the x0 and bigram gates come per token
-        self.attn = CausalSelfAttention(cfg, value_embed and not cfg.ve_gate, rotary, layer) if has_attn else None
+        self.attn = CausalSelfAttention(cfg, rotary, layer) if has_attn else None
         self.mlp = MLP(cfg)
-        self.x0_mix = route(nn.Parameter(torch.tensor([1.0, 0.0])), "scalar") if cfg.x0_mix else None
         lambdas = cfg.resid_lambdas and (static or not has_attn)
         self.resid = route(nn.Parameter(torch.full((2,), 1.1 ** 0.5)), "scalar", "resid_lambdas") if lambdas else None
         self.post = route(nn.Parameter(torch.ones(2)), "scalar", "post_lambdas") if lambdas else None
@@ -717,8 +683,6 @@ class Block(nn.Module):
         ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
         g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}``
         (x0, bigram, xsa, attn) from --mudd-gates (``GPT.gate_coefs``)."""
-        if self.x0_mix is not None:
-            x = self.x0_mix[0] * x + self.x0_mix[1] * x0
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
         g = gates or {}
         ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, g.get("x0", self.x0_gate), g.get("bigram", self.bigram_gate), None)
@@ -804,13 +768,12 @@ class GPT(nn.Module):
         # each at the record's 49,152 positions)
         self.rotary = make_rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.ve_of_layer, self.rotary) for i in range(n))
-        self.skip_weights = route(nn.Parameter(torch.ones(n // 2)), "scalar") if cfg.unet else None
         self.init_model89(cfg)
         self.lm_head = _linear(cfg.model_dim, cfg.vocab_size, zero=True, group="head")
         fixed = cfg.fp8 and cfg.stages == "record89"  # HEAD's fixed FP8 head scales (x, w, grad)
         self.register_buffer("head_scales", torch.tensor(HEAD_SCALES) if fixed else None, persistent=False)
         self._divisor = 1
-        self._window = window_at(0, cfg)
+        self._window = flag_windows(cfg)
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = cfg.tied_embed  # the embedding reads the head's weight (``untie``)
         self.flex = None  # FlexAttention block masks: None = on CUDA inputs; False = SDPA's bool masks anywhere
@@ -907,10 +870,8 @@ class GPT(nn.Module):
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
             g0 = gates.get(0, {}).get("bigram", self.blocks[0].bigram_gate)
             x = x + F.pad(g0 * bigram, (0, x.size(-1) - bigram.size(-1)))
-        n, half, skips, start, snaps = len(self.blocks), len(self.blocks) // 2, [], x, {}
+        n, start, snaps = len(self.blocks), x, {}
         for i, block in enumerate(self.blocks):
-            if self.skip_weights is not None and i >= n - half:  # the second half, in reverse order
-                x = x + self.skip_weights[i - (n - half)] * skips.pop()
             if self.gate_w1 is not None and i == self.cfg.mudd_gates:  # record #85's second gate MLP
                 post, skip_factor = self.gate_coefs(x, 1)
                 gates.update(post)
@@ -925,8 +886,6 @@ class GPT(nn.Module):
             x = block(x, start if dyn else x0, masks[i in self.short], ve, state, bigram if i else None, dyn,
                       gates.get(i))
             snaps[i] = x  # references only: backward keeps these tensors anyway
-            if self.skip_weights is not None and i < half:
-                skips.append(x)
         if self.mudd_w1 is not None:  # after the loop: the start, the state, the last layer's input, VE 0, the skip
             mu = self.mudd_coefs(x, 1, 5)
             srcs = (start, snaps[self.cfg.attn_state_layer], snaps[n - 2], ves[0], snaps[self.skip[0]])
@@ -1067,31 +1026,6 @@ def enters_new_pass(old, new, total):
     """Whether a step's stream positions [old, new) reach a pass over the ``total``-token stream that the
     steps before ([0, old)) did not: a wrap, logged once, also when ``old`` sits exactly on a pass boundary."""
     return new > old and (new - 1) // total > max(old - 1, 0) // total
-
-
-class TrainLoader:
-    """Flat train batches: chunk ``rank * accum + micro`` of a step's sequences to each rank and micro-step
-    (any process count sees the same batch); ``position`` is the whole state, ``wrapped`` a new epoch."""
-
-    def __init__(self, stream, global_seqs, micro_seqs, rank, world):
-        self.stream, self.global_seqs, self.micro_seqs = stream, global_seqs, micro_seqs
-        self.rank, self.world = rank, world
-        self.position, self.wrapped = 0, False
-
-    def next_batch(self, seq_tokens, advance, global_seqs=None):
-        """This rank's ``accum`` int64 ``[micro_seqs, seq_tokens]`` of a step (``global_seqs`` None: the init's)."""
-        global_seqs = global_seqs or self.global_seqs
-        accum = global_seqs // (self.micro_seqs * self.world)
-        micro = []
-        for m in range(accum):
-            first = (self.rank * accum + m) * self.micro_seqs
-            n = (self.micro_seqs - 1) * advance + seq_tokens
-            flat = torch.from_numpy(self.stream.read(self.position + first * advance, n))
-            micro.append(flat.unfold(0, seq_tokens, advance))
-        old = self.position
-        self.position += global_seqs * advance
-        self.wrapped = enters_new_pass(old, self.position, self.stream.total)
-        return micro
 
 
 # Document-packed batches (modded-nanogpt records #26 2025-07-13 BOS alignment, #29 2025-09-03
@@ -1248,24 +1182,13 @@ def objective_targets(targets, prefix_table=None, n_predict=3):
     return torch.cat([cols, prefix_targets(prefix_table, targets)[..., None]], dim=-1)
 
 
-def next_micro_batches(loader, stage, seq_len, rt, micro_seqs=None):
-    """``([(inputs, targets)] of this rank on the device, raw tokens the step read)`` for a step of ``stage``
-    (packed with a document cap, else flat)."""
+def next_micro_batches(loader, stage, seq_len, rt, micro_seqs):
+    """``([(inputs, targets)] of this rank on the device, raw tokens the step read)`` for a step of ``stage``:
+    document-packed sequences, the stage's document cap (0 = none)."""
     seq_len = stage.length(seq_len)
     s, mode, global_seqs = stage.bag_size, stage.mode, stage.batch_tokens // seq_len
-    if stage.doc_cap:
-        tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
-        return [make_batch(rt.to_device(t), mode, s) for t in tokens], raw_tokens
-    seq_tokens, advance = sequence_layout(mode, s, seq_len)
-    micro = [make_batch(rt.to_device(t), mode, s) for t in loader.next_batch(seq_tokens, advance, global_seqs)]
-    return micro, global_seqs * advance
-
-
-def make_loader(cfg, schedule, stream, rt):
-    """A ``PackedLoader`` when the stage table caps documents (record #89), else a ``TrainLoader``."""
-    if any(st.doc_cap for st in schedule.stages):
-        return PackedLoader(stream, rt.rank, rt.world)
-    return TrainLoader(stream, cfg.batch_tokens // cfg.seq_len, cfg.micro_batch_seqs, rt.rank, rt.world)
+    tokens, raw_tokens, _ = loader.next_batch(global_seqs, micro_seqs, seq_len, stage.doc_cap, s, mode)
+    return [make_batch(rt.to_device(t), mode, s) for t in tokens], raw_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1563,7 +1486,7 @@ class Run:
     model: GPT
     net: nn.Module
     opts: list
-    loader: TrainLoader
+    loader: PackedLoader
     val: ValData
     progress: Progress
     guard: NanGuard
@@ -1727,7 +1650,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
     schedule = Schedule(cfg)
     run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
-              build_optimizers(model, cfg, compile=rt.compile), make_loader(cfg, schedule, train_stream, rt),
+              build_optimizers(model, cfg, compile=rt.compile), PackedLoader(train_stream, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
               stop if stop is not None else {"signal": None}, data)
     if cfg.objectives:

@@ -75,11 +75,6 @@ MODEL_CHECK_SHAPE = ["--seq-len", "128", "--batch-tokens", "384"]
 # stage 2), the extension at step 5; the val loss drops by ~0.8 nats on the Zipf-distributed check data.
 CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "512", "--val-every", "0", "--log-every", "1", "--seed", "0"]
 CHECK_STEPS = 5
-# --dry-run's timing shape for a preset with a one-stage table (--stages flags: record21_h200): record
-# #21's elements at 4 x 64, the window growing 16 -> 48.
-FLAGS_DRY_SHAPE = ["--n-layer", "4", "--model-dim", "64", "--n-head", "2", "--seq-len", "64", "--batch-tokens", "256",
-                   "--micro-batch-seqs", "2", "--window", "48", "--window-start", "16", "--short-window-layers", "1",
-                   "--no-attn-layers", "2", "--value-embeds", "1"]
 DROP_FIRST_STEPS = 2  # steps at the start of each stage (and phase) left out of its median ms/step
 RECORD89_H100_MIN = 9.84  # record #89 (2026-07-17): 8 x H100 for 1.23 min = 9.84 H100-minutes
 GOAL_MIN = 8.0            # this repository's goal: record_h200's train time on one H200, minutes
@@ -748,8 +743,7 @@ def timing_argv(args, preset, data, device_kind, out_dir):
     The timing run is the preset with N = --steps and its extension steps scaled to N (at least 1
     when it has some): the same stage table, TST phases and window blocks, compressed; untied head.
     """
-    full, _ = T.parse_config(["--preset", preset])
-    shape = (CHECK_SHAPE if full.stages != "flags" else FLAGS_DRY_SHAPE) if args.dry_run else []
+    shape = CHECK_SHAPE if args.dry_run else []
     base = ["--preset", preset] + shape + data + shlex.split(args.trainer_args)
     cfg, _ = T.parse_config(base)
     window = ["--num-iterations", str(args.steps), "--max-steps", "0",
