@@ -370,6 +370,11 @@ def run_logged_code(config, sources, steps, run_dir, threads, tmp):
     the config into flags. Ctrl-C kills the rerun (``subprocess.run``) and propagates.
     """
     write_sources(sources, tmp)
+    # GPT-2's vocabulary (data, not code: the same for every log) beside the code, where harness.py looks
+    # for it (the prefix targets of --objectives read it)
+    bpe = os.path.join(os.path.dirname(HERE), "data", "gpt2_bpe")
+    if os.path.isdir(bpe):
+        shutil.copytree(bpe, os.path.join(tmp, "data", "gpt2_bpe"), dirs_exist_ok=True)
     # Never touch the logged run's checkpoints or resume from them; a short CPU run into tmp.
     for key, value in dict(resume="", checkpoint_dir=os.path.join(tmp, "checkpoints"), save_every=0,
                            save_final=False, save_on_interrupt=False, max_steps=steps, device="cpu",

@@ -23,12 +23,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# Flags that turn every architecture element of the presets off: the model before record #21's
-# architecture (plain causal attention, no value embeddings, skips or mixes), for tests whose
-# reference is that model. The values are Config's defaults.
-PLAIN_ARCHITECTURE = dict(doc_mask=False, window=0, window_start=0, short_window_layers="", no_attn_layers="",
-                          value_embeds=0, unet=False, x0_mix=False, merged_qkv=False, attn_scale=0.0,
-                          logit_softcap=30.0, lr_floor=0.0)
+# Flags that turn every architecture element of the presets off: the plain GPT (causal attention, no
+# value embeddings), for tests whose reference is that model. The values are Config's defaults.
+PLAIN_ARCHITECTURE = dict(doc_mask=False, window=0, short_window_layers="", no_attn_layers="", value_embeds=0,
+                          attn_scale=0.0, logit_softcap=30.0, lr_floor=0.0)
+# The tests' one-stage (--stages flags) model: document masks, a window with a short layer, a value
+# embedding, the attention scale and softcap of the record history, at the tiny shape of tiny_args.
+SMALL_FLAGS = ["--doc-mask", "--value-embeds", "1", "--window", "128", "--short-window-layers", "1",
+               "--attn-scale", "0.12", "--logit-softcap", "15", "--lr-floor", "0.1", "--momentum-warmup-steps", "0",
+               "--embed-lr", "0.3", "--head-lr", "0.02", "--val-tokens", "16384", "--val-every", "50"]
+
 
 def sample_args():
     """--train-files / --val-files of the repository's real-text sample."""
@@ -38,7 +42,7 @@ def sample_args():
 
 def tiny_args(tmp_path, *extra):
     """Flags of a 2-layer, 64-wide model on real text: 256 positions a step, val on 512 tokens."""
-    return ["--preset", "cpu_smoke_r21", *sample_args(), "--n-layer", "2", "--model-dim", "64",
+    return [*SMALL_FLAGS, *sample_args(), "--n-layer", "2", "--model-dim", "64",
             "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
             "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]

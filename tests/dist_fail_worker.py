@@ -6,7 +6,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
 
 if os.environ.get("RANK") == "1":
-    real_next_batch = train_gpt.TrainLoader.next_batch
+    real_next_batch = train_gpt.PackedLoader.next_batch
     calls = []
 
     def failing_next_batch(self, *args):
@@ -14,6 +14,6 @@ if os.environ.get("RANK") == "1":
         if len(calls) == 3:
             raise train_gpt.DataError("fake_train_000002.bin: injected read failure; re-download it")
         return real_next_batch(self, *args)
-    train_gpt.TrainLoader.next_batch = failing_next_batch
+    train_gpt.PackedLoader.next_batch = failing_next_batch
 
 sys.exit(train_gpt.main(sys.argv[1:]))

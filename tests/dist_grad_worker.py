@@ -14,6 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
+from conftest import SMALL_FLAGS  # noqa: E402  (this folder is the script's: on the path)
 
 
 def per_tensor_reference(model, micro_batches, rt):
@@ -33,7 +34,7 @@ def per_tensor_reference(model, micro_batches, rt):
 def main(out):
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "3", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config([*SMALL_FLAGS, "--n-layer", "3", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "16", "--batch-tokens", "128"])
     torch.manual_seed(0)
     model = T.GPT(cfg)

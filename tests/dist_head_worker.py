@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as T  # noqa: E402
+from conftest import SMALL_FLAGS  # noqa: E402  (this folder is the script's: on the path)
 
-VAL_ARGS = ["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2", "--seq-len", "64",
+VAL_ARGS = [*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32", "--n-head", "2", "--seq-len", "64",
             "--val-seq-len", "40", "--val-batch-seqs", "3", "--val-tokens", "290"]
 GRAD_ARGS = ["--preset", "cpu_smoke", "--model-dim", "32", "--n-head", "2", "--bigram-vocab", "64",
              "--seq-len", "16", "--batch-tokens", "192"]

@@ -66,8 +66,8 @@ def test_bad_model89_flag_is_refused_in_one_line(extra, says):
     assert "unpack" not in msg and "invalid literal" not in msg  # python's words, not the flag's fix
 
 
-def test_mudd_alone_on_the_former_recipe_names_what_it_needs():
-    msg = refusal(["--preset", "cpu_smoke_r21", "--mudd"])
+def test_mudd_alone_names_what_it_needs():
+    msg = refusal(["--doc-mask", "--value-embeds", "1", "--mudd"])
     assert msg.startswith("--mudd needs --skip-gate, --attn-state-layer")
 
 

@@ -10,10 +10,12 @@ import harness as H
 import train_gpt as T
 
 
-def test_the_records_utilization_is_record_21s_time_over_its_flops():
-    cfg, _ = T.parse_config(["--preset", "record21_h200", "--tst-frac", "0"])  # record #21's model and steps
+def test_record_89s_utilization_is_its_time_over_its_flops():
+    # RECORD_MFU is record #21's (its recipe left the code; the figure stays, see its comment); the comment's
+    # check on record #89: baseline_h200's FLOPs over 1.23 min on 8 x H100 (989 TFLOP/s) is 42.9% of peak
+    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
     flops = H.plan_summary(cfg, *T.plan(cfg))["flops_total"]
-    assert abs(flops / (2.933 * 60 * 8 * 989e12) - H.RECORD_MFU) < 5e-4  # 2.933 min on 8 x H100 (989 TFLOP/s)
+    assert f"{flops:.3e}" == "2.506e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.429
 
 
 def report(mode="cuda", nominal=979.0):

@@ -15,6 +15,7 @@ from conftest import REPO
 
 import kernels
 import train_gpt as T
+from conftest import SMALL_FLAGS
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -147,7 +148,7 @@ def test_availability_and_shapes():
 
 
 def test_flag_is_off_by_default_and_leaves_the_cpu_model_unchanged():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
+    cfg, _ = T.parse_config([*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
                              "--seq-len", "16", "--batch-tokens", "32"])
     assert T.Config().fp8 is False and cfg.fp8 is False
     on, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8"])

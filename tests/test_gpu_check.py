@@ -105,7 +105,7 @@ def test_the_record_presets_run_fp8_and_the_trainer_turns_it_off_on_a_cpu_with_a
     _, r, out = dry_run
     for preset in ("baseline_h200", "record_h200", "record_8xb200", "cpu_smoke"):
         assert T.parse_config(["--preset", preset])[0].fp8 is True, preset
-    assert T.Config().fp8 is False and T.parse_config(["--preset", "record21_h200"])[0].fp8 is False
+    assert T.Config().fp8 is False
     with open(out / "logs" / "timing_record_h200.txt", encoding="utf-8") as f:  # --dry-run's record_h200 run
         body = f.read().split(gpu_check.SEPARATOR)[1]
     assert f"fp8: off ({T.fp8_unavailable_reason('cpu')}); the matmuls run in float32" in body
@@ -186,23 +186,23 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
 
 
 def test_projection_of_a_flags_preset_weights_each_phase_by_its_flops():
-    # record #21's recipe (one stage from the flags, TST for 30%): each phase at its own measured rate
-    base = ["--preset", "record21_h200"]
+    # a one-stage table from the flags (TST for 30% of 1,770 steps): each phase at its own measured rate
+    base = ["--doc-mask", "--window", "1792", "--num-iterations", "1770"]
     cfg, _ = T.parse_config(base)
     table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
     keys = [gpu_check.stage_key(st) for st in table.stages]
     assert len(keys) == 2 and switch == 531
     stats = {keys[0]: dict(ms_per_step=500.0, flops_per_step=2e14), keys[1]: dict(ms_per_step=900.0, flops_per_step=3e14)}
-    pj = gpu_check.projection("record21_h200", base, stats)
+    pj = gpu_check.projection("flags", base, stats)
     f1 = sum(table[i].flops_per_position for i in range(switch)) * cfg.batch_tokens
     f2 = sum(table[i].flops_per_position for i in range(switch, 1770)) * cfg.batch_tokens
     assert pj["phase1_flops"] == pytest.approx(f1, rel=1e-12) and pj["phase2_flops"] == pytest.approx(f2, rel=1e-12)
     assert abs(pj["projected_train_time_ms"] - (f1 * 500 / 2e14 + f2 * 900 / 3e14)) <= 1
     assert pj["unweighted_train_time_ms"] == 531 * 500 + 1239 * 900 and pj["untimed"] == []
-    pj = gpu_check.projection("record21_h200", base, {keys[0]: stats[keys[0]]})  # phase 2 at phase 1's rate, said so
+    pj = gpu_check.projection("flags", base, {keys[0]: stats[keys[0]]})  # phase 2 at phase 1's rate, said so
     assert pj["untimed"] == [f"{keys[1]} (projected at the rate of {keys[0]})"] and pj["missing"] == []
     assert abs(pj["projected_train_time_ms"] - (f1 + f2) * 500 / 2e14) <= 1
-    pj = gpu_check.projection("record21_h200", base, {})  # nothing timed: no projection
+    pj = gpu_check.projection("flags", base, {})  # nothing timed: no projection
     assert pj["projected_train_time_ms"] is None and pj["missing"] == keys
 
 

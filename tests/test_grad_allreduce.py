@@ -13,7 +13,7 @@ import torch
 
 import kernels
 import train_gpt as T
-from conftest import REPO, subprocess_env
+from conftest import REPO, SMALL_FLAGS, subprocess_env
 
 
 def run_worker(out):
@@ -48,7 +48,7 @@ def test_bucketed_all_reduce_equals_per_tensor_and_overlaps_the_last_backward(tm
 
 
 def test_buckets_follow_the_backward_order_and_the_cap():
-    model = T.GPT(T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32",
+    model = T.GPT(T.parse_config([*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32",
                                   "--n-head", "2", "--seq-len", "16", "--batch-tokens", "32"])[0])
     params = list(model.parameters())
     b = kernels.GradBuckets(params, cap_bytes=16 * 1024)

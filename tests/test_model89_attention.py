@@ -179,7 +179,7 @@ def ref_layer(a, x, doc, window, freqs, scale, ve=None, ve_gate=None, xsa_alpha=
     q, k, v = (t.view(B, L, Hn, D) for t in (q, k, v))
     if ve is not None:
         ve = ve.view(B, L, Hn, D)
-        v = v + ve_gate * ve if ve_gate is not None else a.ve_mix[0] * v + a.ve_mix[1] * ve
+        v = v + ve_gate * ve if ve_gate is not None else v + ve
     q, k = (t / torch.sqrt(t.square().mean(-1, keepdim=True) + torch.finfo(t.dtype).eps) for t in (q, k))
     pos = (lambda t, h: 2 * t + (h >= Hn // 2)) if a.paired else (lambda t, h: t)
     angle = (lambda t, h: 2 * t + h % 2) if a.paired else pos  # HEAD's paired table: heads 2j, 2j+1 at 2t, 2t+1
@@ -266,9 +266,8 @@ def test_attention_layer_equals_pairwise_reference(case):
         assert a.paired == (str(i) in cfg.paired_head_layers.split(","))
         window = (4 if short else 9) if T.windowed(cfg) else 0
         with torch.no_grad():
-            got = a(x, masks[short], ve if a.ve_mix is not None else None)
-            ref = ref_layer(a, x, doc, window, freqs, scale, ve if a.ve_mix is not None else None,
-                            offset_docs=cfg.key_offset_docs)
+            got = a(x, masks[short], ve)
+            ref = ref_layer(a, x, doc, window, freqs, scale, ve, offset_docs=cfg.key_offset_docs)
         assert torch.allclose(got, ref, atol=1e-10, rtol=0), (case, i)
 
 

@@ -6,6 +6,7 @@ the session cannot make the snapshot and the "working tree" disagree; verify com
 that copy (``--repo``). The modded-nanogpt-shaped logs are written here (``peer_logs``): invented
 names, code and values in the shape of that repository's record logs.
 """
+import dataclasses
 import glob
 import hashlib
 import json
@@ -47,10 +48,11 @@ def fresh(tmp_path_factory):
     tree.mkdir()
     for name in harness.SOURCE_FILES:
         shutil.copyfile(os.path.join(REPO, name), tree / name)
-    cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke_r21",
+    shutil.copytree(os.path.join(REPO, "data", "gpt2_bpe"), tree / "data" / "gpt2_bpe")  # --objectives reads it
+    cmd = [sys.executable, str(tree / "train_gpt.py"), "--preset", "cpu_smoke",
            "--train-files", f"{DATA}/*_train_*.bin", "--val-files", f"{DATA}/*_val_*.bin",
-           "--num-iterations", "6", "--val-every", "3", "--val-tokens", "1024",
-           "--batch-tokens", "512", "--micro-batch-seqs", "2",  # 2 micro-steps of 2 x 128 positions
+           "--num-iterations", "6", "--val-every", "3", "--val-tokens", "1024", "--log-every", "1",
+           "--seq-len", "128", "--batch-tokens", "768",  # 2 -> 4 -> 6 sequences of 128, one per micro-step
            "--device", "cpu", "--no-compile", "--log-dir", str(root / "logs"), "--run-id", "fresh"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -1370,3 +1372,23 @@ def test_tools_find_the_repository_one_way():
     odd = {p: lines for p, lines in setups.items()
            if any(line not in (root_line, "sys.path.insert(0, root)") for line in lines)}
     assert not odd, odd
+
+
+def test_a_record_21_era_log_reruns_from_its_own_code(tmp_path):
+    """Record #21's recipe (U-net, x0 mix, growing window) left the code; its small-scale logs re-run from their
+    snapshot with the command records/README.md gives: the data order rebuilt from data/sample, then
+    ``verify.py LOG --extract DIR --rerun 5`` (the log's train losses are every 5th step)."""
+    log = os.path.join(CPU, "2026-11-30_small_scale_cost", "cur_seed0.txt")
+    text = read_text(log)
+    assert '"unet": true' in text and '"x0_mix": true' in text and '"window_start": 32' in text
+    assert '"unet"' not in json.dumps(dataclasses.asdict(train_gpt.Config()))  # not the current code's
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import small_scale_data
+    orders = small_scale_data.build_orders(os.path.join(REPO, DATA, "*_train_*.bin"), str(tmp_path / "orders"),
+                                           ["mix"], 1, 128)
+    assert orders[("mix", 0)].endswith("mix_o0_80275d8349/*_train_*.bin")  # the logged order's hash
+    out = tmp_path / "code"
+    proc = run_tool("verify.py", log, "--extract", out, "--rerun", 5, "--train-files", orders[("mix", 0)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "train losses reproduced" in proc.stdout and "val_loss at step 0" in proc.stdout
+    assert "unet: bool" in (out / "train_gpt.py").read_text() and proc.stdout.rstrip().endswith("OK")

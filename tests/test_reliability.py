@@ -389,7 +389,8 @@ def test_the_ranks_agree_on_a_signal_at_train_loss_lines_at_least_10_steps_apart
 
 def test_an_eager_flex_attention_run_that_cannot_fit_the_gpu_is_refused_naming_compile():
     h200 = 150_000_000_000  # bytes (141 GiB): the check takes the device's memory as an argument
-    r21, _ = T.parse_config(["--preset", "record21_h200"])  # 1 sequence of 49,152 positions, 6 heads
+    r21, _ = T.parse_config(["--doc-mask", "--seq-len", "49152", "--batch-tokens", "393216", "--micro-batch-seqs", "1"])
+    # record #21's shape: 1 sequence of 49,152 positions, 6 heads
     assert T.TRAINER.flex_attention(r21) and not T.TRAINER.flex_attention(T.parse_config(["--no-doc-mask"])[0])
     assert H.eager_attention_bytes(r21) == 4 * 1 * 6 * 49152 ** 2 * 4  # the backward's four fp32 [B, H, T, T]
     with pytest.raises(H.ConfigError) as e:

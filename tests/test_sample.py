@@ -79,7 +79,7 @@ def test_a_phase_1_checkpoint_samples_in_next_token_mode(tmp_path):
     path = checkpoint(tmp_path, "p1", "--tst-frac", "0.75", "--max-steps", "3")
     assert harness.load_checkpoint(path)["phase"] == 1
     model, cfg, step = sample.load_model(path, torch.device("cpu"))
-    assert step == 3 and cfg.tst_bag_size > 1 and model._window == T.window_at(3, cfg)
+    assert step == 3 and cfg.tst_bag_size > 1 and model._window == T.flag_windows(cfg)
     new = sample.generate(model, prompt_ids("The"), 5, generator=torch.Generator().manual_seed(0))
     assert len(new) == 5
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, read_log, subprocess_env, tiny_args
+from conftest import REPO, SMALL_FLAGS, read_log, subprocess_env, tiny_args
 
 N_SCHED, N_EXT = 1270, 15
 TOTAL = N_SCHED + N_EXT
@@ -129,12 +129,12 @@ def test_a_switch_past_the_first_stage_splits_the_second():
 
 def test_flags_table_is_unchanged_by_the_new_columns():
     """The default table: one stage, no cap, no objective columns, lr and windows from the flags."""
-    cfg = T.parse_config(["--preset", "cpu_smoke_r21"])[0]
+    cfg = T.parse_config([*SMALL_FLAGS, "--num-iterations", "100"])[0]
     table = T.Schedule(cfg)
     for step in range(cfg.num_iterations + 1):
         row = table[step]
         assert row.stage.doc_cap == 0 and row.objective == ()
-        assert row.lr_scale == T.lr_scale(step, cfg) and row.window == T.window_at(step, cfg)
+        assert row.lr_scale == T.lr_scale(step, cfg) and row.window == T.flag_windows(cfg)
         assert row.momentum == T.momentum_at(step, cfg)
 
 
@@ -296,7 +296,7 @@ def test_split_step_is_the_odd_start_of_stage_3():
     assert T.split_step(cfg) == 847 | 1 == 847
     assert T.split_step(record89("--tied-embed", "--num-iterations", "1288", "--extension-steps", "15")) == 849
     with pytest.raises(T.ConfigError, match="--tied-embed needs --stages record89"):
-        T.parse_config(["--preset", "cpu_smoke_r21", "--tied-embed"])
+        T.parse_config([*SMALL_FLAGS, "--tied-embed"])
 
 
 def test_untie_copies_the_weight_and_the_head_adam_state():

@@ -13,7 +13,7 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SAMPLE_DIR, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, SAMPLE_DIR, SMALL_FLAGS, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 # ---------------------------------------------------------------------------------------------
 # config and CLI
@@ -26,10 +26,10 @@ def test_every_config_field_is_a_flag_with_its_default_in_help():
 
 
 def test_preset_then_explicit_flags_override():
-    cfg, preset = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "3"])
-    assert preset == "cpu_smoke_r21"
-    assert cfg.n_layer == 3  # explicit flag beats preset
-    assert cfg.model_dim == T.PRESETS["cpu_smoke_r21"]["model_dim"]  # preset beats default
+    cfg, preset = T.parse_config(["--preset", "cpu_smoke", "--num-iterations", "7"])
+    assert preset == "cpu_smoke"
+    assert cfg.num_iterations == 7  # explicit flag beats preset
+    assert cfg.model_dim == T.PRESETS["cpu_smoke"]["model_dim"]  # preset beats default
     assert T.parse_config([])[0].model_dim == 768  # default
 
 
@@ -60,8 +60,7 @@ def test_record_presets_share_global_batch_and_dynamics():
     assert (h200.tst_bag_size, h200.tst_frac, h200.optimizer) == (4, 0.3, "aurora_normuon")
 
 # Each preset dict and the dict it is built on (None: Config's defaults alone).
-PRESET_PARENTS = [(T.ARCHITECTURE, None), (T.RECORD, T.ARCHITECTURE), (T.RECORD89, T.RECORD),
-                  (T.RECORD89_OURS, T.RECORD89), (T.PRESETS["cpu_smoke_r21"], T.ARCHITECTURE),
+PRESET_PARENTS = [(T.MODEL89, None), (T.RECORD89, T.MODEL89), (T.RECORD89_OURS, T.RECORD89),
                   (T.PRESETS["cpu_smoke"], T.RECORD89_OURS)]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(T.Config)}
 
@@ -81,8 +80,8 @@ def test_presets_list_only_what_differs_from_the_defaults():
 
 
 def test_the_preset_check_catches_a_restated_default():
-    assert restated_defaults(dict(T.RECORD, pp_beta=DEFAULTS["pp_beta"], head_lr=0.5), T.ARCHITECTURE) == ["pp_beta"]
-    assert restated_defaults(dict(T.RECORD89, seq_len=1024), T.RECORD) == []  # a reset of the parent's value
+    assert restated_defaults(dict(T.RECORD89, pp_beta=DEFAULTS["pp_beta"], head_lr=0.5), T.MODEL89) == ["pp_beta"]
+    assert restated_defaults(dict(T.RECORD89_OURS, seq_len=1024), T.RECORD89) == []  # a reset of the parent's value
 
 
 def test_unquoted_glob_gets_a_hint(tmp_path):
@@ -94,7 +93,7 @@ def test_unquoted_glob_gets_a_hint(tmp_path):
 
 
 def test_config_to_argv_round_trips():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--no-nesterov", "--tst-mode", "output", "--compile"])
+    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--no-nesterov", "--tst-mode", "output", "--compile"])
     again, _ = T.parse_config(T.config_to_argv(cfg))
     assert again == cfg
 
@@ -173,39 +172,26 @@ def test_token_stream_reads_across_shards_and_wraps(shard_dir):
         T.TokenStream(files).read(2995, 10)
 
 
-def test_loader_slices_are_the_same_for_any_split_of_processes_and_micro_steps(shard_dir):
-    files = sorted(str(p) for p in shard_dir.glob("t_train_*.bin"))
-    stream = T.TokenStream(files, wrap=True)
-
-    def global_batch(world, micro):
-        chunks = []
-        for rank in range(world):
-            loader = T.TrainLoader(stream, global_seqs=8, micro_seqs=micro, rank=rank, world=world)
-            chunks += loader.next_batch(seq_tokens=17, advance=16)
-        return torch.cat(chunks)
-
-    ref = global_batch(1, 8)
-    assert ref.shape == (8, 17)
-    assert ref[:, 0].tolist() == list(range(0, 128, 16))  # sequence b starts at b * advance
-    assert torch.equal(ref[:, 1:], ref[:, :-1] + 1)
-    for world, micro in ((1, 2), (2, 4), (2, 1), (4, 2)):
-        assert torch.equal(global_batch(world, micro), ref)
+# A one-stage run of 16 sequences of 128 (2,048 positions) in micro-batches of 8, and record #21's batch
+# shape: 8 sequences of 49,152, one per micro-batch.
+FLAGS_16 = [*SMALL_FLAGS, "--seq-len", "128", "--batch-tokens", "2048", "--micro-batch-seqs", "8"]
+FLAGS_8 = ["--seq-len", "49152", "--batch-tokens", "393216", "--micro-batch-seqs", "1"]
 
 
-@pytest.mark.parametrize("preset, world, micro, accum", [
-    ("record21_h200", 1, None, 8), ("record_h200", 1, None, 8), ("record_8xb200", 8, None, 1),
-    ("cpu_smoke_r21", 2, 8, 1), ("cpu_smoke_r21", 1, 4, 4)])
-def test_grad_accum_steps_fill_the_global_batch(preset, world, micro, accum):
+@pytest.mark.parametrize("argv, world, micro, accum", [
+    (FLAGS_8, 1, None, 8), (["--preset", "record_h200"], 1, None, 8), (["--preset", "record_8xb200"], 8, None, 1),
+    (FLAGS_16, 2, 8, 1), (FLAGS_16, 1, 4, 4)], ids=["flags8", "record_h200", "record_8xb200", "flags16-2", "flags16-1"])
+def test_grad_accum_steps_fill_the_global_batch(argv, world, micro, accum):
     """Every step's sequences (record presets: HEAD's 8, growing in length by stage) split into micro-batches."""
-    cfg, _ = T.parse_config(["--preset", preset] + (["--micro-batch-seqs", str(micro)] if micro else []))
+    cfg, _ = T.parse_config(argv + (["--micro-batch-seqs", str(micro)] if micro else []))
     assert H.grad_accum_steps(cfg, world) == accum
     assert {st.batch_tokens // st.length(cfg.seq_len) for st in T.stages(cfg)} == {accum * cfg.micro_batch_seqs * world}
 
 
-@pytest.mark.parametrize("preset, world", [("record21_h200", 3), ("record21_h200", 5), ("record21_h200", 6),
-                                           ("record21_h200", 7), ("record21_h200", 12), ("cpu_smoke_r21", 3)])
-def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(preset, world):
-    cfg, _ = T.parse_config(["--preset", preset])
+@pytest.mark.parametrize("argv, world", [(FLAGS_8, 3), (FLAGS_8, 5), (FLAGS_8, 6), (FLAGS_8, 7), (FLAGS_8, 12),
+                                         (FLAGS_16, 3)], ids=["8-3", "8-5", "8-6", "8-7", "8-12", "16-3"])
+def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(argv, world):
+    cfg, _ = T.parse_config(argv)
     seqs = cfg.batch_tokens // cfg.seq_len
     with pytest.raises(T.ConfigError, match="run with a process count in") as err:
         H.grad_accum_steps(cfg, world)
@@ -215,7 +201,7 @@ def test_a_process_count_that_cannot_split_the_batch_names_the_counts_that_can(p
 
 
 def test_a_micro_batch_that_cannot_split_the_batch_names_the_values_that_can():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--micro-batch-seqs", "3"])
+    cfg, _ = T.parse_config([*FLAGS_16, "--micro-batch-seqs", "3"])
     with pytest.raises(T.ConfigError, match=r"--micro-batch-seqs 3 x 2 .* use one of \[1, 2, 4, 8\]"):
         H.grad_accum_steps(cfg, 2)
 
@@ -239,7 +225,7 @@ def test_record89_stages_split_stage_1s_third_of_the_batch_over_the_processes(wo
 
 
 def small_cfg(**kw):
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
+    cfg, _ = T.parse_config([*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "64", "--n-head", "2",
                              "--seq-len", "16"])
     return T.dataclasses.replace(cfg, **kw)
 
@@ -562,7 +548,7 @@ def test_a_training_only_loss_term_never_reaches_the_val_loss(monkeypatch):
 
 
 def test_every_parameter_is_routed_where_it_is_created_and_an_untagged_one_stops_the_run():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke_r21", "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
+    cfg, _ = T.parse_config([*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32", "--n-head", "2"])
     model = T.GPT(cfg)
     tags = {n: p.opt_group for n, p in model.named_parameters()}
     assert {n for n, g in tags.items() if g == "matrix"} == {
