@@ -901,6 +901,7 @@ def find_data(cfg):
 # Checkpoints and resume
 
 CHECKPOINT_FORMAT = "train_gpt-checkpoint-1"
+CHECKPOINT_HEADER = ("run_id", "step", "phase", "config", "data")  # what --resume's checks read: no tensors
 
 
 def rank_buffers(model):
@@ -922,8 +923,9 @@ def checkpoint_state(run, step):
 def save_checkpoint(state, path):
     """Write a checkpoint atomically: serialize, checksum, write ``<path>.tmp.<pid>``, rename.
 
-    The file is ``torch.save({"format", "sha256", "payload"})`` where ``payload`` is the
-    uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load.
+    The file is ``torch.save({"format", "sha256", "payload", "header"})`` where ``payload`` is the
+    uint8 serialization of ``state``, so a truncated *or* bit-flipped file is detected on load, and
+    ``header`` a copy of its CHECKPOINT_HEADER fields, read without the payload (``load_checkpoint``).
 
     Raises:
         ConfigError: the folder lacks the space (checked first: needed and free MB named) or
@@ -933,6 +935,7 @@ def save_checkpoint(state, path):
     torch.save(state, inner)
     payload = inner.getbuffer()
     torch.save(dict(format=CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
+                    header={k: state[k] for k in CHECKPOINT_HEADER if k in state},
                     payload=torch.frombuffer(payload, dtype=torch.uint8)), outer)
     folder, tmp = os.path.dirname(path) or ".", f"{path}.tmp.{os.getpid()}"
     need_mb = (outer.getbuffer().nbytes >> 20) + 1
@@ -952,8 +955,11 @@ def save_checkpoint(state, path):
             os.remove(tmp)
 
 
-def load_checkpoint(path):
-    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config, data).
+def load_checkpoint(path, header_only=False):
+    """The state dict saved by ``save_checkpoint`` (model, optimizers, step, loader, RNG, config, data); with
+    ``header_only`` its CHECKPOINT_HEADER fields alone, the payload memory-mapped and never read (run.sh's
+    pre-flight: a record checkpoint is GBs, which every rank reads again); a checkpoint older than the header
+    is read whole.
 
     Raises:
         ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
@@ -966,13 +972,15 @@ def load_checkpoint(path):
     if not is_zip:
         raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint (give a checkpoints/<run_id>/step_N.pt)")
     try:
-        outer = torch.load(path, map_location="cpu", weights_only=True)
+        outer = torch.load(path, map_location="cpu", weights_only=True, mmap=header_only)
     except Exception as e:  # torch raises several kinds for a truncated or mangled archive
         first = (str(e).splitlines() or [""])[0][:120]
         raise ConfigError(f"--resume {path}: truncated or unreadable checkpoint ({type(e).__name__}: "
                           f"{first}); resume from an older one") from None
     if not isinstance(outer, dict) or outer.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--resume {path}: not a train_gpt.py checkpoint")
+    if header_only and isinstance(outer.get("header"), dict):
+        return dict(outer["header"])
     payload = outer["payload"].numpy().tobytes()
     if hashlib.sha256(payload).hexdigest() != outer["sha256"]:
         raise ConfigError(f"--resume {path}: corrupt checkpoint (sha256 mismatch); resume from an older one")
@@ -1028,11 +1036,21 @@ def check_resume(state, cfg, data, trainer):
     return diffs
 
 
-def prepare_resume(cfg, data, trainer):
-    """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written."""
+def prepare_resume(cfg, data, trainer, header_only=False):
+    """``(state, path, diffs)`` of the checkpoint to resume from, checked before any file is written
+    (``header_only``: the state's CHECKPOINT_HEADER fields alone, ``load_checkpoint``)."""
     path = find_latest_checkpoint(cfg.checkpoint_dir, cfg.run_id) if cfg.resume == "auto" else cfg.resume
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, header_only)
     return state, path, check_resume(state, cfg, data, trainer)
+
+
+def resolve_run(cfg, data, trainer, header_only=False):
+    """``(resume, run_id, resumed_run_id)`` of a run, as ``preflight`` and ``start`` both take them: ``resume``
+    ``prepare_resume``'s triple or None; ``run_id`` --run-id, else the resumed checkpoint's, else "" (a new
+    unnamed run: ``start`` draws its id); ``resumed_run_id`` the checkpoint's run id, None for a new run."""
+    resume = prepare_resume(cfg, data, trainer, header_only) if cfg.resume else None
+    resumed_run_id = resume[0]["run_id"] if resume else None
+    return resume, cfg.run_id or resumed_run_id or "", resumed_run_id
 
 
 def restore(run, state, path):
@@ -1574,10 +1592,11 @@ def answer_describe(argv, trainer, cfg, preset):
     return known.describe
 
 
-def check_start(cfg, world):
+def check_start(cfg, world, accum=None):
     """The start-up checks every rank of a ``world``-process run makes alike, before its process group forms:
-    the device, the batch's split over the processes, the data files. Cheap (no model, no GPU memory): run.sh
-    runs them once before torchrun starts (``preflight``), so that a refusal is one line.
+    the device, the batch's split over the processes (``accum``: already checked, its result), the data files.
+    Cheap (no model, no GPU memory): run.sh runs them once before torchrun starts (``preflight``), so that a
+    refusal is one line.
 
     Returns:
         ``(device kind "cuda" or "cpu", micro-batches per process, find_data's files)``.
@@ -1591,26 +1610,35 @@ def check_start(cfg, world):
     kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-    return kind, grad_accum_steps(cfg, world), find_data(cfg)
+    return kind, grad_accum_steps(cfg, world) if accum is None else accum, find_data(cfg)
 
 
-def check_run_files(cfg, run_id, resumed_run_id):
-    """What rank 0 refuses at start for the files of run ``run_id``, checked without keeping anything: its
-    lock (a run of that id going now, an unwritable --log-dir; ``RunLock``, released at once), a log of
-    that id that a new run would not replace, and its checkpoint folder (``check_checkpoint_dir``).
+def check_run_files(cfg, run_id, resumed_run_id, lock=None):
+    """What rank 0 refuses at start for the files of run ``run_id`` (``preflight`` and ``start``): its lock (a
+    run of that id going now, an unwritable --log-dir; ``RunLock``), a log of that id that a new run would not
+    replace, and its checkpoint folder (``check_checkpoint_dir``).
 
     Args:
         cfg: the run's config; run_id: its id.
         resumed_run_id: the run id of the checkpoint it resumes, None for a new run.
+        lock: the run's ``RunLock`` if already taken (``start`` locks a named run before reading its checkpoint).
+
+    Returns:
+        the run's ``RunLock``, held: the caller releases it (at once in ``preflight``, at the run's end in ``main``).
 
     Raises:
-        ConfigError: any of these, naming the flag (as the run itself would).
+        ConfigError: any of these, naming the flag (as the run itself would); the lock is released first.
     """
-    RunLock(cfg.log_dir, run_id).release()  # first: it leaves nothing behind (check_checkpoint_dir makes the folder)
-    path = os.path.join(cfg.log_dir, f"{run_id}.txt")
-    if resumed_run_id is None and os.path.exists(path):
-        raise log_exists(run_id, path)
-    check_checkpoint_dir(cfg, run_id, resumed_run_id)
+    lock = lock or RunLock(cfg.log_dir, run_id)
+    try:
+        path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+        if resumed_run_id is None and os.path.exists(path):
+            raise log_exists(run_id, path)
+        check_checkpoint_dir(cfg, run_id, resumed_run_id)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def preflight(argv, trainer, world):
@@ -1623,8 +1651,8 @@ def preflight(argv, trainer, world):
         trainer: the ``Trainer`` whose flags they are.
         world: the number of processes torchrun will start.
 
-    Besides the flags and ``check_start``: the checkpoint to resume (``prepare_resume``) and, for a named
-    run, its files (``check_run_files``), which rank 0 alone checks in the run. Only --help's
+    Besides the flags and ``check_start``: the checkpoint to resume (``resolve_run``: its header and config,
+    not its tensors) and, for a named run, its files (``check_run_files``), which rank 0 alone checks in the run. Only --help's
     and --describe's answers go to stdout: run.sh prints them and starts no process.
 
     Returns:
@@ -1640,13 +1668,12 @@ def preflight(argv, trainer, world):
         if answer_describe(argv, trainer, cfg, preset):
             return 0
         who = f"run.sh: NPROC={world}"  # the process count is run.sh's
-        grad_accum_steps(cfg, world)
+        accum = grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
-        _, _, data = check_start(cfg, world)
-        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
-        run_id = cfg.run_id or (resume[0]["run_id"] if resume else "")
+        _, _, data = check_start(cfg, world, accum)
+        _, run_id, resumed_run_id = resolve_run(cfg, data, trainer, header_only=True)
         if run_id:  # an unnamed new run gets a fresh id: nothing can be in its way
-            check_run_files(cfg, run_id, resume[0]["run_id"] if resume else None)
+            check_run_files(cfg, run_id, resumed_run_id).release()
     except (ConfigError, DataError) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return 2
@@ -1911,12 +1938,10 @@ def start(cfg, trainer, rt, data):
     # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
     lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
     try:
-        resume = prepare_resume(cfg, data, trainer) if cfg.resume else None
-        run_id = cfg.run_id or (resume[0]["run_id"] if resume else
-                                datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        resume, run_id, resumed_run_id = resolve_run(cfg, data, trainer)
+        run_id = run_id or datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6]
         if rt.master:
-            check_checkpoint_dir(cfg, run_id, resume[0]["run_id"] if resume else None)
-            lock = lock or RunLock(cfg.log_dir, run_id)
+            lock = check_run_files(cfg, run_id, resumed_run_id, lock)
     except BaseException:
         if lock is not None:
             lock.release()

@@ -1,4 +1,6 @@
 """Checkpoints: exact resume in either TST phase, refusal of bad checkpoints, save on interrupt."""
+import hashlib
+import io
 import json
 import os
 import signal
@@ -7,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import harness as H
 import train_gpt as T
@@ -254,3 +257,33 @@ def test_a_checkpoint_from_before_a_new_flag_resumes_as_that_flags_default(tmp_p
     with pytest.raises(T.ConfigError, match="window: checkpoint 0 vs now 4"):
         H.check_resume(state, T.parse_config(tiny_args(tmp_path, "--num-iterations", "12", *no_masks,
                                                        "--window", "4"))[0], state["data"], T.TRAINER)
+
+
+def test_the_preflight_reads_a_checkpoints_header_without_its_tensors(tmp_path):
+    """``header_only``: run id, step, phase, config and data from the file's header, the payload (weights,
+    optimizer states) memory-mapped and never read: a payload with flipped bytes still gives the header,
+    which the full load refuses as corrupt."""
+    state = dict(run_id="r", step=3, phase=2, config=dict(seed=1), data=dict(train=[], val=[]),
+                 model=dict(w=torch.randn(1_000_000)))
+    H.save_checkpoint(state, str(tmp_path / "ok.pt"))
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    middle = len(raw) // 2  # inside the payload: 4 MB of the file's ~4 MB
+    raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+    (tmp_path / "bad.pt").write_bytes(bytes(raw))
+    header = H.load_checkpoint(str(tmp_path / "bad.pt"), header_only=True)
+    assert header == {k: state[k] for k in H.CHECKPOINT_HEADER}  # nothing else: no tensor came back
+    with pytest.raises(H.ConfigError, match="corrupt checkpoint"):
+        H.load_checkpoint(str(tmp_path / "bad.pt"))
+    full = H.load_checkpoint(str(tmp_path / "ok.pt"))
+    assert torch.equal(full["model"]["w"], state["model"]["w"])
+
+
+def test_a_checkpoint_without_a_header_is_read_whole_by_the_preflight(tmp_path):
+    """A checkpoint written before the header existed: ``header_only`` falls back to the full, checked load."""
+    state = dict(run_id="old", step=2, phase=1, config={}, data={}, model={})
+    inner = io.BytesIO()
+    torch.save(state, inner)
+    payload = inner.getbuffer()
+    torch.save(dict(format=H.CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
+                    payload=torch.frombuffer(payload, dtype=torch.uint8)), str(tmp_path / "old.pt"))
+    assert H.load_checkpoint(str(tmp_path / "old.pt"), header_only=True) == state
