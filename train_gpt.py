@@ -200,7 +200,7 @@ PRESETS = {
     "record_h200": RECORD89_OURS,  # the record's name on one H200
     "record_8xb200": RECORD89_OURS,  # ... and on 8 B200s: the same run
     # 2 CPU cores, under 5 minutes: the record recipe and model at a tiny shape on the real-text sample, one
-    # flat (document-packed) sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
+    # document-packed sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.
     "cpu_smoke": dict(RECORD89_OURS, **SMOKE_MODEL89, seq_len=768, batch_tokens=2304, num_iterations=100,
                       extension_steps=2, window_block=32, momentum_warmup_steps=24, momentum_cooldown_steps=4,
                       val_tokens=16384, val_every=50, log_every=1, grow_seq_len=False, val_seq_len=0,

@@ -247,7 +247,7 @@ def test_interrupt_without_save_marks_the_log_incomplete(tmp_path):
 
 
 def test_a_checkpoint_from_before_a_new_flag_resumes_as_that_flags_default(tmp_path):
-    no_masks = ["--no-doc-mask", "--window", "0", "--window-start", "0", "--short-window-layers", ""]
+    no_masks = ["--no-doc-mask", "--window", "0", "--short-window-layers", ""]
     assert run(tmp_path, "--run-id", "o", "--max-steps", "2", "--save-final", *no_masks) == 0
     path = tmp_path / "ckpt" / "o" / "step_000002.pt"
     state = H.load_checkpoint(str(path))

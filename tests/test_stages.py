@@ -151,7 +151,7 @@ def recipe_args(tmp_path, run_id, *extra):
     """8 steps of the record #89 table at a tiny shape: stages [0, 2), [2, 4), [4, 6) of 4, 8, 12
     packed sequences of 32 positions, extension [6, 8); no TST."""
     return tiny_args(tmp_path, "--stages", "record89", "--batch-tokens", "384", "--micro-batch-seqs", "2",
-                     "--num-iterations", "8", "--extension-steps", "2", "--window", "0", "--window-start", "0",
+                     "--num-iterations", "8", "--extension-steps", "2", "--window", "0",
                      "--window-block", "8", "--tst-frac", "0", "--val-every", "0", "--run-id", run_id, *extra)
 
 
@@ -213,7 +213,7 @@ def test_two_processes_match_one_process_across_stage_changes(tmp_path, extra):
 def small_model(cap, seed=0):
     cfg = T.parse_config(["--preset", "cpu_smoke", "--stages", "record89", "--model-dim", "32", "--bigram-vocab", "512",
                           "--seq-len", "16", "--batch-tokens", "96", "--micro-batch-seqs", "2",
-                          "--window", "0", "--window-start", "0", "--window-block", "4", "--tst-frac", "0",
+                          "--window", "0", "--window-block", "4", "--tst-frac", "0",
                           "--num-iterations", "9", "--extension-steps", "0", "--objectives", "--logit-cap", cap])[0]
     torch.manual_seed(seed)
     model = T.GPT(cfg)

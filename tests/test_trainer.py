@@ -297,7 +297,7 @@ def test_lr_schedule_warmup_flat_cooldown():
 
 
 def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
-    cfg = small_cfg()
+    cfg = small_cfg(x0_gates=True)
     model = T.GPT(cfg)
     adam, aurora = T.build_optimizers(model, cfg)
     assert isinstance(aurora, T.Aurora)
@@ -306,7 +306,7 @@ def test_optimizer_split_aurora_on_block_matrices_adam_elsewhere():
     adam_params = {id(p) for g in adam.param_groups for p in g["params"]}
     embeds = {id(model.embed.weight)} | {id(t.weight) for t in model.value_embeds}
     scalars = {id(p) for p in model.parameters() if p.ndim < 2}
-    assert len(model.value_embeds) == 1 and scalars  # the cpu_smoke architecture has both
+    assert len(model.value_embeds) == 1 and scalars  # SMALL_FLAGS's value embedding, the x0 gates
     assert adam_params == embeds | {id(model.lm_head.weight)} | scalars
     assert aurora.param_groups[0]["pp_iterations"] == cfg.pp_iterations
     muon = T.build_optimizers(model, T.dataclasses.replace(cfg, optimizer="muon"))[1]
@@ -357,9 +357,12 @@ def test_end_to_end_log_is_a_snapshot_with_phases_and_switch(tmp_path):
     summary = json.loads((tmp_path / "logs" / "e2e.json").read_text())
     assert summary["status"] == "complete" and summary["steps"] == 8
     assert summary["final_val_loss"] == pytest.approx(val[8], abs=1e-4)
-    # accounting: phase 1 reads s = 4 times more text per step than phase 2
-    per_step_p2 = 256
-    assert summary["raw_tokens"] == 4 * 4 * per_step_p2 + 4 * per_step_p2
+    # accounting: a packed sequence reads its L + 1 tokens (phase 1: s = 4 times that) plus the document
+    # tails it skips; the summary's count is the last step line's
+    tokens = [int(l.split("tokens:")[1].split()[0]) for l in train]
+    steps = [b - a for a, b in zip([0] + tokens, tokens)]
+    assert all(n >= 8 * 33 * 4 for n in steps[:4]) and all(n >= 8 * 33 for n in steps[4:])
+    assert summary["raw_tokens"] == tokens[-1]
     assert summary["positions"] == 8 * 256
     assert summary["flops"] == 8 * 256 * summary["flops_per_position"]
 
@@ -373,19 +376,21 @@ def test_baseline_optimizers_train(tmp_path, optimizer):
 
 
 def test_reading_past_the_end_of_the_train_shards_is_logged(tmp_path, shard_dir):
-    code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w",
-                            "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0"))
-    assert code == 0
-    text = read_log(tmp_path / "logs", "w").split(H.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2048
+    # 3,000 one-token documents (every token an <|endoftext|>): a packed sequence of 32 positions reads exactly
+    # its 33 tokens and skips none, 8 of them a step (264 tokens; 4 x 264 in TST phase 1)
+    eot = tmp_path / "eot"
+    eot.mkdir()
+    write_shard(eot / "e_train_000001.bin", np.full(3000, T.EOT_TOKEN))
+    flags = ["--train-files", str(eot / "e_train_*.bin"), "--val-files", str(shard_dir / "t_val_*.bin")]
+    assert T.main(tiny_args(tmp_path, *flags, "--run-id", "w", "--tst-frac", "0")) == 0
+    text = read_log(tmp_path / "logs", "w").split(H.SEPARATOR)[1]  # 3000 tokens; 8 steps read 2112
     summary = json.loads((tmp_path / "logs" / "w.json").read_text())
-    assert summary["train_epochs"] == pytest.approx(8 * 256 / 3000, abs=1e-4)
+    assert summary["train_epochs"] == pytest.approx(8 * 264 / 3000, abs=1e-4)
     assert "wrapped around" not in text
-    code = T.main(tiny_args(tmp_path, "--train-files", str(shard_dir / "t_train_*.bin"), "--run-id", "w2",
-                            "--val-files", str(shard_dir / "t_val_*.bin"), "--tst-frac", "0.5"))
-    assert code == 0  # 4 steps x 1024 + 4 x 256 = 5120 tokens > 3000: wraps during step 3
-    text = read_log(tmp_path / "logs", "w2").split(H.SEPARATOR)[1]
+    assert T.main(tiny_args(tmp_path, *flags, "--run-id", "w2", "--tst-frac", "0.5")) == 0
+    text = read_log(tmp_path / "logs", "w2").split(H.SEPARATOR)[1]  # 4 x 1056 + 4 x 264 > 3000: step 3 wraps
     assert "wrapped around during step 3; from here on tokens are read again (epoch 2)" in text
-    assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5120 / 3000,
+    assert json.loads((tmp_path / "logs" / "w2.json").read_text())["train_epochs"] == pytest.approx(5280 / 3000,
                                                                                                     abs=1e-4)
 
 
