@@ -61,13 +61,22 @@ def test_a_train_file_with_the_content_of_a_val_file_is_refused(tmp_path, shard_
 # resume: the data defines the run
 
 
-def test_resume_refuses_other_data_unless_forced(tmp_path, shard_dir, capsys):
+def with_documents(tokens):
+    """``tokens`` (a list) with every 40th an <|endoftext|>: documents for the packed loader."""
+    return [T.EOT_TOKEN if i % 40 == 0 else t for i, t in enumerate(tokens)]
+
+
+def test_resume_refuses_other_data_unless_forced(tmp_path, capsys):
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    write_shard(shard_dir / "t_train_000001.bin", with_documents(list(range(3000))))
+    write_shard(shard_dir / "t_val_000000.bin", list(range(600)))
     base = ["--train-files", str(shard_dir / "t_train_*.bin"), "--val-files", str(shard_dir / "t_val_*.bin"),
             "--tst-frac", "0"]
     assert T.main(tiny_args(tmp_path, *base, "--run-id", "d", "--max-steps", "2", "--save-final")) == 0
     other = tmp_path / "other"
     other.mkdir()
-    write_shard(other / "o_train_000001.bin", list(range(5, 4005)))
+    write_shard(other / "o_train_000001.bin", with_documents(list(range(5, 4005))))
     write_shard(other / "o_val_000000.bin", list(range(7, 707)))
     for flags, what in ((["--train-files", str(other / "o_train_*.bin")], "train data"),
                         (["--val-files", str(other / "o_val_*.bin")], "val data")):
@@ -341,8 +350,10 @@ def test_a_run_stopped_by_max_steps_records_its_last_val_loss_not_a_final_one(tm
 
 def run_sh(tmp_path, *flags):
     env = dict(subprocess_env(), NPROC="2", DATA_DIR=os.path.join(REPO, "data", "sample"), OMP_NUM_THREADS="1")
-    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *tiny_args(tmp_path, "--batch-tokens", "512",
-                                                                                 "--dist-timeout", "120", *flags)],
+    # run.sh's own preset (cpu_smoke) at a small shape: 2 -> 4 -> 6 sequences of 128, one per micro-step per process
+    small = ["--model-dim", "64", "--seq-len", "128", "--batch-tokens", "768", "--micro-batch-seqs", "1",
+             "--val-tokens", "512", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    return subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *small, "--dist-timeout", "120", *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
