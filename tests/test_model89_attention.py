@@ -237,7 +237,7 @@ CASES = {
     "key_offset": dict(key_offset=True, rope_half=True),
     "key_offset_docs": dict(key_offset=True, key_offset_docs=True, rope_half=True),
     "lambdas": dict(attn_lambdas=True, rope_half=True),
-    "lambdas_merged_qkv": dict(attn_lambdas=True, merged_qkv=True, paired_head_layers="1", key_offset=True),
+    "lambdas_paired": dict(attn_lambdas=True, paired_head_layers="1", key_offset=True),
     "xsa": dict(xsa_layers=ALL),
     "gate": dict(attn_gate_layers=ALL),
     "yarn": dict(rope_half=True, rope_yarn=True, attn_scale=0.1),
