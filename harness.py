@@ -1356,6 +1356,9 @@ def log_run_header(log, cfg, rt, preset, resume, data, streams):
     for kind, stream in zip(("train", "val"), streams):
         for (f, fp), n in zip(data[kind], stream.sizes):
             log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
+    if getattr(cfg, "objectives", False):  # the prefix-token table's source: records/verify.py checks it
+        log.line(f"data tokenizer: data/gpt2_bpe/encoder.json bytes:{os.path.getsize(GPT2_ENCODER_JSON)} "
+                 f"fingerprint:{fingerprint(GPT2_ENCODER_JSON)}", echo=False)
 
 
 def peak_memory_mib(rt):
