@@ -1601,6 +1601,15 @@ def check_start(cfg, world):
     return kind, grad_accum_steps(cfg, world), find_data(cfg)
 
 
+def check_gpu_count(cfg, world):
+    """ConfigError when ``world`` CUDA processes would outnumber the visible GPUs (one process per GPU:
+    each extra rank would fail to take its device)."""
+    if world > 1 and cfg.device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"{world} processes but {n} GPU(s) visible (one process per GPU); set NPROC to at most "
+                          f"{n}, or unset it to use every GPU")
+
+
 def check_run_files(cfg, run_id, resumed_run_id):
     """What rank 0 refuses at start for the files of run ``run_id``, checked without keeping anything: its
     lock (a run of that id going now, an unwritable --log-dir; ``RunLock``, released at once), a log of
@@ -1647,6 +1656,7 @@ def preflight(argv, trainer, world):
         if answer_describe(argv, trainer, cfg, preset):
             return 0
         who = f"run.sh: NPROC={world}"  # the process count is run.sh's
+        check_gpu_count(cfg, world)
         grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
         _, _, data = check_start(cfg, world)

@@ -451,3 +451,29 @@ def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_p
         out.stderr[-3000:]
     assert f"127.0.0.1:{port}" in errors[0] and "GLOO_SOCKET_IFNAME" in errors[0] and "--dist-timeout (2 s)" in errors[0]
     assert not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# run.sh: the start line names the preset that runs; more processes than GPUs is refused before torchrun
+
+
+@pytest.mark.parametrize("form", ["--preset cpu_smoke_r21", "--preset=cpu_smoke_r21"])
+def test_run_sh_start_line_names_the_preset_passed(tmp_path, form):
+    args = [a for a in tiny_args(tmp_path) if a not in ("--preset", "cpu_smoke_r21")]  # the preset in `form`
+    env = dict(subprocess_env(), NPROC="3", OMP_NUM_THREADS="1")  # 3 processes cannot split the batch: refused
+    res = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *form.split(" "), *args], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
+    assert line.startswith("run.sh: preset cpu_smoke_r21, 3 processes on CPU"), line
+
+
+def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(H.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(H.torch.cuda, "device_count", lambda: 2)
+    argv = [a for a in tiny_args(tmp_path)]
+    assert H.preflight(argv, T.TRAINER, 4) == 2
+    err = capsys.readouterr().err
+    assert err == ("run.sh: NPROC=4: 4 processes but 2 GPU(s) visible (one process per GPU); set NPROC to at most 2, "
+                   "or unset it to use every GPU\n"), err
+    assert not os.path.exists(tmp_path / "logs")  # refused before anything was written
