@@ -1039,8 +1039,40 @@ def prepare_resume(cfg, data, trainer):
     return state, path, check_resume(state, cfg, data, trainer)
 
 
+def model_mismatch(saved, model):
+    """One line naming the tensors in which a checkpoint's ``saved`` state_dict and ``model`` differ, or None."""
+    now = model.state_dict()
+    missing = [k for k in now if k not in saved]
+    extra = [k for k in saved if k not in now]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(now[k].shape)}" for k in now
+              if k in saved and tuple(saved[k].shape) != tuple(now[k].shape)]
+    parts = [f"{what} {len(names)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+             for what, names in (("only in this run's model", missing), ("only in the checkpoint", extra),
+                                 ("of another shape (checkpoint vs now)", shapes)) if names]
+    return "; ".join(parts) or None
+
+
+def restore_optimizers(run, saved):
+    """Load the optimizer states, keeping this run's group settings (lr, wd, betas, momentum...: what
+    --resume-force lets change) over the checkpoint's; returns ``["Class.key: old -> new", ...]`` changed."""
+    changed = {}
+    for opt, sd in zip(run.opts, saved):
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        opt.load_state_dict(sd)  # restores the checkpoint's group values too: put this run's back
+        for g, new in zip(opt.param_groups, fresh):
+            for key, value in new.items():
+                if key != "lr" and key in g and g[key] != value:  # lr: the schedule's value of the saved step
+                    changed.setdefault(f"{type(opt).__name__}.{key}", (g[key], value))
+            g.update(new)
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
+
+
 def restore(run, state, path):
-    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
+    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step.
+
+    Raises:
+        ConfigError: the checkpoint's model has other tensors (an architecture flag differs), naming them.
+    """
     # the FP8 delayed scales (kernels.down_scales) exist only in a --fp8 run on an sm_89+ GPU: a checkpoint may lack
     # them (the trainer bootstraps them) or hold them for a run without; every other key must match
     own = run.model.state_dict()
@@ -1048,9 +1080,14 @@ def restore(run, state, path):
     saved.update({k: v for k, v in own.items() if k.endswith("down_scales") and k not in saved})
     ranks = state.get("rank_buffers") or [{}]
     saved.update({k: v for k, v in ranks[run.rt.rank if len(ranks) == run.rt.world else 0].items() if k in own})
+    mismatch = model_mismatch(saved, run.model)
+    if mismatch:
+        raise ConfigError(f"--resume {path}: the checkpoint's model differs from this run's in its tensors ({mismatch});"
+                          f" --resume-force cannot change the architecture: use the checkpoint's model flags")
     run.model.load_state_dict(saved)
-    for opt, sd in zip(run.opts, state["optimizers"]):
-        opt.load_state_dict(sd)
+    changed = restore_optimizers(run, state["optimizers"])
+    if changed:
+        run.log.line("resume_force: the new optimizer settings apply: " + "; ".join(changed))
     run.loader.position = state["loader_position"]
     run.progress = type(run.progress)(**state["counters"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -1459,10 +1496,18 @@ class NanGuard:
         bad = int(self.first_bad)
         if bad:
             raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
-                                     f"({self.lr_flags}) or check the data")
+                                     f"({self.lr_flags}; with --resume-force from a checkpoint the new value "
+                                     f"applies) or check the data")
         if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
             raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
                                      f"no checkpoint was written")
+
+
+def lr_flags(cfg):
+    """The flags that set ``cfg``'s learning rates, for the non-finite loss message: only those its optimizers read."""
+    if cfg.optimizer in ("normuon", "aurora_normuon"):  # record #89's Adam lrs are fixed multiples, no flag
+        return "--matrix-lr"
+    return ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
 
 
 def step_line(step, cfg, what, value, train_time_ms, extra):
