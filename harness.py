@@ -1394,8 +1394,12 @@ def log_run_header(log, cfg, rt, preset, resume, data, streams):
         for (f, fp), n in zip(data[kind], stream.sizes):
             log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
     if getattr(cfg, "objectives", False):  # the prefix-token table's source: records/verify.py checks it
-        log.line(f"data tokenizer: data/gpt2_bpe/encoder.json bytes:{os.path.getsize(GPT2_ENCODER_JSON)} "
-                 f"fingerprint:{fingerprint(GPT2_ENCODER_JSON)}", echo=False)
+        try:
+            size = os.path.getsize(GPT2_ENCODER_JSON)
+        except OSError:
+            gpt2_token_bytes()  # raises its DataError naming the file and the fix
+        log.line(f"data tokenizer: data/gpt2_bpe/encoder.json bytes:{size} fingerprint:{fingerprint(GPT2_ENCODER_JSON)}",
+                 echo=False)
 
 
 def peak_memory_mib(rt):

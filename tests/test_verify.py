@@ -64,6 +64,7 @@ def smoke(tmp_path_factory):
     """2 steps of the cpu_smoke preset (record #89's recipe with --objectives: the prefix-token table
     reads data/gpt2_bpe/encoder.json), val at steps 0 and 2 on 1,536 tokens (``tiny_run``)."""
     tree = tmp_path_factory.mktemp("smoke")
+    shutil.copytree(os.path.join(REPO, "data", "gpt2_bpe"), tree / "data" / "gpt2_bpe")  # what the code reads
     args = ["--preset", "cpu_smoke", *sample_args(), "--max-steps", "2", "--val-every", "2", "--val-tokens", "1536",
             "--log-dir", str(tree / "logs"), "--checkpoint-dir", str(tree / "ckpt")]
     return tiny_run(tree, "smoke", "--no-compile", args, steps=2)
