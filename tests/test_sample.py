@@ -128,7 +128,7 @@ def test_a_tied_embed_checkpoint_is_sampled_tied_or_untied_as_at_its_step(tmp_pa
     state = harness.load_checkpoint(path)["model"]
     assert tied or not torch.equal(state["embed.weight"], state["lm_head.weight"])  # they differ after the untie
     # the logits are those of the model the run trained (tied as at its step), not of the other tie
-    ids = torch.tensor([[T.EOT_TOKEN, 464, 3290, 286, 262, 1578, 1829, 13]])
+    ids = torch.tensor([T.EOT_TOKEN, 464, 3290, 286, 262, 1578, 1829, 13]).view(1, -1, 1)  # [1, T, 1] as sample.py
     logits = {}
     for ref_tied in (True, False):
         ref = T.GPT(model.cfg)

@@ -201,7 +201,6 @@ def test_an_objectives_log_reruns_from_a_folder_outside_the_repository(smoke, tm
     # a tokenizer that is not GPT-2's is refused in one line naming the file
     bad = tmp_path / "bad_repo"
     shutil.copytree(smoke["tree"], bad, ignore=shutil.ignore_patterns("logs", "ckpt"))
-    os.makedirs(bad / "data" / "gpt2_bpe")
     (bad / "data" / "gpt2_bpe" / "encoder.json").write_text("{}")
     proc = run_verify(dict(smoke, tree=bad), smoke["log"], "--rerun", 1, cwd=elsewhere)
     assert proc.returncode == 1 and "encoder.json: not GPT-2's encoder.json" in proc.stdout, proc.stdout + proc.stderr
