@@ -1269,6 +1269,7 @@ class RunLog:
     """
 
     def __init__(self, cfg, rt, run_id, resume=False):
+        self.cfg = cfg  # the out-of-memory line names its memory flags (known_failure)
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
         self.marked = None  # (status, reason) of the status line written by mark()
         self.checkpoints = []  # the --save-every checkpoints this process wrote, oldest first (prune_checkpoints)
@@ -1799,21 +1800,41 @@ def tune_cpu_allocator():
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 
 
-def known_failure(err):
-    """One line for a failure of the machine rather than of the code, else None: a torch.compile
-    toolchain failure (no working C++ compiler, ...) or running out of memory."""
+OOM_SIZE_RE = re.compile(r"[Tt]ried to allocate (\d[\d.,]*\s*(?:[KMGTP]i?B|bytes))")
+
+
+def memory_flags(cfg):
+    """The flags that lower a run's peak memory per GPU for ``cfg`` (its values named), largest effect first."""
+    if cfg is None:
+        return "--seq-len, --micro-batch-seqs, or the model size (--model-dim, --n-layer)"
+    flags = [f"--seq-len (now {cfg.seq_len:,}: activations grow with it)"]
+    if cfg.micro_batch_seqs > 1:
+        flags.append(f"--micro-batch-seqs (now {cfg.micro_batch_seqs}; the accumulation grows to keep the batch)")
+    if getattr(cfg, "bigram_vocab", 0):
+        flags.append(f"--bigram-vocab (now {cfg.bigram_vocab:,} rows: the table, its gradient and Adam state)")
+    if getattr(cfg, "fp8", None) is False:
+        flags.append("--fp8 (FP8 matmuls on sm_89+ GPUs)")
+    return ", ".join(flags) + ", or the model size (--model-dim, --n-layer)"
+
+
+def known_failure(err, cfg=None):
+    """One line for a failure of the machine rather than of the code, else None: running out of memory
+    (also inside a compile: checked first), or a torch.compile toolchain failure (no working C++
+    compiler, ...). ``cfg``: the run's config, whose memory flags the out-of-memory line names."""
     names, texts = set(), []
     while err is not None:
         names.add(type(err).__name__)
         texts.append(str(err))
         err = err.__cause__ or err.__context__
+    oom = [t for t in texts if "out of memory" in t.lower() or "can't allocate memory" in t]
+    if names & {"OutOfMemoryError", "MemoryError"} or oom:
+        size = next((m[1] for t in texts for m in [OOM_SIZE_RE.search(t)] if m), None)
+        what = f"tried to allocate {size}" if size else " ".join((oom or texts)[0].split()[:12])
+        return f"out of memory ({what}); lower {memory_flags(cfg)}"
     if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
         kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
         return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
                 f"(and Triton on CUDA) or run with --no-compile")
-    if names & {"OutOfMemoryError", "MemoryError"} or any("can't allocate memory" in t for t in texts):
-        return ("out of memory (" + texts[0].splitlines()[0][:120] + "); lower --micro-batch-seqs (the "
-                "accumulation grows to keep the batch) or the model size (--model-dim, --mlp-ratio, --n-layer)")
     return None
 
 
@@ -2066,7 +2087,7 @@ def failure(err, rank, stop, log, name, quiet=False):
         reason = f"rank {rank}: {what}"
         print(f"{name}: {reason}", file=sys.stderr)
         return reason, 130
-    message = known_failure(err)
+    message = known_failure(err, getattr(log, "cfg", None))
     if message is None:
         if log is not None:
             log.finish("incomplete", f"rank {rank}: {type(err).__name__}: {err}")

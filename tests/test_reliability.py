@@ -196,10 +196,35 @@ def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag, si
 
 def test_out_of_memory_is_one_line_naming_the_flags_to_lower():
     err = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                       "you tried to allocate 123 bytes.")
+                       "you tried to allocate 123456789012 bytes. Error code 12 (Cannot allocate memory)")
     line = H.known_failure(err)
-    assert line.startswith("out of memory (") and "--micro-batch-seqs" in line and "\n" not in line
+    assert line.startswith("out of memory (tried to allocate 123456789012 bytes); lower --seq-len") and "\n" not in line
     assert H.known_failure(ValueError("something else")) is None
+
+
+@pytest.mark.parametrize("preset", ["baseline_h200", "record_h200", "cpu_smoke_r21"])
+def test_out_of_memory_names_the_flags_that_lower_it_for_the_preset_with_the_whole_size(preset):
+    cfg = T.parse_config(["--preset", preset, "--no-fp8"])[0]
+    err = H.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.44 GiB. GPU 0 has a total capacity of "
+                                   "23.55 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process "
+                                   "has 22.48 GiB memory in use. Of the allocated memory 21.98 GiB is allocated")
+    line = H.known_failure(err, cfg)
+    assert line.startswith("out of memory (tried to allocate 23.44 GiB); lower --seq-len (now "), line
+    assert ("--micro-batch-seqs" in line) == (cfg.micro_batch_seqs > 1)  # record #89's presets: 1 already
+    assert ("--bigram-vocab (now 377,280 rows" in line) == (cfg.bigram_vocab > 0) and "--fp8" in line
+
+
+def test_out_of_memory_inside_compile_is_called_out_of_memory():
+    class BackendCompilerFailed(RuntimeError):  # torch._dynamo's wrapper of an error raised while compiling
+        pass
+    try:
+        try:
+            raise H.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        except Exception as e:
+            raise BackendCompilerFailed("backend='inductor' raised: OutOfMemoryError") from e
+    except RuntimeError as err:
+        line = H.known_failure(err)
+    assert line.startswith("out of memory (tried to allocate 2.00 GiB)") and "C++" not in line, line
 
 
 def test_a_damaged_summary_on_resume_is_named(tmp_path, capsys):
