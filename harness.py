@@ -761,6 +761,38 @@ def find_gpu_check(path=None):
     return None
 
 
+# Peak memory of one process, per byte of its parts (docs/MEMORY.md): float32 weights and gradients, the
+# optimizer's state (CautiousAdam keeps 3 float32 copies: moments and the 2-step gradient sum; Adam 2;
+# taken for every parameter: an upper bound where NorMuon keeps 1), and per trained position of a
+# micro-batch: LOGIT_COPIES float32 rows of the vocabulary (logits, softmax, gradient) and ACT_PER_LAYER
+# saved activations of model_dim per layer. Fitted on a CPU run of cpu_smoke (tests/test_reliability.py).
+OPT_COPIES = {"normuon": 3, "aurora_normuon": 3}  # any other optimizer: Adam on part, 2 copies at most
+LOGIT_COPIES, ACT_PER_LAYER = 3, 25
+
+
+def memory_estimate(cfg, n_params, cuda=True):
+    """Estimated peak bytes per process of a run of ``cfg`` with ``n_params`` parameters: ``dict(parameters,
+    gradients, optimizer, activations, logits, total)``; activations (logits included) for one micro-batch of
+    ``micro_batch_seqs x seq_len`` positions, bf16 on CUDA (``cuda``), float32 on CPU; logits float32."""
+    positions = cfg.micro_batch_seqs * cfg.seq_len
+    params = 4 * n_params
+    logits = positions * LOGIT_COPIES * cfg.vocab_size * 4
+    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * (2 if cuda else 4)
+    out = dict(parameters=params, gradients=params, optimizer=OPT_COPIES.get(cfg.optimizer, 2) * params,
+               activations=logits + layers, logits=logits)
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+    return out
+
+
+def memory_line(cfg, n_params):
+    """``--describe``'s memory line (GiB per GPU, parts and total)."""
+    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params).items()}
+    return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {cfg.seq_len:,} positions: "
+            f"parameters {m['parameters']:.2f} GiB, gradients {m['gradients']:.2f} GiB, optimizer state "
+            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}); peak about "
+            f"{m['total']:.1f} GiB (docs/MEMORY.md); to lower it: {memory_flags(cfg)}")
+
+
 def describe(cfg, preset, trainer, gpu_check=None):
     """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
 
@@ -774,12 +806,13 @@ def describe(cfg, preset, trainer, gpu_check=None):
     Raises:
         ConfigError: a ``gpu_check`` path that holds no measured report.
     """
-    plan = plan_summary(cfg, *trainer.plan(cfg))
+    n_params, table = trainer.plan(cfg)
+    plan = plan_summary(cfg, n_params, table)
     total = plan["flops_total"]
     lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
-             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}"]
+             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}", memory_line(cfg, n_params)]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)

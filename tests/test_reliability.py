@@ -502,3 +502,50 @@ def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkey
     assert err == ("run.sh: NPROC=4: 4 processes but 2 GPU(s) visible (one process per GPU); set NPROC to at most 2, "
                    "or unset it to use every GPU\n"), err
     assert not os.path.exists(tmp_path / "logs")  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# --describe's memory estimate, against a CPU run's peak
+
+PEAK_PROBE = """
+import dataclasses, resource, sys, torch
+import train_gpt as T
+torch.set_num_threads(1)
+cfg = dataclasses.replace(T.parse_config(["--preset", "cpu_smoke", *sys.argv[1:]])[0], fp8=False)
+torch.manual_seed(0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = T.GPT(cfg)
+opts = T.build_optimizers(model, cfg)
+n = cfg.micro_batch_seqs * cfg.seq_len
+ids = torch.randint(0, 50257, (1, n + 1))
+for _ in range(2):  # the second step: every optimizer state exists
+    model(ids[:, :-1].reshape(1, n, 1), ids[:, 1:].reshape(1, n, 1)).backward()
+    for opt in opts:
+        opt.step()
+print(sum(p.numel() for p in model.parameters()), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("extra", [[], ["--seq-len", "2304", "--batch-tokens", "6912"]])
+def test_memory_estimate_is_within_15_percent_of_a_cpu_runs_peak_at_the_smoke_shape(extra):
+    """Measured on an Intel Xeon (1 thread): cpu_smoke (28.7M parameters, 768 positions) peaks 967 MiB above the
+    process's start, estimated 917 MiB; at 2,304 positions 1,928 MiB, estimated 1,878 MiB."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_PROBE, *extra], env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n_params, peak = map(int, proc.stdout.split()[-2:])
+    cfg = T.parse_config(["--preset", "cpu_smoke", *extra])[0]
+    est = H.memory_estimate(cfg, n_params, cuda=False)
+    assert est["total"] == est["parameters"] * (2 + 3) + est["activations"]  # cpu_smoke: CautiousAdam's 3 copies
+    assert 0.85 < est["total"] / peak < 1.15, (est, peak)
+
+
+def test_describe_prints_the_memory_estimate_and_the_flags_that_lower_it(capsys):
+    assert T.main(["--preset", "baseline_h200", "--describe"]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory_estimate: ")]
+    cfg = T.parse_config(["--preset", "baseline_h200"])[0]
+    n_params = T.plan(cfg)[0]
+    total = (4 * n_params * 5 + 16384 * (3 * 50304 * 4 + 25 * 11 * 768 * 2)) / 2**30  # float64 by hand
+    assert f"peak about {total:.1f} GiB" in line and "1 x 16,384 positions" in line, line
+    assert "--seq-len (now 16,384" in line and "--bigram-vocab (now 377,280 rows" in line
+    assert "--micro-batch-seqs" not in line and "--fp8" not in line  # 1 already, FP8 on already
