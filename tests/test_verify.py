@@ -234,9 +234,10 @@ def test_a_compiled_log_of_another_cpu_is_judged_with_the_drift_an_eager_rerun_m
     [case] = [ln for ln in out.splitlines() if ln.startswith("rerun: machine: ")]
     assert case.startswith("rerun: machine: compiled run, compiled rerun: different CPU model (Some Other CPU vs "), case
     assert "rerun (eager, to measure the drift): " in out and " --no-compile " in out
-    # the tolerance printed is 1e-4 + 2 x the measured |compiled - eager| difference at the final val step
-    drift = float(re.search(r"largest: val (\S+) at step 8", case)[1])
-    tol = verify.PRINT_TOL + verify.MEASURED_FACTOR * drift
+    # the tolerance printed is 1e-4 + 2 x the measured |compiled - eager| difference at the final val step, at
+    # least DRIFT's growth
+    drift = float(re.search(r"largest measured: val (\S+) at step", case)[1])
+    tol = max(verify.PRINT_TOL + verify.MEASURED_FACTOR * drift, verify.PRINT_TOL + verify.DRIFT_PER_STEP * 8)
     if tol <= verify.DRIFT_CAP:  # judged: the edit of 0.01 fails (the compiled rerun is bitwise the log here)
         assert f"val_loss at step 8: logged {val - 0.01:.4f}, rerun {val:.4f}, diff 1.00e-02: NOT reproduced (tol " \
                f"{tol:.2e})" in out and proc.returncode == 1, out + proc.stderr
@@ -292,8 +293,8 @@ def test_measured_tolerance_is_twice_the_running_maximum_of_the_two_reruns_diffe
     val = {0: 0.0, 10: 4e-4, 20: 3e-3, 29: 1e-3}
     tol = verify.MeasuredTolerance(train, val)
     for s in range(30):  # float64 reference: the largest difference at or before the step, per kind
-        ref_t = 1e-4 + 2 * max([d for k, d in train.items() if k <= s], default=0.0)
-        ref_v = 1e-4 + 2 * max([d for k, d in val.items() if k <= s], default=0.0)
+        ref_t = max(1e-4 + 2 * max([d for k, d in train.items() if k <= s], default=0.0), 1e-4 + 5e-5 * s)
+        ref_v = max(1e-4 + 2 * max([d for k, d in val.items() if k <= s], default=0.0), 1e-4 + 5e-5 * s)
         assert tol.train(s) == pytest.approx(min(ref_t, verify.DRIFT_CAP), abs=1e-15)
         assert tol(s) == pytest.approx(min(ref_v, verify.DRIFT_CAP), abs=1e-15)
         assert tol.judges_train(s) == (ref_t <= verify.DRIFT_CAP) and tol.judges_val(s) == (ref_v <= verify.DRIFT_CAP)
