@@ -1094,7 +1094,7 @@ def restore_optimizers(run, saved):
         opt.load_state_dict(sd)  # restores the checkpoint's group values too: put this run's back
         for g, new in zip(opt.param_groups, fresh):
             for key, value in new.items():
-                if key != "lr" and key in g and g[key] != value:  # lr: the schedule's value of the saved step
+                if key not in ("lr", "momentum") and key in g and g[key] != value:  # the schedule sets those per step
                     changed.setdefault(f"{type(opt).__name__}.{key}", (g[key], value))
             g.update(new)
     return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
