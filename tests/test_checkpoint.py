@@ -290,3 +290,22 @@ def test_the_non_finite_loss_message_names_only_lr_flags_the_preset_reads(preset
     guard.first_bad.fill_(5)
     with pytest.raises(FloatingPointError, match=r"since step 5; lower the lr \(" + flags + "; with --resume-force"):
         guard.check()
+
+
+def test_restore_optimizers_keeps_this_runs_settings_and_names_only_what_the_config_changed(tmp_path):
+    from types import SimpleNamespace
+    cfg = T.parse_config(tiny_args(tmp_path))[0]
+    old = T.build_optimizers(T.GPT(cfg), cfg)
+    for opt in old:  # mid-run: the schedule has scaled every lr and moved the momentum
+        for g in opt.param_groups:
+            g["lr"] *= 0.3
+            if "momentum" in g:
+                g["momentum"] = 0.42
+    saved = [opt.state_dict() for opt in old]
+    same = T.build_optimizers(T.GPT(cfg), cfg)
+    assert H.restore_optimizers(SimpleNamespace(opts=same), saved) == []  # a plain resume changes nothing
+    new_cfg = T.parse_config(tiny_args(tmp_path, "--matrix-lr", str(cfg.matrix_lr * 2)))[0]
+    new = T.build_optimizers(T.GPT(new_cfg), new_cfg)
+    changed = H.restore_optimizers(SimpleNamespace(opts=new), saved)
+    assert changed == [f"{type(new[1]).__name__}.initial_lr: {cfg.matrix_lr!r} -> {cfg.matrix_lr * 2!r}"], changed
+    assert all(g["initial_lr"] == new_cfg.matrix_lr for g in new[1].param_groups)
