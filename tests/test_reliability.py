@@ -508,12 +508,14 @@ def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkey
 # --describe's memory estimate, against a CPU run's peak
 
 PEAK_PROBE = """
-import dataclasses, resource, sys, torch
+import dataclasses, sys, torch
 import train_gpt as T
 torch.set_num_threads(1)
 cfg = dataclasses.replace(T.parse_config(["--preset", "cpu_smoke", *sys.argv[1:]])[0], fp8=False)
 torch.manual_seed(0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():  # this process's peak resident KiB (ru_maxrss would start at the forking parent's peak)
+    return int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:")))
+before = hwm()
 model = T.GPT(cfg)
 opts = T.build_optimizers(model, cfg)
 n = cfg.micro_batch_seqs * cfg.seq_len
@@ -522,7 +524,7 @@ for _ in range(2):  # the second step: every optimizer state exists
     model(ids[:, :-1].reshape(1, n, 1), ids[:, 1:].reshape(1, n, 1)).backward()
     for opt in opts:
         opt.step()
-print(sum(p.numel() for p in model.parameters()), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+print(sum(p.numel() for p in model.parameters()), (hwm() - before) * 1024)
 """
 
 
