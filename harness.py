@@ -757,6 +757,38 @@ def find_gpu_check(path=None):
     return None
 
 
+# Peak memory of one process, per byte of its parts (docs/MEMORY.md): float32 weights and gradients, the
+# optimizer's state (CautiousAdam keeps 3 float32 copies: moments and the 2-step gradient sum; Adam 2;
+# taken for every parameter: an upper bound where NorMuon keeps 1), and per trained position of a
+# micro-batch: LOGIT_COPIES float32 rows of the vocabulary (logits, softmax, gradient) and ACT_PER_LAYER
+# saved activations of model_dim per layer. Fitted on a CPU run of cpu_smoke (tests/test_reliability.py).
+OPT_COPIES = {"normuon": 3, "aurora_normuon": 3}  # any other optimizer: Adam on part, 2 copies at most
+LOGIT_COPIES, ACT_PER_LAYER = 3, 25
+
+
+def memory_estimate(cfg, n_params, cuda=True):
+    """Estimated peak bytes per process of a run of ``cfg`` with ``n_params`` parameters: ``dict(parameters,
+    gradients, optimizer, activations, logits, total)``; activations (logits included) for one micro-batch of
+    ``micro_batch_seqs x seq_len`` positions, bf16 on CUDA (``cuda``), float32 on CPU; logits float32."""
+    positions = cfg.micro_batch_seqs * cfg.seq_len
+    params = 4 * n_params
+    logits = positions * LOGIT_COPIES * cfg.vocab_size * 4
+    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * (2 if cuda else 4)
+    out = dict(parameters=params, gradients=params, optimizer=OPT_COPIES.get(cfg.optimizer, 2) * params,
+               activations=logits + layers, logits=logits)
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+    return out
+
+
+def memory_line(cfg, n_params):
+    """``--describe``'s memory line (GiB per GPU, parts and total)."""
+    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params).items()}
+    return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {cfg.seq_len:,} positions: "
+            f"parameters {m['parameters']:.2f} GiB, gradients {m['gradients']:.2f} GiB, optimizer state "
+            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}); peak about "
+            f"{m['total']:.1f} GiB (docs/MEMORY.md); to lower it: {memory_flags(cfg)}")
+
+
 def describe(cfg, preset, trainer, gpu_check=None):
     """The lines of ``--describe``: what a run would do, computed without data, files or a GPU.
 
@@ -770,12 +802,13 @@ def describe(cfg, preset, trainer, gpu_check=None):
     Raises:
         ConfigError: a ``gpu_check`` path that holds no measured report.
     """
-    plan = plan_summary(cfg, *trainer.plan(cfg))
+    n_params, table = trainer.plan(cfg)
+    plan = plan_summary(cfg, n_params, table)
     total = plan["flops_total"]
     lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
-             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}"]
+             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}", memory_line(cfg, n_params)]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)
@@ -1053,8 +1086,40 @@ def resolve_run(cfg, data, trainer, header_only=False):
     return resume, cfg.run_id or resumed_run_id or "", resumed_run_id
 
 
+def model_mismatch(saved, model):
+    """One line naming the tensors in which a checkpoint's ``saved`` state_dict and ``model`` differ, or None."""
+    now = model.state_dict()
+    missing = [k for k in now if k not in saved]
+    extra = [k for k in saved if k not in now]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(now[k].shape)}" for k in now
+              if k in saved and tuple(saved[k].shape) != tuple(now[k].shape)]
+    parts = [f"{what} {len(names)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+             for what, names in (("only in this run's model", missing), ("only in the checkpoint", extra),
+                                 ("of another shape (checkpoint vs now)", shapes)) if names]
+    return "; ".join(parts) or None
+
+
+def restore_optimizers(run, saved):
+    """Load the optimizer states, keeping this run's group settings (lr, wd, betas, momentum...: what
+    --resume-force lets change) over the checkpoint's; returns ``["Class.key: old -> new", ...]`` changed."""
+    changed = {}
+    for opt, sd in zip(run.opts, saved):
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        opt.load_state_dict(sd)  # restores the checkpoint's group values too: put this run's back
+        for g, new in zip(opt.param_groups, fresh):
+            for key, value in new.items():
+                if key not in ("lr", "momentum") and key in g and g[key] != value:  # the schedule sets those per step
+                    changed.setdefault(f"{type(opt).__name__}.{key}", (g[key], value))
+            g.update(new)
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()]
+
+
 def restore(run, state, path):
-    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step."""
+    """Load a checkpoint's weights, optimizer states, stream position, counters and RNG; returns its step.
+
+    Raises:
+        ConfigError: the checkpoint's model has other tensors (an architecture flag differs), naming them.
+    """
     # the FP8 delayed scales (kernels.down_scales) exist only in a --fp8 run on an sm_89+ GPU: a checkpoint may lack
     # them (the trainer bootstraps them) or hold them for a run without; every other key must match
     own = run.model.state_dict()
@@ -1062,9 +1127,14 @@ def restore(run, state, path):
     saved.update({k: v for k, v in own.items() if k.endswith("down_scales") and k not in saved})
     ranks = state.get("rank_buffers") or [{}]
     saved.update({k: v for k, v in ranks[run.rt.rank if len(ranks) == run.rt.world else 0].items() if k in own})
+    mismatch = model_mismatch(saved, run.model)
+    if mismatch:
+        raise ConfigError(f"--resume {path}: the checkpoint's model differs from this run's in its tensors ({mismatch});"
+                          f" --resume-force cannot change the architecture: use the checkpoint's model flags")
     run.model.load_state_dict(saved)
-    for opt, sd in zip(run.opts, state["optimizers"]):
-        opt.load_state_dict(sd)
+    changed = restore_optimizers(run, state["optimizers"])
+    if changed:
+        run.log.line("resume_force: the new optimizer settings apply: " + "; ".join(changed))
     run.loader.position = state["loader_position"]
     run.progress = type(run.progress)(**state["counters"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -1246,6 +1316,7 @@ class RunLog:
     """
 
     def __init__(self, cfg, rt, run_id, resume=False):
+        self.cfg = cfg  # the out-of-memory line names its memory flags (known_failure)
         self.rt, self.path, self.json_path, self.is_new, self.file = rt, None, None, False, None
         self.marked = None  # (status, reason) of the status line written by mark()
         self.checkpoints = []  # the --save-every checkpoints this process wrote, oldest first (prune_checkpoints)
@@ -1370,6 +1441,13 @@ def log_run_header(log, cfg, rt, preset, resume, data, streams):
     for kind, stream in zip(("train", "val"), streams):
         for (f, fp), n in zip(data[kind], stream.sizes):
             log.line(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}", echo=False)
+    if getattr(cfg, "objectives", False):  # the prefix-token table's source: records/verify.py checks it
+        try:
+            size = os.path.getsize(GPT2_ENCODER_JSON)
+        except OSError:
+            gpt2_token_bytes()  # raises its DataError naming the file and the fix
+        log.line(f"data tokenizer: data/gpt2_bpe/encoder.json bytes:{size} fingerprint:{fingerprint(GPT2_ENCODER_JSON)}",
+                 echo=False)
 
 
 def peak_memory_mib(rt):
@@ -1470,10 +1548,18 @@ class NanGuard:
         bad = int(self.first_bad)
         if bad:
             raise FloatingPointError(f"train loss is not finite since step {bad}; lower the lr "
-                                     f"({self.lr_flags}) or check the data")
+                                     f"({self.lr_flags}; with --resume-force from a checkpoint the new value "
+                                     f"applies) or check the data")
         if model is not None and not all(torch.isfinite(p).all() for p in model.parameters()):
             raise FloatingPointError(f"a weight is not finite; lower the lr ({self.lr_flags}); "
                                      f"no checkpoint was written")
+
+
+def lr_flags(cfg):
+    """The flags that set ``cfg``'s learning rates, for the non-finite loss message: only those its optimizers read."""
+    if cfg.optimizer in ("normuon", "aurora_normuon"):  # record #89's Adam lrs are fixed multiples, no flag
+        return "--matrix-lr"
+    return ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
 
 
 def step_line(step, cfg, what, value, train_time_ms, extra):
@@ -1613,6 +1699,15 @@ def check_start(cfg, world, accum=None):
     return kind, grad_accum_steps(cfg, world) if accum is None else accum, find_data(cfg)
 
 
+def check_gpu_count(cfg, world):
+    """ConfigError when ``world`` CUDA processes would outnumber the visible GPUs (one process per GPU:
+    each extra rank would fail to take its device)."""
+    if world > 1 and cfg.device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"{world} processes but {n} GPU(s) visible (one process per GPU); set NPROC to at most "
+                          f"{n}, or unset it to use every GPU")
+
+
 def check_run_files(cfg, run_id, resumed_run_id, lock=None):
     """What rank 0 refuses at start for the files of run ``run_id`` (``preflight`` and ``start``): its lock (a
     run of that id going now, an unwritable --log-dir; ``RunLock``), a log of that id that a new run would not
@@ -1668,6 +1763,7 @@ def preflight(argv, trainer, world):
         if answer_describe(argv, trainer, cfg, preset):
             return 0
         who = f"run.sh: NPROC={world}"  # the process count is run.sh's
+        check_gpu_count(cfg, world)
         accum = grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
         _, _, data = check_start(cfg, world, accum)
@@ -1760,21 +1856,41 @@ def tune_cpu_allocator():
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 
 
-def known_failure(err):
-    """One line for a failure of the machine rather than of the code, else None: a torch.compile
-    toolchain failure (no working C++ compiler, ...) or running out of memory."""
+OOM_SIZE_RE = re.compile(r"[Tt]ried to allocate (\d[\d.,]*\s*(?:[KMGTP]i?B|bytes))")
+
+
+def memory_flags(cfg):
+    """The flags that lower a run's peak memory per GPU for ``cfg`` (its values named), largest effect first."""
+    if cfg is None:
+        return "--seq-len, --micro-batch-seqs, or the model size (--model-dim, --n-layer)"
+    flags = [f"--seq-len (now {cfg.seq_len:,}: activations grow with it)"]
+    if cfg.micro_batch_seqs > 1:
+        flags.append(f"--micro-batch-seqs (now {cfg.micro_batch_seqs}; the accumulation grows to keep the batch)")
+    if getattr(cfg, "bigram_vocab", 0):
+        flags.append(f"--bigram-vocab (now {cfg.bigram_vocab:,} rows: the table, its gradient and Adam state)")
+    if getattr(cfg, "fp8", None) is False:
+        flags.append("--fp8 (FP8 matmuls on sm_89+ GPUs)")
+    return ", ".join(flags) + ", or the model size (--model-dim, --n-layer)"
+
+
+def known_failure(err, cfg=None):
+    """One line for a failure of the machine rather than of the code, else None: running out of memory
+    (also inside a compile: checked first), or a torch.compile toolchain failure (no working C++
+    compiler, ...). ``cfg``: the run's config, whose memory flags the out-of-memory line names."""
     names, texts = set(), []
     while err is not None:
         names.add(type(err).__name__)
         texts.append(str(err))
         err = err.__cause__ or err.__context__
+    oom = [t for t in texts if "out of memory" in t.lower() or "can't allocate memory" in t]
+    if names & {"OutOfMemoryError", "MemoryError"} or oom:
+        size = next((m[1] for t in texts for m in [OOM_SIZE_RE.search(t)] if m), None)
+        what = f"tried to allocate {size}" if size else " ".join((oom or texts)[0].split()[:12])
+        return f"out of memory ({what}); lower {memory_flags(cfg)}"
     if names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed", "CompilationError"}:
         kind = "no working C++ compiler" if "InvalidCxxCompiler" in names else "the compiler toolchain failed"
         return (f"--compile: torch.compile could not build the model ({kind}); install a C++ compiler "
                 f"(and Triton on CUDA) or run with --no-compile")
-    if names & {"OutOfMemoryError", "MemoryError"} or any("can't allocate memory" in t for t in texts):
-        return ("out of memory (" + texts[0].splitlines()[0][:120] + "); lower --micro-batch-seqs (the "
-                "accumulation grows to keep the batch) or the model size (--model-dim, --mlp-ratio, --n-layer)")
     return None
 
 
@@ -2025,7 +2141,7 @@ def failure(err, rank, stop, log, name, quiet=False):
         reason = f"rank {rank}: {what}"
         print(f"{name}: {reason}", file=sys.stderr)
         return reason, 130
-    message = known_failure(err)
+    message = known_failure(err, getattr(log, "cfg", None))
     if message is None:
         if log is not None:
             log.finish("incomplete", f"rank {rank}: {type(err).__name__}: {err}")

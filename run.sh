@@ -96,12 +96,16 @@ data_glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')
 args=(--preset "$preset" --train-files "$data_glob/*_train_*.bin" --val-files "$data_glob/*_val_*.bin" "$@")
 # where the trainer writes its log: the last --log-dir DIR or --log-dir=DIR among the arguments (the trainer takes
 # no abbreviated flags), relative to this folder, where it runs; else logs/
-log_dir=logs/ next_is_log_dir=""
+# and the preset that runs: the last --preset X or --preset=X (the trainer's argparse takes the last)
+log_dir=logs/ next_is_log_dir="" next_is_preset=""
 for a in "$@"; do
     if [ -n "$next_is_log_dir" ]; then log_dir=$a; next_is_log_dir=""; continue; fi
+    if [ -n "$next_is_preset" ]; then preset=$a; next_is_preset=""; continue; fi
     case "$a" in
         --log-dir) next_is_log_dir=1 ;;
         --log-dir=*) log_dir=${a#*=} ;;
+        --preset) next_is_preset=1 ;;
+        --preset=*) preset=${a#*=} ;;
     esac
 done
 if [ "$log_dir" != logs/ ]; then

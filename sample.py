@@ -28,7 +28,7 @@ import torch
 
 # Everything taken from the trainer, in one place: the model, its config, the checkpoint reader.
 from harness import ConfigError, load_checkpoint
-from train_gpt import EOT_TOKEN, GPT, Config, Schedule
+from train_gpt import EOT_TOKEN, GPT, Config, Schedule, split_step
 
 import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
 from tokenize_text import TokenizeError, load_encoder  # noqa: E402
@@ -61,7 +61,8 @@ def config_of(state, path):
 
 
 def load_model(path, device):
-    """The model of a checkpoint on ``device``, in eval mode, with the attention window of its step.
+    """The model of a checkpoint on ``device``, in eval mode, with the attention window of its step and
+    its embedding tied to the head or not as at that step (``--tied-embed`` unties at ``split_step``).
 
     Args:
         path: a ``step_N.pt`` file written by ``train_gpt.py``.
@@ -90,6 +91,8 @@ def load_model(path, device):
         first = (str(e).splitlines() or [""])[0][:160]
         raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({first})") from None
     step = int(state.get("step", 0))
+    split = split_step(cfg)  # --tied-embed: after this step the embedding is its own weight, as the trainer runs it
+    model.tied = split is not None and step <= split
     # the window grows over a run: use the stage table's window at the step the weights were saved
     row = Schedule(cfg)[min(step, cfg.num_iterations)]
     model.set_window(row.window, row.yarn)

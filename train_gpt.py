@@ -1647,11 +1647,10 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
     model = GPT(cfg).to(rt.device)
     if cfg.adam_bf16 and rt.bf16:  # with autocast only: a float32 CPU run keeps float32 parameters
         adam_bf16_(model)
-    lr_flags = ("--adamw-lr" if cfg.optimizer == "adamw" else "--matrix-lr") + ", --embed-lr, --head-lr"
     schedule = Schedule(cfg)
     run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
               build_optimizers(model, cfg, compile=rt.compile), PackedLoader(train_stream, rt.rank, rt.world),
-              ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, lr_flags),
+              ValData(val_stream, cfg.val_tokens), Progress(), NanGuard(rt.device, harness.lr_flags(cfg)),
               stop if stop is not None else {"signal": None}, data)
     if cfg.objectives:
         run.objectives = Objectives(schedule, cfg.vocab_size, rt.device)

@@ -748,7 +748,7 @@ def group_stats(runs, target=3.28, rule=None, per_step=False):
             steps=steps[0] if len(steps) == 1 else (steps or None),
             tokens=_mean_if_all([r.raw_tokens for r in done]),
             flops=_mean_if_all([r.flops for r in done]),
-            val_losses=losses, run_names=[r.name for r in done])
+            val_losses=losses, run_names=[r.name for r in done], val_setup=group_val_setup(done))
         row.update(_to_target_stats(done, target))
         if rule is not None:
             row.update(first_passing(done, target, rule))
@@ -756,6 +756,42 @@ def group_stats(runs, target=3.28, rule=None, per_step=False):
             row["val_by_step"] = per_step_stats(done)
         out.append(row)
     return out
+
+
+# Config fields that decide what a final val loss measures (on which tokens, at which context, over which
+# ids), besides the val data's fingerprints and any non-operational ``val_*`` field (the val protocol).
+VAL_DECIDING = ("val_tokens", "seq_len", "vocab_size")
+VAL_OPERATIONAL = ("val_files", "val_every", "val_batch_seqs")  # where the shards are, how often, batch size
+
+
+def val_setup(run):
+    """``{field: value}`` of what decides ``run``'s val loss (``VAL_DECIDING``, other ``val_*`` config fields,
+    ``val data`` by fingerprints); a field the log does not record is left out (unknown, not different)."""
+    cfg = run.config or {}
+    out = {k: cfg[k] for k in VAL_DECIDING if k in cfg}
+    out.update({k: v for k, v in cfg.items() if k.startswith("val_") and k not in VAL_OPERATIONAL})
+    fp = data_identity(run)["val data"]
+    if fp is not None:
+        out["val data"] = data_labels({fp})[fp]
+    return out
+
+
+def group_val_setup(runs):
+    """``{field: value}`` shared by ``runs`` (``val_setup``); a field on which they disagree gets the list of
+    their values (only with --pool-train-data can a group hold such runs: other val data splits it)."""
+    setups = [val_setup(r) for r in runs]
+    out = {}
+    for k in dict.fromkeys(k for s in setups for k in s):
+        values = list(dict.fromkeys(json.dumps(s[k]) for s in setups if k in s))
+        out[k] = json.loads(values[0]) if len(values) == 1 else [json.loads(v) for v in values]
+    return out
+
+
+def val_differences(base, row):
+    """``["field: baseline value vs group value", ...]`` for the fields of ``val_setup`` known on both sides
+    that differ between two ``group_stats`` rows: a difference of their val losses measures nothing."""
+    a, b = base.get("val_setup") or {}, row.get("val_setup") or {}
+    return [f"{k}: {a[k]} vs {b[k]}" for k in a if k in b and json.dumps(a[k]) != json.dumps(b[k])]
 
 
 def welch(base, other):
@@ -795,7 +831,9 @@ def add_baseline(rows, baseline):
 
     ``rows``: ``group_stats`` output, changed in place; ``baseline``: a group name, a folder path
     (its last part names the group), or the start of exactly one group's name (peer-log groups are
-    long). A ratio is None when either side is
+    long). Groups that differ in what decides the val loss (``val_differences``: val tokens, seq len, val
+    protocol, vocabulary, val data) get no difference, CI, p-value or time-to-target ratio, and a ``welch_note``
+    naming the fields. A ratio is None when either side is
     unknown (or the baseline's is 0); that of the time to target also unless every run of both
     groups reached the target. Returns the baseline's group name. Raises KeyError (its
     message lists the groups) when no group, or more than one, matches.
@@ -810,14 +848,21 @@ def add_baseline(rows, baseline):
         if r is base:
             continue
         r["baseline"] = base["group"]
-        r.update(welch(base["val_losses"], r["val_losses"]))
+        differ = val_differences(base, r)
+        if differ:  # other val tokens, context, vocabulary or data: no number on the difference
+            r.update(delta_mean=None, delta_ci95=None, p_welch=None, welch_dof=None, val_differs=differ,
+                     welch_note=f"not compared with the baseline: the groups differ in what decides the val loss "
+                                f"({'; '.join(differ)}); no difference, CI or p-value")
+        else:
+            r.update(welch(base["val_losses"], r["val_losses"]))
         for key, name in RATIOS:
             a, b = base[key], r[key]
             r[name] = b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
-        if not all(x["runs"] and x["reached_target"] == x["runs"] for x in (base, r)):
+        if differ or not all(x["runs"] and x["reached_target"] == x["runs"] for x in (base, r)):
             r["time_to_target_ratio"] = None  # a mean over the runs that got there is biased low: no ratio of two
         if "first_passing_step" in base:
-            r.update(passing_saved(base, r))
+            r.update(passing_saved(base, r) if not differ else
+                     dict(steps_saved=None, time_saved_ms=None, passing_note="no saving: " + r["welch_note"]))
     return base["group"]
 
 
@@ -1358,6 +1403,9 @@ def main(argv=None):
             add_baseline(rows, args.baseline)
         except KeyError as e:
             return error(f"--baseline: {e.args[0]}")
+        for row in rows:
+            if row.get("val_differs"):
+                print(f"compare.py: warning: group {row['group']}: {row['welch_note']}", file=sys.stderr)
     if args.json:
         print(json.dumps(_jsonable(rows), indent=1))
     else:

@@ -287,3 +287,58 @@ def test_a_checkpoint_without_a_header_is_read_whole_by_the_preflight(tmp_path):
     torch.save(dict(format=H.CHECKPOINT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(),
                     payload=torch.frombuffer(payload, dtype=torch.uint8)), str(tmp_path / "old.pt"))
     assert H.load_checkpoint(str(tmp_path / "old.pt"), header_only=True) == state
+
+
+def test_resume_force_applies_a_new_lr_and_the_log_names_it(tmp_path):
+    # the optimizer state carries its lr: the new --matrix-lr must replace it, or the run repeats the old one
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    ckpt = str(tmp_path / "ckpt" / "c" / "step_000002.pt")
+    old_lr = T.parse_config(tiny_args(tmp_path))[0].matrix_lr
+    assert run(tmp_path, "--run-id", "same", "--resume", ckpt, "--max-steps", "2") == 0
+    assert run(tmp_path, "--run-id", "lr", "--resume", ckpt, "--max-steps", "2", "--resume-force",
+               "--matrix-lr", str(old_lr * 20)) == 0
+    same, new = (loss_lines(read_log(tmp_path / "logs", r)) for r in ("same", "lr"))
+    assert same[3] == new[3] and abs(same[4] - new[4]) > 1e-3, (same, new)  # step 3 runs on step 2's weights
+    text = read_log(tmp_path / "logs", "lr")
+    [line] = [ln for ln in text.splitlines() if ln.startswith("resume_force: the new optimizer settings apply: ")]
+    assert f".initial_lr: {old_lr!r} -> {old_lr * 20!r}" in line, line
+    assert "\nresume_force: the new optimizer settings apply" not in read_log(tmp_path / "logs", "same")
+
+
+def test_resume_force_across_an_architecture_flag_is_one_line_naming_the_tensors(tmp_path, capsys):
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    assert run(tmp_path, "--run-id", "c", "--resume", "auto", "--value-embeds", "0", "--resume-force") == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("log: ")]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "only in the checkpoint 3: value_embeds.0.weight, " in err[0] and "use the checkpoint's model flags" in err[0]
+
+
+@pytest.mark.parametrize("preset", sorted(T.PRESETS))
+def test_the_non_finite_loss_message_names_only_lr_flags_the_preset_reads(preset):
+    cfg, _ = T.parse_config(["--preset", preset])
+    flags = H.lr_flags(cfg)
+    record89 = cfg.optimizer in ("normuon", "aurora_normuon")  # CautiousAdam's lrs are record #89's constants
+    assert flags == ("--matrix-lr" if record89 else "--matrix-lr, --embed-lr, --head-lr"), flags
+    guard = H.NanGuard("cpu", flags)
+    guard.first_bad.fill_(5)
+    with pytest.raises(FloatingPointError, match=r"since step 5; lower the lr \(" + flags + "; with --resume-force"):
+        guard.check()
+
+
+def test_restore_optimizers_keeps_this_runs_settings_and_names_only_what_the_config_changed(tmp_path):
+    from types import SimpleNamespace
+    cfg = T.parse_config(tiny_args(tmp_path))[0]
+    old = T.build_optimizers(T.GPT(cfg), cfg)
+    for opt in old:  # mid-run: the schedule has scaled every lr and moved the momentum
+        for g in opt.param_groups:
+            g["lr"] *= 0.3
+            if "momentum" in g:
+                g["momentum"] = 0.42
+    saved = [opt.state_dict() for opt in old]
+    same = T.build_optimizers(T.GPT(cfg), cfg)
+    assert H.restore_optimizers(SimpleNamespace(opts=same), saved) == []  # a plain resume changes nothing
+    new_cfg = T.parse_config(tiny_args(tmp_path, "--matrix-lr", str(cfg.matrix_lr * 2)))[0]
+    new = T.build_optimizers(T.GPT(new_cfg), new_cfg)
+    changed = H.restore_optimizers(SimpleNamespace(opts=new), saved)
+    assert changed == [f"{type(new[1]).__name__}.initial_lr: {cfg.matrix_lr!r} -> {cfg.matrix_lr * 2!r}"], changed
+    assert all(g["initial_lr"] == new_cfg.matrix_lr for g in new[1].param_groups)

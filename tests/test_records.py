@@ -1392,3 +1392,42 @@ def test_a_record_21_era_log_reruns_from_its_own_code(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "train losses reproduced" in proc.stdout and "val_loss at step 0" in proc.stdout
     assert "unet: bool" in (out / "train_gpt.py").read_text() and proc.stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("changes, field", [(dict(val_tokens=8192), "val_tokens: 16384 vs 8192"),
+                                            (dict(seq_len=384), "seq_len: "), (dict(vocab_size=50432), "vocab_size: "),
+                                            ("val data", "val data: ")])
+def test_groups_that_differ_in_what_decides_the_val_loss_get_no_number_against_the_baseline(tmp_path, changes, field):
+    # same model, same data, same losses; only what the val loss is measured on differs: no delta, CI or p
+    for g in ("A", "B"):
+        (tmp_path / g).mkdir()
+    for seed in (0, 1):
+        src = os.path.join(TST, f"tst_seed{seed}.txt")
+        shutil.copyfile(src, tmp_path / "A" / f"s{seed}.txt")
+        if changes == "val data":
+            text = re.sub(r"^(data val: .* fingerprint:)([0-9a-f]+)$", lambda m: m[1] + "0" * len(m[2]),
+                          read_text(src), flags=re.M)
+            write_text(tmp_path / "B" / f"s{seed}.txt", text)
+        else:
+            with_config(src, tmp_path / "B" / f"s{seed}.txt", **changes)
+    proc = run_tool("compare.py", "--json", tmp_path / "A", tmp_path / "B", "--baseline", "A")
+    assert proc.returncode == 0, proc.stderr
+    b = {r["group"]: r for r in json.loads(proc.stdout)}["B"]
+    assert b["delta_mean"] is None and b["delta_ci95"] is None and b["p_welch"] is None, b
+    assert b["time_to_target_ratio"] is None and any(d.startswith(field) for d in b["val_differs"]), b
+    assert f"compare.py: warning: group B: not compared with the baseline: the groups differ in what decides the val " \
+           f"loss ({field}" in proc.stderr
+    out = run_tool("compare.py", tmp_path / "A", tmp_path / "B", "--baseline", "A").stdout
+    [line] = [ln for ln in out.split("against the baseline A")[1].splitlines() if ln.startswith("B ")]
+    assert line.split()[1:4] == ["-", "-", "-"], line  # no difference, CI or p-value in the table
+    assert "B: not compared with the baseline" in out
+
+
+def test_val_differences_names_val_protocol_fields_and_ignores_what_one_side_does_not_record():
+    run = lambda cfg: compare.Run(path="x", name="x", config=cfg)  # noqa: E731
+    a = dict(val_tokens=16384, seq_len=768, vocab_size=50304, val_every=50, val_batch_seqs=0, val_mode="next")
+    rows = [dict(val_setup=compare.group_val_setup([run(c)])) for c in
+            (a, dict(a, val_every=7, val_batch_seqs=4), dict(a, val_mode="tst"), {k: a[k] for k in ("seq_len",)})]
+    assert compare.val_differences(rows[0], rows[1]) == []  # how often and in what batches: the same val loss
+    assert compare.val_differences(rows[0], rows[2]) == ["val_mode: next vs tst"]
+    assert compare.val_differences(rows[0], rows[3]) == []  # val tokens unknown on one side: not a difference

@@ -205,10 +205,35 @@ def test_integers_too_large_for_the_machine_are_refused_naming_the_flag(flag, si
 
 def test_out_of_memory_is_one_line_naming_the_flags_to_lower():
     err = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                       "you tried to allocate 123 bytes.")
+                       "you tried to allocate 123456789012 bytes. Error code 12 (Cannot allocate memory)")
     line = H.known_failure(err)
-    assert line.startswith("out of memory (") and "--micro-batch-seqs" in line and "\n" not in line
+    assert line.startswith("out of memory (tried to allocate 123456789012 bytes); lower --seq-len") and "\n" not in line
     assert H.known_failure(ValueError("something else")) is None
+
+
+@pytest.mark.parametrize("preset", ["baseline_h200", "record_h200", "cpu_smoke_r21"])
+def test_out_of_memory_names_the_flags_that_lower_it_for_the_preset_with_the_whole_size(preset):
+    cfg = T.parse_config(["--preset", preset, "--no-fp8"])[0]
+    err = H.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.44 GiB. GPU 0 has a total capacity of "
+                                   "23.55 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process "
+                                   "has 22.48 GiB memory in use. Of the allocated memory 21.98 GiB is allocated")
+    line = H.known_failure(err, cfg)
+    assert line.startswith("out of memory (tried to allocate 23.44 GiB); lower --seq-len (now "), line
+    assert ("--micro-batch-seqs" in line) == (cfg.micro_batch_seqs > 1)  # record #89's presets: 1 already
+    assert ("--bigram-vocab (now 377,280 rows" in line) == (cfg.bigram_vocab > 0) and "--fp8" in line
+
+
+def test_out_of_memory_inside_compile_is_called_out_of_memory():
+    class BackendCompilerFailed(RuntimeError):  # torch._dynamo's wrapper of an error raised while compiling
+        pass
+    try:
+        try:
+            raise H.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        except Exception as e:
+            raise BackendCompilerFailed("backend='inductor' raised: OutOfMemoryError") from e
+    except RuntimeError as err:
+        line = H.known_failure(err)
+    assert line.startswith("out of memory (tried to allocate 2.00 GiB)") and "C++" not in line, line
 
 
 def test_a_damaged_summary_on_resume_is_named(tmp_path, capsys):
@@ -463,3 +488,80 @@ def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_p
         out.stderr[-3000:]
     assert f"127.0.0.1:{port}" in errors[0] and "GLOO_SOCKET_IFNAME" in errors[0] and "--dist-timeout (2 s)" in errors[0]
     assert not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# run.sh: the start line names the preset that runs; more processes than GPUs is refused before torchrun
+
+
+@pytest.mark.parametrize("form", ["--preset cpu_smoke_r21", "--preset=cpu_smoke_r21"])
+def test_run_sh_start_line_names_the_preset_passed(tmp_path, form):
+    args = [a for a in tiny_args(tmp_path) if a not in ("--preset", "cpu_smoke_r21")]  # the preset in `form`
+    env = dict(subprocess_env(), NPROC="3", OMP_NUM_THREADS="1")  # 3 processes cannot split the batch: refused
+    res = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *form.split(" "), *args], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
+    assert line.startswith("run.sh: preset cpu_smoke_r21, 3 processes on CPU"), line
+
+
+def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(H.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(H.torch.cuda, "device_count", lambda: 2)
+    argv = [a for a in tiny_args(tmp_path)]
+    assert H.preflight(argv, T.TRAINER, 4) == 2
+    err = capsys.readouterr().err
+    assert err == ("run.sh: NPROC=4: 4 processes but 2 GPU(s) visible (one process per GPU); set NPROC to at most 2, "
+                   "or unset it to use every GPU\n"), err
+    assert not os.path.exists(tmp_path / "logs")  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# --describe's memory estimate, against a CPU run's peak
+
+PEAK_PROBE = """
+import dataclasses, sys, torch
+import train_gpt as T
+torch.set_num_threads(1)
+cfg = dataclasses.replace(T.parse_config(["--preset", "cpu_smoke", *sys.argv[1:]])[0], fp8=False)
+torch.manual_seed(0)
+def hwm():  # this process's peak resident KiB (ru_maxrss would start at the forking parent's peak)
+    return int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:")))
+before = hwm()
+model = T.GPT(cfg)
+opts = T.build_optimizers(model, cfg)
+n = cfg.micro_batch_seqs * cfg.seq_len
+ids = torch.randint(0, 50257, (1, n + 1))
+for _ in range(2):  # the second step: every optimizer state exists
+    model(ids[:, :-1].reshape(1, n, 1), ids[:, 1:].reshape(1, n, 1)).backward()
+    for opt in opts:
+        opt.step()
+print(sum(p.numel() for p in model.parameters()), (hwm() - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("extra", [[], ["--seq-len", "2304", "--batch-tokens", "6912"]])
+def test_memory_estimate_is_within_15_percent_of_a_cpu_runs_peak_at_the_smoke_shape(extra):
+    """Measured on an Intel Xeon (1 thread): cpu_smoke (28.7M parameters, 768 positions) peaks 967 MiB above the
+    process's start, estimated 917 MiB; at 2,304 positions 1,928 MiB, estimated 1,878 MiB."""
+    with open("/proc/meminfo") as f:  # resident memory reads low when the machine is short of it (pages reclaimed)
+        roomy = int(next(ln.split()[1] for ln in f if ln.startswith("MemAvailable:"))) > 8 * 2**20
+    proc = subprocess.run([sys.executable, "-c", PEAK_PROBE, *extra], env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n_params, peak = map(int, proc.stdout.split()[-2:])
+    cfg = T.parse_config(["--preset", "cpu_smoke", *extra])[0]
+    est = H.memory_estimate(cfg, n_params, cuda=False)
+    assert est["total"] == est["parameters"] * (2 + 3) + est["activations"]  # cpu_smoke: CautiousAdam's 3 copies
+    assert 0.85 < est["total"] / peak and (est["total"] / peak < 1.15 or not roomy), (est, peak)
+
+
+def test_describe_prints_the_memory_estimate_and_the_flags_that_lower_it(capsys):
+    assert T.main(["--preset", "baseline_h200", "--describe"]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory_estimate: ")]
+    cfg = T.parse_config(["--preset", "baseline_h200"])[0]
+    n_params = T.plan(cfg)[0]
+    total = (4 * n_params * 5 + 16384 * (3 * 50304 * 4 + 25 * 11 * 768 * 2)) / 2**30  # float64 by hand
+    assert f"peak about {total:.1f} GiB" in line and "1 x 16,384 positions" in line, line
+    assert "--seq-len (now 16,384" in line and "--bigram-vocab (now 377,280 rows" in line
+    assert "--micro-batch-seqs" not in line and "--fp8" not in line  # 1 already, FP8 on already

@@ -9,7 +9,7 @@ import torch
 import sample
 import harness
 import train_gpt as T
-from conftest import REPO, subprocess_env, tiny_args
+from conftest import REPO, sample_args, subprocess_env, tiny_args
 
 
 def checkpoint(root, run_id, *extra):
@@ -112,3 +112,32 @@ def test_bad_input_is_one_error_line(ckpt, tmp_path, capsys):
                           (("--max-new-tokens", "many"), "--max-new-tokens: invalid int value")]:
         assert needle in one_error_line(capsys, "--checkpoint", ckpt, *flags)
     assert "--checkpoint" in one_error_line(capsys, "--prompt", "The")  # no checkpoint named
+
+
+@pytest.mark.parametrize("steps, tied", [(3, True), (6, False)])
+def test_a_tied_embed_checkpoint_is_sampled_tied_or_untied_as_at_its_step(tmp_path, steps, tied):
+    # cpu_smoke with --tied-embed over 6 steps unties after step 3 (split_step): the embedding is then its own weight,
+    # updated at step 6 (CautiousAdam updates every other step)
+    flags = ["--preset", "cpu_smoke", *sample_args(), "--tied-embed", "--num-iterations", "6", "--val-every", "0",
+             "--val-tokens", "1536", "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert T.main([*flags, "--max-steps", str(steps), "--run-id", "t", "--save-final"]) == 0
+    path = str(tmp_path / "ckpt" / "t" / f"step_{steps:06d}.pt")
+    assert T.split_step(T.parse_config(flags)[0]) == 3
+    model, _, step = sample.load_model(path, torch.device("cpu"))
+    assert step == steps and model.tied is tied
+    state = harness.load_checkpoint(path)["model"]
+    assert tied or not torch.equal(state["embed.weight"], state["lm_head.weight"])  # they differ after the untie
+    # the logits are those of the model the run trained (tied as at its step), not of the other tie
+    ids = torch.tensor([T.EOT_TOKEN, 464, 3290, 286, 262, 1578, 1829, 13]).view(1, -1, 1)  # [1, T, 1] as sample.py
+    logits = {}
+    for ref_tied in (True, False):
+        ref = T.GPT(model.cfg)
+        ref.load_state_dict(state)
+        ref.tied = ref_tied
+        ref.set_window(*(lambda row: (row.window, row.yarn))(T.Schedule(model.cfg)[step]))
+        with torch.no_grad():
+            logits[ref_tied] = ref.eval()(ids)
+    with torch.no_grad():
+        got = model(ids)
+    assert torch.equal(got, logits[tied])
+    assert tied or (got - logits[True]).abs().max() > 1e-3  # the bug this guards: the head read as the embedding
