@@ -67,7 +67,7 @@ SCHEMA = "gpu_check-1"
 # step, one per micro-batch (grad accumulation from stage 2); windows in blocks of 8 positions (short,
 # long): (8, 24), (24, 56), (40, 88), then (48, 104): each binds. --dry-run's timing runs use the shape.
 CHECK_SHAPE = (T.config_to_argv(dict(T.SMOKE_MODEL89, model_dim=64, bigram_vocab=4096)) if T else []) + [
-    "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1", "--window-block", "8"]
+    "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1", "--window-block", "8", "--val-seq-len", "0"]
 CHECK_MODEL = ["--preset", "record_h200", *CHECK_SHAPE, "--extension-steps", "1"]
 # The in-process model checks (bench/gpu_kernels.py) at 128 positions: a 128-block (two in paired layers).
 MODEL_CHECK_SHAPE = ["--seq-len", "128", "--batch-tokens", "384"]
