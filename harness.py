@@ -766,11 +766,12 @@ OPT_COPIES = {"normuon": 3, "aurora_normuon": 3}  # any other optimizer: Adam on
 LOGIT_COPIES, ACT_PER_LAYER = 3, 25
 
 
-def memory_estimate(cfg, n_params, cuda=True):
+def memory_estimate(cfg, n_params, cuda=True, seq_len=None):
     """Estimated peak bytes per process of a run of ``cfg`` with ``n_params`` parameters: ``dict(parameters,
     gradients, optimizer, activations, logits, total)``; activations (logits included) for one micro-batch of
-    ``micro_batch_seqs x seq_len`` positions, bf16 on CUDA (``cuda``), float32 on CPU; logits float32."""
-    positions = cfg.micro_batch_seqs * cfg.seq_len
+    ``micro_batch_seqs x seq_len`` positions (``seq_len``: the longest stage's, default --seq-len), bf16 on
+    CUDA (``cuda``), float32 on CPU; logits float32."""
+    positions = cfg.micro_batch_seqs * (seq_len or cfg.seq_len)
     params = 4 * n_params
     logits = positions * LOGIT_COPIES * cfg.vocab_size * 4
     layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * (2 if cuda else 4)
@@ -780,10 +781,11 @@ def memory_estimate(cfg, n_params, cuda=True):
     return out
 
 
-def memory_line(cfg, n_params):
-    """``--describe``'s memory line (GiB per GPU, parts and total)."""
-    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params).items()}
-    return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {cfg.seq_len:,} positions: "
+def memory_line(cfg, n_params, seq_len=None):
+    """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len``."""
+    seq_len = seq_len or cfg.seq_len
+    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params, seq_len=seq_len).items()}
+    return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {seq_len:,} positions: "
             f"parameters {m['parameters']:.2f} GiB, gradients {m['gradients']:.2f} GiB, optimizer state "
             f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}); peak about "
             f"{m['total']:.1f} GiB (docs/MEMORY.md); to lower it: {memory_flags(cfg)}")
@@ -808,7 +810,8 @@ def describe(cfg, preset, trainer, gpu_check=None):
     lines = [f"describe: preset {preset or '(none)'}; nothing is read or run",
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
-             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}", memory_line(cfg, n_params)]
+             f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}",
+             memory_line(cfg, n_params, max(s.length(cfg.seq_len) for s in table.stages))]  # the longest stage
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)

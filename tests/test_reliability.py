@@ -561,7 +561,8 @@ def test_describe_prints_the_memory_estimate_and_the_flags_that_lower_it(capsys)
     [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory_estimate: ")]
     cfg = T.parse_config(["--preset", "baseline_h200"])[0]
     n_params = T.plan(cfg)[0]
-    total = (4 * n_params * 5 + 16384 * (3 * 50304 * 4 + 25 * 11 * 768 * 2)) / 2**30  # float64 by hand
-    assert f"peak about {total:.1f} GiB" in line and "1 x 16,384 positions" in line, line
+    # the third stage's one sequence of 49,152 positions (--grow-seq-len) is the largest micro-batch
+    total = (4 * n_params * 5 + 49152 * (3 * 50304 * 4 + 25 * 11 * 768 * 2)) / 2**30  # float64 by hand
+    assert f"peak about {total:.1f} GiB" in line and "1 x 49,152 positions" in line, line
     assert "--seq-len (now 16,384" in line and "--bigram-vocab (now 377,280 rows" in line
     assert "--micro-batch-seqs" not in line and "--fp8" not in line  # 1 already, FP8 on already
