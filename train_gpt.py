@@ -163,18 +163,11 @@ class Config:
 
 
 
-# Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on its model: 1,270
-# scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
-# sequences of 16,384 (HEAD's 2,048 x 8 per GPU) in document masks, one sequence per micro-step,
-# cooldown over the last 60% to 0.15 (record #72), momentum 0.85 -> 0.95 over 300 steps (the
-# defaults) and back over the last 50 (record #39). No TST. Earlier recipes (record #21's U-net,
-# x0 mix and growing window among them) live in their logs: records/verify.py --extract restores them.
-# Presets list only what differs from Config's defaults (or their parent's): tests/test_trainer.py checks it.
-# Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
-# layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
-# its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
-# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key offset
-# (#49), XSA (#82), output gates (#28), uniform V/O init (#64), attention lambdas, DC on layer 10 (#85).
+# Record #89's recipe (2026-07-17; docs/METHODS.md §4): the stage table RECORD89_STAGES, 1,270 scheduled
+# steps + 15 at the floor, 8 -> 24 sequences of 16,384 in document masks, no TST. Earlier recipes (record
+# #21's among them) live in their logs: records/verify.py --extract restores them. Presets list only what
+# differs from Config's defaults (or their parent's): tests/test_trainer.py checks it. MODEL89 is record
+# #89's model as HEAD builds it (docs/METHODS.md §5, §6; each flag's help names its record).
 MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9",
                value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
@@ -206,13 +199,6 @@ PRESETS = {
                       val_tokens=16384, val_every=50, log_every=1, grow_seq_len=False, val_seq_len=0,
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
-
-# Fields that change where files go or how a run executes, not what it computes; every other
-# field defines the run, and --resume refuses a checkpoint that differs in one of those.
-OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
-                         "checkpoint_dir", "save_every", "keep_checkpoints", "save_final", "save_on_interrupt",
-                         "resume", "resume_force"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,20 +245,15 @@ class StepRow:
     yarn: tuple = ()  # long windows of steps 0..min(step, N - 1), no repeats: the RoPE's YaRN history (record #31)
 
 
-# Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
-# tokens per step in thirds of --batch-tokens (record #46: 8 -> 16 -> 24 sequences of 2,048 per
-# GPU), the document cap (records #29, #72), (short, long) windows in blocks (records #31, #33,
-# #35), the lr multiplier (sqrt-ish in the batch: (16/8)^0.6, (24/8)^0.5) and the row of
-# OBJECTIVE_WEIGHTS (multi-token record #53, prefix record #88). The extension stage keeps stage
-# 3's batch and objective with windows (6, 13); the final validation uses long windows of 20.
+# Record #89 (HEAD's TRAINING_STAGES; docs/METHODS.md §4), per stage: fraction of the scheduled steps,
+# --batch-tokens thirds (#46), document cap (#29, #72), (short, long) window blocks (#31, #33, #35), lr
+# multiplier (sqrt-ish in the batch: (16/8)^0.6, (24/8)^0.5), OBJECTIVE_WEIGHTS row (#53, #88).
 RECORD89_STAGES = ((1 / 3, 1, 896, (1, 3), 1.0, 0),
                    (1 / 3, 2, 2048, (3, 7), 1.52, 1),
                    (1 / 3, 3, 2048, (5, 11), 1.73, 2))
-RECORD89_EXTENSION_BLOCKS = (6, 13)
-RECORD89_FINAL_LONG_BLOCKS = 20
-# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
-# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
-# prefix column (record #88: .25, .25 -> 0, 0). The extension stage uses the last row.
+RECORD89_EXTENSION_BLOCKS = (6, 13)  # the extension keeps stage 3's batch and objective
+RECORD89_FINAL_LONG_BLOCKS = 20  # the final validation's long window
+# Target column weights per stage, (at its start, at its end): multi-token t+1..t+3 (#53), prefix (#88).
 OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
                      ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
                      ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
@@ -1495,10 +1476,6 @@ class Run:
     objectives: Objectives = None
     split_step: int = None
 
-    def phase_at(self, step):
-        """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
-        return self.schedule[step].stage.phase
-
 
 def count_step(progress, row, raw_tokens):
     progress.raw_tokens += raw_tokens
@@ -1616,23 +1593,8 @@ def training_loop(run, start_step, end_step):
         run.model.zero_grad(set_to_none=True)
         run.guard.update(loss, step + 1)
         count_step(run.progress, row, raw_tokens)
-
-        done = step + 1
-        last, stopping = done == end_step, harness.stop_requested(run, done)
-        if done % cfg.log_every == 0 or last or stopping:
-            with clock.paused():
-                harness.log_train_line(run, done, loss, scale)
-        val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
-        save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
-        if val_now or save_now or (stopping and not last):
-            with clock.paused():
-                if val_now and not validate(run, done):
-                    stopping, last = True, False  # a signal during validation: stop here, val not logged
-                if stopping and not last:
-                    harness.save_on_stop(run, done)  # the status line first, then the checkpoint
-                    return done
-                if save_now:
-                    harness.save(run, done, periodic=not (last and cfg.save_final))
+        if harness.after_step(run, step + 1, end_step, loss, scale, clock, validate):  # a signal stopped it
+            return step + 1
     return None
 
 
@@ -1678,22 +1640,11 @@ def plan(cfg):
     return n_params, Schedule(cfg)
 
 
-TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
+TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=harness.OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
                           train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
-RUN_DEFINING = TRAINER.run_defining
-
-
-def parse_config(argv=None):  # (Config, preset) from command-line words
-    return harness.parse_config(argv, TRAINER)
-
-
-def config_to_argv(config):  # the words that reproduce a Config (or a logged config dict)
-    return harness.config_to_argv(config, Config)
-
-
-def main(argv=None):
-    return harness.main(argv, TRAINER)
+OPERATIONAL, RUN_DEFINING = TRAINER.operational, TRAINER.run_defining
+parse_config, config_to_argv, main = TRAINER.parse_config, TRAINER.config_to_argv, TRAINER.main  # harness.py's CLI
 
 
 if __name__ == "__main__":
