@@ -202,10 +202,8 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------
-# The stage table: every per-step quantity of a run, in one place. A stage is a run of steps that
-# share one graph shape (TST phase, bag size, mode) and tokens per step; each step's row adds
-# the ramps (lr scale, momentum, attention windows) and the FLOPs they imply. The loop,
-# warm-up (one graph per distinct shape), --describe, the token counts and run.sh read it.
+# The stage table: every per-step quantity of a run. A stage: steps sharing one graph shape (TST phase, bag size,
+# mode) and tokens per step; a step's row adds the ramps (lr, momentum, windows) and the FLOPs they imply.
 
 @dataclass(frozen=True)
 class Stage:
@@ -355,9 +353,8 @@ def stage_objective(step, stage):
     return tuple(a + (b - a) * t for a, b in zip(start, end))
 
 
-# Document-packed stages also read the clipped and cut tails they skip; how much depends on the
-# documents' lengths. The shard count budgets this much text per trained token (a short budget only
-# wraps the stream, which the log reports).
+# Packed stages also read the tails they skip (how much depends on the documents): the shard count budgets this
+# much text per trained token (a short budget only wraps the stream, which the log reports).
 PACKED_READ_MARGIN = 1.5
 
 
@@ -406,8 +403,7 @@ def flag_windows(cfg):
 
 # ----------------------------------------------------------------------------------------------
 # Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with record #89's
-# elements behind flags (MODEL89): document masks and sliding windows, value embeddings, the
-# attention scale, layers without attention, the residual and input elements, the attention variants
+# elements behind flags (MODEL89; docs/METHODS.md §5)
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim."""
@@ -504,10 +500,6 @@ def route(param, group, role=None):
     return param
 
 
-# FP8 matmuls (modded-nanogpt records #19, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
-# up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
-# tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
-
 def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     """A bias-free ``nn.Linear`` whose weight is routed to ``group`` (and Adam ``role``, record #89's optimizer)."""
     lin = nn.Linear(d_in, d_out, bias=False)
@@ -535,10 +527,8 @@ def make_rotary(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: q, k, v in one matmul
-    (three optimizer matrices), ``v + g ve`` value embeddings (g the gate, else 1; #9, #55), paired heads
-    (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31), HEAD's
-    lambdas, the DC correction (#85)."""
+    """Multi-head attention with QK-norm and RoPE; q, k, v in one matmul (three optimizer matrices); ``layer``'s
+    record #89 elements from the config (value embeddings #9, #55; docs/METHODS.md §5)."""
 
     def __init__(self, cfg, rotary=None, layer=0):
         super().__init__()
@@ -608,8 +598,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``): fc at
-    current scales, proj (record #89's stages) at HEAD's delayed ones, state kept in ``down_scales``."""
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``, sm_89+):
+    fc at current scales (record #84), proj (#89's stages) at HEAD's delayed ones, state in ``down_scales``."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -660,10 +650,9 @@ class Block(nn.Module):
                         if value_embed and cfg.ve_gate and static else None)
 
     def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
-        """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
-        ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
-        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}``
-        (x0, bigram, xsa, attn) from --mudd-gates (``GPT.gate_coefs``)."""
+        """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x); ``bigram``
+        ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` the 7 ``[B, L, 1]`` lambdas and gates from MUDD
+        (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}`` from --mudd-gates (``GPT.gate_coefs``)."""
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
         g = gates or {}
         ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, g.get("x0", self.x0_gate), g.get("bigram", self.bigram_gate), None)
@@ -694,10 +683,9 @@ def injects(cfg, layer):
 
 
 def gate_lanes(cfg):
-    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
-    --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
-    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), (second) the skip's factor, then the
-    DC weights w1, w2 of each --dc-layers layer (n_head wide each; HEAD's post gate: 12 + 6 + 10 + 1 + 12 = 41)."""
+    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each (first: of x0, layers before
+    --mudd-gates G; second: of the stream entering G): XSA, output gates, x0, bigram, the skip, DC w1, w2 (HEAD's
+    second: 12 + 6 + 10 + 1 + 12 = 41 lanes; docs/METHODS.md §4 "The model")."""
     G, H = cfg.mudd_gates, cfg.n_head
     inject = [i for i in range(cfg.n_layer) if injects(cfg, i)]
     lanes = ([], [])
@@ -725,12 +713,9 @@ def embed_tokens(table, inputs):
 
 class GPT(nn.Module):
     """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
-
-    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded
-    as its mean), targets int64 ``[B, L, j]`` (-100 = ignore). Returns float32 logits ``[B, L, V]``, or
-    with targets the float32 loss *sum* over valid labels (``accumulate_gradients`` divides). The layers
-    share one mask per window (``masks_for``), windows from the ``windows`` buffer (``set_window``).
-    """
+    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded as its
+    mean), targets int64 ``[B, L, j]`` (-100 = ignore) -> float32 logits ``[B, L, V]``, or with targets the float32
+    loss *sum* over valid labels. One mask per window (``masks_for``), windows from the ``windows`` buffer."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -1215,9 +1200,8 @@ def build_optimizers(model, cfg, compile=False):
 
 
 def build_record89_optimizers(model, cfg, compile=False):
-    """Record #89's optimizers (docs/METHODS.md §3): NorMuon (records #41-#43, #48, #78, #80; with Aurora's polar
-    on the MLP matrices for aurora_normuon) on the block matrices, CautiousAdam (HEAD's roles, every other
-    step; --embed-lr, --head-lr, --scalar-lr unused) on the rest."""
+    """Record #89's optimizers (docs/METHODS.md §3): NorMuon (aurora_normuon: Aurora's polar on the MLP matrices)
+    on the block matrices, CautiousAdam (HEAD's roles, every other step; --embed/head/scalar-lr unused) on the rest."""
     named = dict(model.blocks.named_parameters())
     pick = lambda *ends: [(f"blocks.{n}", p) for n, p in named.items() if n.endswith(ends)]  # noqa: E731
     groups = record89_matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
@@ -1246,9 +1230,8 @@ def build_record89_optimizers(model, cfg, compile=False):
 
 
 def adam_bf16_(model):
-    """--adam-bf16 (HEAD's storage): Adam's parameters of two or more dims (embeddings, head, value-embedding and
-    gate matrices, MUDD) in bf16, so each update rounds to bf16 as HEAD's; its vectors and scalars (lambdas, the
-    gate scale) stay float32 as HEAD's, and NorMuon's matrices float32 (HEAD: bf16 + 16 mantissa bits)."""
+    """--adam-bf16 (HEAD's storage): Adam's parameters of 2+ dims in bf16, so each update rounds as HEAD's; its
+    vectors and scalars stay float32 as HEAD's, NorMuon's matrices float32 (HEAD: bf16 + 16 mantissa bits)."""
     for p in model.parameters():
         if p.ndim >= 2 and p.opt_group != "matrix":
             p.data = p.data.bfloat16()
@@ -1323,9 +1306,8 @@ class Objectives:
 
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divisor=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
-    sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``: HEAD's scale, a Python number) that of
-    the sum over ``divisor``. Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    global label sum (columns weighted by ``weights`` [J]) over the next-token label count, not a mean of means;
+    the gradient of the sum over it or ``divisor`` (``grad_divisor``), all-reduced in buckets in the last backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
