@@ -235,6 +235,25 @@ class Trainer:
     def run_defining(self):
         return tuple(f.name for f in fields(self.config) if f.name not in self.operational)
 
+    def parse_config(self, argv=None):
+        """``(Config, preset)`` from command-line words (``parse_config``)."""
+        return parse_config(argv, self)
+
+    def config_to_argv(self, config):
+        """The words that reproduce a Config or a logged config dict (``config_to_argv``)."""
+        return config_to_argv(config, self.config)
+
+    def main(self, argv=None):
+        return main(argv, self)
+
+
+# The Config fields that change where files go or how a run executes, not what it computes; every
+# other field defines the run, and --resume refuses a checkpoint that differs in one of those.
+OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
+                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
+                         "checkpoint_dir", "save_every", "keep_checkpoints", "save_final", "save_on_interrupt",
+                         "resume", "resume_force"})
+
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, except where the default is "unset" (its help says what happens)."""
@@ -948,7 +967,7 @@ def rank_buffers(model):
 
 def checkpoint_state(run, step):
     """Everything an exact resume needs: weights, optimizer states, stream position, counters, RNG, config, data."""
-    return dict(config=dataclasses.asdict(run.cfg), step=step, phase=run.phase_at(step),
+    return dict(config=dataclasses.asdict(run.cfg), step=step, phase=run.schedule[step].stage.phase,
                 run_id=run.log.summary["run_id"], model=run.model.state_dict(),
                 optimizers=[o.state_dict() for o in run.opts], loader_position=run.loader.position,
                 counters=dataclasses.asdict(run.progress), data=run.data,
@@ -1587,7 +1606,7 @@ def log_train_line(run, step, loss, scale):
     """Log the train loss after ``step`` steps (one host sync; the NaN guard's check first).
 
     Args:
-        run: the trainer's run (``log``, ``cfg``, ``progress``, ``guard``, ``phase_at``).
+        run: the trainer's run (``log``, ``cfg``, ``progress``, ``guard``, ``schedule``).
         step: optimizer steps done.
         loss: the last step's loss, a 0-d device tensor.
         scale: the step's lr multiplier (a float).
@@ -1599,7 +1618,7 @@ def log_train_line(run, step, loss, scale):
     value, p = loss.item(), run.progress
     run.log.summary.setdefault("train_losses", []).append([step, value])
     run.log.line(step_line(step, run.cfg, "train_loss", value, p.train_time_ms, dict(
-        phase=run.phase_at(step - 1), **_progress_fields(p), lr_scale=f"{scale:.4f}")))
+        phase=run.schedule[step - 1].stage.phase, **_progress_fields(p), lr_scale=f"{scale:.4f}")))
 
 
 def log_val_line(run, step, loss, phase, loss_tst=None):
@@ -1972,6 +1991,29 @@ def save_on_stop(run, step):
     that a SIGKILL during the write (torchrun's shutdown timeout) still leaves the log marked."""
     run.log.mark("interrupted", interrupt_reason(run, step))
     save(run, step, log_line=False)
+
+
+def after_step(run, done, end_step, loss, scale, clock, validate):
+    """The loop's work after optimizer step ``done`` (``end_step``: where it stops), outside train_time: the
+    train-loss line, ``validate(run, step)`` (False: a signal cut it short) every --val-every steps and at the
+    end, checkpoints; True when a signal stopped the run here (its checkpoint written)."""
+    cfg = run.cfg
+    last, stopping = done == end_step, stop_requested(run, done)
+    if done % cfg.log_every == 0 or last or stopping:
+        with clock.paused():
+            log_train_line(run, done, loss, scale)
+    val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
+    save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
+    if val_now or save_now or (stopping and not last):
+        with clock.paused():
+            if val_now and not validate(run, done):
+                stopping, last = True, False  # a signal during validation: stop here, val not logged
+            if stopping and not last:
+                save_on_stop(run, done)  # the status line first, then the checkpoint
+                return True
+            if save_now:
+                save(run, done, periodic=not (last and cfg.save_final))
+    return False
 
 
 def interrupt_in_chain(err):

@@ -163,18 +163,11 @@ class Config:
 
 
 
-# Record #89's recipe (2026-07-17; the stage table RECORD89_STAGES) on its model: 1,270
-# scheduled steps plus 15 at the floor, 131,072 -> 393,216 positions per step as 8 -> 24
-# sequences of 16,384 (HEAD's 2,048 x 8 per GPU) in document masks, one sequence per micro-step,
-# cooldown over the last 60% to 0.15 (record #72), momentum 0.85 -> 0.95 over 300 steps (the
-# defaults) and back over the last 50 (record #39). No TST. Earlier recipes (record #21's U-net,
-# x0 mix and growing window among them) live in their logs: records/verify.py --extract restores them.
-# Presets list only what differs from Config's defaults (or their parent's): tests/test_trainer.py checks it.
-# Record #89's model (HEAD; docs/METHODS.md §1, §5): 11 layers, no attention in layer 6, long windows on
-# layers 3 and 10; per-sublayer lambdas, x0 gates, the gated 3 -> 6 skip, attention after layer 7 reading
-# its state (#77); the bigram hash embedding (#62, #83), smear (#34), five gated value embeddings (#55,
-# #63, #70), MUDD and its gate MLPs (#81, #85); half RoPE with YaRN (#31), paired heads (#58), key offset
-# (#49), XSA (#82), output gates (#28), uniform V/O init (#64), attention lambdas, DC on layer 10 (#85).
+# Record #89's recipe (2026-07-17; docs/METHODS.md §4): the stage table RECORD89_STAGES, 1,270 scheduled
+# steps + 15 at the floor, 8 -> 24 sequences of 16,384 in document masks, no TST. Earlier recipes (record
+# #21's among them) live in their logs: records/verify.py --extract restores them. Presets list only what
+# differs from Config's defaults (or their parent's): tests/test_trainer.py checks it. MODEL89 is record
+# #89's model as HEAD builds it (docs/METHODS.md §5, §6; each flag's help names its record).
 MODEL89 = dict(n_layer=11, no_attn_layers="6", short_window_layers="0,1,2,4,5,7,8,9",
                value_embeds=5, ve_layers="1,2,8,9,10", ve_gate=True, resid_lambdas=True, skip_gate="3,6",
                x0_gates=True, attn_state_layer=7, bigram_vocab=377_280, smear=True, mudd=True, mudd_gates=4,
@@ -207,19 +200,10 @@ PRESETS = {
                       tied_embed=False),  # its < 7.5 val loss was measured untied; the tie is tested in tests/
 }
 
-# Fields that change where files go or how a run executes, not what it computes; every other
-# field defines the run, and --resume refuses a checkpoint that differs in one of those.
-OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
-                         "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "dist_timeout",
-                         "checkpoint_dir", "save_every", "keep_checkpoints", "save_final", "save_on_interrupt",
-                         "resume", "resume_force"})
-
 
 # ----------------------------------------------------------------------------------------------
-# The stage table: every per-step quantity of a run, in one place. A stage is a run of steps that
-# share one graph shape (TST phase, bag size, mode) and tokens per step; each step's row adds
-# the ramps (lr scale, momentum, attention windows) and the FLOPs they imply. The loop,
-# warm-up (one graph per distinct shape), --describe, the token counts and run.sh read it.
+# The stage table: every per-step quantity of a run. A stage: steps sharing one graph shape (TST phase, bag size,
+# mode) and tokens per step; a step's row adds the ramps (lr, momentum, windows) and the FLOPs they imply.
 
 @dataclass(frozen=True)
 class Stage:
@@ -259,20 +243,15 @@ class StepRow:
     yarn: tuple = ()  # long windows of steps 0..min(step, N - 1), no repeats: the RoPE's YaRN history (record #31)
 
 
-# Record #89 (2026-07-17, HEAD's TRAINING_STAGES): per stage, its fraction of the scheduled steps,
-# tokens per step in thirds of --batch-tokens (record #46: 8 -> 16 -> 24 sequences of 2,048 per
-# GPU), the document cap (records #29, #72), (short, long) windows in blocks (records #31, #33,
-# #35), the lr multiplier (sqrt-ish in the batch: (16/8)^0.6, (24/8)^0.5) and the row of
-# OBJECTIVE_WEIGHTS (multi-token record #53, prefix record #88). The extension stage keeps stage
-# 3's batch and objective with windows (6, 13); the final validation uses long windows of 20.
+# Record #89 (HEAD's TRAINING_STAGES; docs/METHODS.md §4), per stage: fraction of the scheduled steps,
+# --batch-tokens thirds (#46), document cap (#29, #72), (short, long) window blocks (#31, #33, #35), lr
+# multiplier (sqrt-ish in the batch: (16/8)^0.6, (24/8)^0.5), OBJECTIVE_WEIGHTS row (#53, #88).
 RECORD89_STAGES = ((1 / 3, 1, 896, (1, 3), 1.0, 0),
                    (1 / 3, 2, 2048, (3, 7), 1.52, 1),
                    (1 / 3, 3, 2048, (5, 11), 1.73, 2))
-RECORD89_EXTENSION_BLOCKS = (6, 13)
-RECORD89_FINAL_LONG_BLOCKS = 20
-# Weights of the target columns by stage, (column weights at the stage's start, at its end): the
-# multi-token columns t+1, t+2, t+3 (record #53: [1, .5, .25 -> 0], [1, .5 -> 0], [1]), then the
-# prefix column (record #88: .25, .25 -> 0, 0). The extension stage uses the last row.
+RECORD89_EXTENSION_BLOCKS = (6, 13)  # the extension keeps stage 3's batch and objective
+RECORD89_FINAL_LONG_BLOCKS = 20  # the final validation's long window
+# Target column weights per stage, (at its start, at its end): multi-token t+1..t+3 (#53), prefix (#88).
 OBJECTIVE_WEIGHTS = (((1.0, 0.5, 0.25, 0.25), (1.0, 0.5, 0.0, 0.25)),
                      ((1.0, 0.5, 0.0, 0.25), (1.0, 0.0, 0.0, 0.0)),
                      ((1.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)))
@@ -374,9 +353,8 @@ def stage_objective(step, stage):
     return tuple(a + (b - a) * t for a, b in zip(start, end))
 
 
-# Document-packed stages also read the clipped and cut tails they skip; how much depends on the
-# documents' lengths. The shard count budgets this much text per trained token (a short budget only
-# wraps the stream, which the log reports).
+# Packed stages also read the tails they skip (how much depends on the documents): the shard count budgets this
+# much text per trained token (a short budget only wraps the stream, which the log reports).
 PACKED_READ_MARGIN = 1.5
 
 
@@ -425,8 +403,7 @@ def flag_windows(cfg):
 
 # ----------------------------------------------------------------------------------------------
 # Model: a GPT (RMSNorm, RoPE, QK-norm, ReLU^2 MLP, untied head, soft-capped logits) with record #89's
-# elements behind flags (MODEL89): document masks and sliding windows, value embeddings, the
-# attention scale, layers without attention, the residual and input elements, the attention variants
+# elements behind flags (MODEL89; docs/METHODS.md §5)
 
 def rms_norm(x):
     """Parameter-free RMSNorm over the last dim."""
@@ -523,10 +500,6 @@ def route(param, group, role=None):
     return param
 
 
-# FP8 matmuls (modded-nanogpt records #19, 2025-01-13, the LM head; #84, 2026-05-21, the MLP
-# up-projection's forward; #89, 2026-07-17, the MLP down-projection): both operands scaled per
-# tensor into float8_e4m3fn (max 448) and multiplied by torch._scaled_mm, which needs an sm_89+ GPU.
-
 def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     """A bias-free ``nn.Linear`` whose weight is routed to ``group`` (and Adam ``role``, record #89's optimizer)."""
     lin = nn.Linear(d_in, d_out, bias=False)
@@ -554,10 +527,8 @@ def make_rotary(cfg):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and RoPE, ``layer``'s elements from the config: q, k, v in one matmul
-    (three optimizer matrices), ``v + g ve`` value embeddings (g the gate, else 1; #9, #55), paired heads
-    (#58), key offset (#49), XSA (#82), output gate (#28), V/O init (#64), YaRN scale (#31), HEAD's
-    lambdas, the DC correction (#85)."""
+    """Multi-head attention with QK-norm and RoPE; q, k, v in one matmul (three optimizer matrices); ``layer``'s
+    record #89 elements from the config (value embeddings #9, #55; docs/METHODS.md §5)."""
 
     def __init__(self, cfg, rotary=None, layer=0):
         super().__init__()
@@ -627,8 +598,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``): fc at
-    current scales, proj (record #89's stages) at HEAD's delayed ones, state kept in ``down_scales``."""
+    """``proj(relu(fc(x))^2)``; with ``--fp8``, both matmuls in FP8 while training on CUDA (``fp8_linear``, sm_89+):
+    fc at current scales (record #84), proj (#89's stages) at HEAD's delayed ones, state in ``down_scales``."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -679,10 +650,9 @@ class Block(nn.Module):
                         if value_embed and cfg.ve_gate and static else None)
 
     def forward(self, x, x0=None, mask=None, ve=None, attn_in=None, bigram=None, dyn=None, gates=None):
-        """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x);
-        ``bigram`` ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` (r_attn, p_attn, r_mlp, p_mlp,
-        g_x0, g_bigram, ve_gate) from MUDD, each ``[B, L, 1]`` (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}``
-        (x0, bigram, xsa, attn) from --mudd-gates (``GPT.gate_coefs``)."""
+        """x, x0 ``[B, L, d]``; ``attn_in`` the attention's input before its norm (record #77; None: x); ``bigram``
+        ``[B, L, bigram_dim]`` to inject (None: none); ``dyn`` the 7 ``[B, L, 1]`` lambdas and gates from MUDD
+        (``GPT.mudd_in``); ``gates`` ``{kind: [B, L, w]}`` from --mudd-gates (``GPT.gate_coefs``)."""
         lam = (None,) * 4 if self.resid is None else (self.resid[0], self.post[0], self.resid[1], self.post[1])
         g = gates or {}
         ra, pa, rm, pm, gx, gb, gv = dyn or (*lam, g.get("x0", self.x0_gate), g.get("bigram", self.bigram_gate), None)
@@ -713,10 +683,9 @@ def injects(cfg, layer):
 
 
 def gate_lanes(cfg):
-    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each: the first (of x0) for layers before
-    --mudd-gates G, the second (of the stream entering G) for the rest: XSA alphas and output gates (n_head wide),
-    x0 and bigram gates of the layers without MUDD's per-token ones (1 wide), (second) the skip's factor, then the
-    DC weights w1, w2 of each --dc-layers layer (n_head wide each; HEAD's post gate: 12 + 6 + 10 + 1 + 12 = 41)."""
+    """Record #85's two gate MLPs' outputs as ``[(layer, kind, width)]`` each (first: of x0, layers before
+    --mudd-gates G; second: of the stream entering G): XSA, output gates, x0, bigram, the skip, DC w1, w2 (HEAD's
+    second: 12 + 6 + 10 + 1 + 12 = 41 lanes; docs/METHODS.md §4 "The model")."""
     G, H = cfg.mudd_gates, cfg.n_head
     inject = [i for i in range(cfg.n_layer) if injects(cfg, i)]
     lanes = ([], [])
@@ -744,12 +713,9 @@ def embed_tokens(table, inputs):
 
 class GPT(nn.Module):
     """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
-
-    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded
-    as its mean), targets int64 ``[B, L, j]`` (-100 = ignore). Returns float32 logits ``[B, L, V]``, or
-    with targets the float32 loss *sum* over valid labels (``accumulate_gradients`` divides). The layers
-    share one mask per window (``masks_for``), windows from the ``windows`` buffer (``set_window``).
-    """
+    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded as its
+    mean), targets int64 ``[B, L, j]`` (-100 = ignore) -> float32 logits ``[B, L, V]``, or with targets the float32
+    loss *sum* over valid labels. One mask per window (``masks_for``), windows from the ``windows`` buffer."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -1234,9 +1200,8 @@ def build_optimizers(model, cfg, compile=False):
 
 
 def build_record89_optimizers(model, cfg, compile=False):
-    """Record #89's optimizers (docs/METHODS.md §3): NorMuon (records #41-#43, #48, #78, #80; with Aurora's polar
-    on the MLP matrices for aurora_normuon) on the block matrices, CautiousAdam (HEAD's roles, every other
-    step; --embed-lr, --head-lr, --scalar-lr unused) on the rest."""
+    """Record #89's optimizers (docs/METHODS.md §3): NorMuon (aurora_normuon: Aurora's polar on the MLP matrices)
+    on the block matrices, CautiousAdam (HEAD's roles, every other step; --embed/head/scalar-lr unused) on the rest."""
     named = dict(model.blocks.named_parameters())
     pick = lambda *ends: [(f"blocks.{n}", p) for n, p in named.items() if n.endswith(ends)]  # noqa: E731
     groups = record89_matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
@@ -1265,9 +1230,8 @@ def build_record89_optimizers(model, cfg, compile=False):
 
 
 def adam_bf16_(model):
-    """--adam-bf16 (HEAD's storage): Adam's parameters of two or more dims (embeddings, head, value-embedding and
-    gate matrices, MUDD) in bf16, so each update rounds to bf16 as HEAD's; its vectors and scalars (lambdas, the
-    gate scale) stay float32 as HEAD's, and NorMuon's matrices float32 (HEAD: bf16 + 16 mantissa bits)."""
+    """--adam-bf16 (HEAD's storage): Adam's parameters of 2+ dims in bf16, so each update rounds as HEAD's; its
+    vectors and scalars stay float32 as HEAD's, NorMuon's matrices float32 (HEAD: bf16 + 16 mantissa bits)."""
     for p in model.parameters():
         if p.ndim >= 2 and p.opt_group != "matrix":
             p.data = p.data.bfloat16()
@@ -1342,9 +1306,8 @@ class Objectives:
 
 def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divisor=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss: the
-    sum over the global batch's labels (columns weighted by ``weights`` [J]) over its next-token label count, not
-    a mean of means. Its gradient, or with ``divisor`` (``grad_divisor``: HEAD's scale, a Python number) that of
-    the sum over ``divisor``. Gradients are all-reduced in buckets during the last micro-batch's backward."""
+    global label sum (columns weighted by ``weights`` [J]) over the next-token label count, not a mean of means;
+    the gradient of the sum over it or ``divisor`` (``grad_divisor``), all-reduced in buckets in the last backward."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
@@ -1495,10 +1458,6 @@ class Run:
     objectives: Objectives = None
     split_step: int = None
 
-    def phase_at(self, step):
-        """The TST phase (1 or 2) of optimizer ``step``: what a checkpoint records."""
-        return self.schedule[step].stage.phase
-
 
 def count_step(progress, row, raw_tokens):
     progress.raw_tokens += raw_tokens
@@ -1616,23 +1575,8 @@ def training_loop(run, start_step, end_step):
         run.model.zero_grad(set_to_none=True)
         run.guard.update(loss, step + 1)
         count_step(run.progress, row, raw_tokens)
-
-        done = step + 1
-        last, stopping = done == end_step, harness.stop_requested(run, done)
-        if done % cfg.log_every == 0 or last or stopping:
-            with clock.paused():
-                harness.log_train_line(run, done, loss, scale)
-        val_now = (cfg.val_every and done % cfg.val_every == 0) or (last and done == cfg.num_iterations)
-        save_now = (cfg.save_every and done % cfg.save_every == 0) or (last and cfg.save_final)
-        if val_now or save_now or (stopping and not last):
-            with clock.paused():
-                if val_now and not validate(run, done):
-                    stopping, last = True, False  # a signal during validation: stop here, val not logged
-                if stopping and not last:
-                    harness.save_on_stop(run, done)  # the status line first, then the checkpoint
-                    return done
-                if save_now:
-                    harness.save(run, done, periodic=not (last and cfg.save_final))
+        if harness.after_step(run, step + 1, end_step, loss, scale, clock, validate):  # a signal stopped it
+            return step + 1
     return None
 
 
@@ -1678,22 +1622,11 @@ def plan(cfg):
     return n_params, Schedule(cfg)
 
 
-TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=OPERATIONAL,
+TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=harness.OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
                           train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
-RUN_DEFINING = TRAINER.run_defining
-
-
-def parse_config(argv=None):  # (Config, preset) from command-line words
-    return harness.parse_config(argv, TRAINER)
-
-
-def config_to_argv(config):  # the words that reproduce a Config (or a logged config dict)
-    return harness.config_to_argv(config, Config)
-
-
-def main(argv=None):
-    return harness.main(argv, TRAINER)
+OPERATIONAL, RUN_DEFINING = TRAINER.operational, TRAINER.run_defining
+parse_config, config_to_argv, main = TRAINER.parse_config, TRAINER.config_to_argv, TRAINER.main  # harness.py's CLI
 
 
 if __name__ == "__main__":
