@@ -211,7 +211,7 @@ def test_out_of_memory_is_one_line_naming_the_flags_to_lower():
     assert H.known_failure(ValueError("something else")) is None
 
 
-@pytest.mark.parametrize("preset", ["baseline_h200", "record_h200", "cpu_smoke_r21"])
+@pytest.mark.parametrize("preset", ["baseline_h200", "record_h200", "cpu_smoke"])
 def test_out_of_memory_names_the_flags_that_lower_it_for_the_preset_with_the_whole_size(preset):
     cfg = T.parse_config(["--preset", preset, "--no-fp8"])[0]
     err = H.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.44 GiB. GPU 0 has a total capacity of "
@@ -220,7 +220,7 @@ def test_out_of_memory_names_the_flags_that_lower_it_for_the_preset_with_the_who
     line = H.known_failure(err, cfg)
     assert line.startswith("out of memory (tried to allocate 23.44 GiB); lower --seq-len (now "), line
     assert ("--micro-batch-seqs" in line) == (cfg.micro_batch_seqs > 1)  # record #89's presets: 1 already
-    assert ("--bigram-vocab (now 377,280 rows" in line) == (cfg.bigram_vocab > 0) and "--fp8" in line
+    assert (f"--bigram-vocab (now {cfg.bigram_vocab:,} rows" in line) == (cfg.bigram_vocab > 0) and "--fp8" in line
 
 
 def test_out_of_memory_inside_compile_is_called_out_of_memory():
@@ -435,10 +435,15 @@ def test_an_eager_flex_attention_run_that_cannot_fit_the_gpu_is_refused_naming_c
     assert "\n" not in msg and msg.startswith("--no-compile: ") and "run with --compile" in msg and "216 GiB" in msg
     H.check_eager_attention(r21, True, True, h200)  # compiled: the fused kernel builds no scores
     H.check_eager_attention(r21, False, False, h200)  # no FlexAttention (plain causal SDPA)
-    base, _ = T.parse_config(["--preset", "baseline_h200"])  # sequences of 16,384: 24 GiB, it fits
-    H.check_eager_attention(base, False, True, h200)
+    # HEAD's layout (third-stage sequences of 49,152) and val chunks (262,144 tokens) cannot run eager
+    base, _ = T.parse_config(["--preset", "baseline_h200"])
+    assert H.eager_attention_bytes(base) == 2 * 6 * 262144 ** 2 * 4  # the val chunk's two buffers: 3,072 GiB
+    with pytest.raises(H.ConfigError, match="--compile"):
+        H.check_eager_attention(base, False, True, h200)
+    fixed = ["--preset", "baseline_h200", "--no-grow-seq-len", "--val-seq-len", "0"]  # sequences of 16,384
+    H.check_eager_attention(T.parse_config(fixed)[0], False, True, h200)  # 24 GiB: it fits
     for val_seqs, refused in ((8, False), (16, True)):  # a validation forward holds two buffers per sequence
-        cfg = T.parse_config(["--preset", "baseline_h200", "--val-batch-seqs", str(val_seqs)])[0]
+        cfg = T.parse_config([*fixed, "--val-batch-seqs", str(val_seqs)])[0]
         assert H.eager_attention_bytes(cfg) == max(4, 2 * val_seqs) * 6 * 16384 ** 2 * 4
         if refused:
             with pytest.raises(H.ConfigError, match="--compile"):
@@ -494,15 +499,16 @@ def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_p
 # run.sh: the start line names the preset that runs; more processes than GPUs is refused before torchrun
 
 
-@pytest.mark.parametrize("form", ["--preset cpu_smoke_r21", "--preset=cpu_smoke_r21"])
+@pytest.mark.parametrize("form", ["--preset baseline_h200", "--preset=baseline_h200"])
 def test_run_sh_start_line_names_the_preset_passed(tmp_path, form):
-    args = [a for a in tiny_args(tmp_path) if a not in ("--preset", "cpu_smoke_r21")]  # the preset in `form`
+    args = tiny_args(tmp_path)  # the preset in `form`, not run.sh's CPU default (cpu_smoke)
+    assert "--preset" not in args
     env = dict(subprocess_env(), NPROC="3", OMP_NUM_THREADS="1")  # 3 processes cannot split the batch: refused
     res = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *form.split(" "), *args], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
-    assert line.startswith("run.sh: preset cpu_smoke_r21, 3 processes on CPU"), line
+    assert line.startswith("run.sh: preset baseline_h200, 3 processes on CPU"), line
 
 
 def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkeypatch, capsys):
