@@ -67,6 +67,7 @@ import argparse
 import ast
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -723,11 +724,10 @@ def study_order(log, train_files, run_dir, seq_len):
 def rebuild_study_order(rec, run_dir, tmp):
     """Rebuild a study's data order (``study_order``) under ``tmp``: ``(shard glob, None)`` or ``(None, one line)``
     naming the command that rebuilds it (bench/small_scale_data.py, the recipe's arguments)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
-    try:
-        import small_scale_data
-    finally:
-        sys.path.pop(0)
+    path = os.path.join(os.path.dirname(HERE), "bench", "small_scale_data.py")  # loaded by path: sys.path unchanged
+    spec = importlib.util.spec_from_file_location("small_scale_data", path)
+    small_scale_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(small_scale_data)
     try:
         return small_scale_data.rebuild(rec, os.path.join(tmp, "data"), run_dir), None
     except (small_scale_data.OrderError, OSError) as e:
