@@ -800,6 +800,12 @@ def memory_estimate(cfg, n_params, cuda=True, seq_len=None):
     return out
 
 
+def longest_sequence(cfg, table):
+    """The longest train sequence of a plan's stage table (``table.stages``, each ``length(seq_len)``), else
+    --seq-len (a plan without stages)."""
+    return max((s.length(cfg.seq_len) for s in getattr(table, "stages", None) or ()), default=cfg.seq_len)
+
+
 def memory_line(cfg, n_params, seq_len=None):
     """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len``."""
     seq_len = seq_len or cfg.seq_len
@@ -830,7 +836,7 @@ def describe(cfg, preset, trainer, gpu_check=None):
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}",
-             memory_line(cfg, n_params, max(s.length(cfg.seq_len) for s in table.stages))]  # the longest stage
+             memory_line(cfg, n_params, longest_sequence(cfg, table))]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)
