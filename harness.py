@@ -558,12 +558,18 @@ def layer_set(text):
 EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
 
 
+def val_chunk_tokens(cfg):
+    """Tokens per metric (s = 1) val chunk: --val-seq-len (HEAD: 262,144), else --seq-len, never more than
+    --val-tokens (a longer chunk would pad one forward to score fewer tokens)."""
+    return min(cfg.val_seq_len or cfg.seq_len, cfg.val_tokens)
+
+
 def eager_attention_bytes(cfg):
     """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
     (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
     each ``B * n_head * T**2 * 4`` bytes, T the longest train sequence or the val chunk (--val-seq-len)."""
     grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
-    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * (cfg.val_seq_len or cfg.seq_len) ** 2 * 4
+    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * val_chunk_tokens(cfg) ** 2 * 4
     return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * train,
                EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * val)
 

@@ -1389,8 +1389,8 @@ def val_batch_seqs(cfg):
 
 
 def val_chunk(cfg, bag_size=1):
-    """Tokens per val sequence: the metric's (s = 1) chunk, --val-seq-len (HEAD: 262,144), else --seq-len."""
-    return (cfg.val_seq_len or cfg.seq_len) if bag_size == 1 else cfg.seq_len
+    """Tokens per val sequence: the metric's (s = 1) chunk (``harness.val_chunk_tokens``), else --seq-len."""
+    return harness.val_chunk_tokens(cfg) if bag_size == 1 else cfg.seq_len
 
 
 @contextmanager
