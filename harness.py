@@ -221,6 +221,8 @@ class Trainer:
         name: the program's name in messages.
         flex_attention: ``flex_attention(cfg) -> bool``: whether the model attends through
             FlexAttention on CUDA (``check_eager_attention``); None: it never does.
+        model_shapes: ``model_shapes(cfg) -> {name: shape}``, the model's state_dict built without
+            memory: ``check_resume`` refuses, before any log line, a flag that changes it; None: skip.
     """
     config: type
     presets: dict
@@ -230,6 +232,7 @@ class Trainer:
     plan: Callable
     name: str = "train_gpt.py"
     flex_attention: Callable = None
+    model_shapes: Callable = None
 
     @property
     def run_defining(self):
@@ -1082,10 +1085,12 @@ def check_resume(state, cfg, data, trainer):
     saved = {**{f.name: f.default for f in fields(cfg)}, **state["config"]}
     diffs = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
              for k in trainer.run_defining if saved[k] != getattr(cfg, k)]
-    shape = [d for d in diffs if d.split(":")[0] in trainer.shape_fields]
-    if shape:
-        raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
-                          + "); use the checkpoint's model flags")
+    shape, tensors = architecture_diffs(saved, cfg, diffs, trainer)
+    if shape or any(d.split(":")[0] in trainer.shape_fields for d in diffs):
+        raise ConfigError("--resume: the checkpoint holds a model of another shape ("
+                          + "; ".join(shape or [d for d in diffs if d.split(":")[0] in trainer.shape_fields])
+                          + (f"; tensors {tensors}" if tensors else "") + "); --resume-force cannot change the "
+                          "architecture: use the checkpoint's model flags")
     for kind in ("train", "val"):
         was, now = state.get("data", data)[kind], data[kind]
         if [fp for _, fp in was] != [fp for _, fp in now]:
@@ -1095,6 +1100,28 @@ def check_resume(state, cfg, data, trainer):
         raise ConfigError("--resume: the checkpoint was made with a different run config or data ("
                           + "; ".join(diffs) + "); use the same flags and shards, or --resume-force to continue anyway")
     return diffs
+
+
+def architecture_diffs(saved, cfg, diffs, trainer):
+    """``(entries, tensors)``: the entries of ``diffs`` whose flags change the model's state_dict between the
+    checkpoint's config ``saved`` and ``cfg`` (each flag alone, else all of them when only together) and
+    the line naming the tensors (``shape_mismatch``); ``([], None)`` when the state_dicts match."""
+    if not diffs or trainer.model_shapes is None:
+        return [], None
+
+    def shapes(**changes):
+        try:
+            return trainer.model_shapes(dataclasses.replace(cfg, **changes))
+        except Exception:  # noqa: BLE001 -- a model this code cannot build differs in structure
+            return None
+    now = trainer.model_shapes(cfg)
+    changed = {k: saved[k] for k in trainer.run_defining if saved[k] != getattr(cfg, k)}
+    was = shapes(**changed)
+    if was == now:
+        return [], None
+    alone = [k for k in changed if shapes(**{k: changed[k]}) != now]
+    tensors = shape_mismatch(was, now) if was is not None else None
+    return [d for d in diffs if d.split(":")[0] in alone] or diffs, tensors
 
 
 def prepare_resume(cfg, data, trainer, header_only=False):
@@ -1116,11 +1143,15 @@ def resolve_run(cfg, data, trainer, header_only=False):
 
 def model_mismatch(saved, model):
     """One line naming the tensors in which a checkpoint's ``saved`` state_dict and ``model`` differ, or None."""
-    now = model.state_dict()
+    return shape_mismatch({k: tuple(v.shape) for k, v in saved.items()},
+                          {k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def shape_mismatch(saved, now):
+    """One line naming the tensors in which two ``{name: shape}`` state_dicts differ, or None."""
     missing = [k for k in now if k not in saved]
     extra = [k for k in saved if k not in now]
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(now[k].shape)}" for k in now
-              if k in saved and tuple(saved[k].shape) != tuple(now[k].shape)]
+    shapes = [f"{k} {saved[k]} vs {now[k]}" for k in now if k in saved and saved[k] != now[k]]
     parts = [f"{what} {len(names)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
              for what, names in (("only in this run's model", missing), ("only in the checkpoint", extra),
                                  ("of another shape (checkpoint vs now)", shapes)) if names]

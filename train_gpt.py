@@ -1622,9 +1622,15 @@ def plan(cfg):
     return n_params, Schedule(cfg)
 
 
+def model_shapes(cfg):
+    """``{name: shape}`` of the model's state_dict, built on the meta device (no memory): ``--resume`` checks it."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+
+
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=harness.OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
-                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
+                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg), model_shapes=model_shapes)
 OPERATIONAL, RUN_DEFINING = TRAINER.operational, TRAINER.run_defining
 parse_config, config_to_argv, main = TRAINER.parse_config, TRAINER.config_to_argv, TRAINER.main  # harness.py's CLI
 
