@@ -792,31 +792,57 @@ def find_gpu_check(path=None):
 # saved activations of model_dim per layer. Fitted on a CPU run of cpu_smoke (tests/test_reliability.py).
 OPT_COPIES = {"normuon": 3, "aurora_normuon": 3}  # any other optimizer: Adam on part, 2 copies at most
 LOGIT_COPIES, ACT_PER_LAYER = 3, 25
+# The validation forward (no gradients, nothing saved for a backward) over val_batch_seqs x the val chunk:
+# VAL_LOGIT_COPIES float32 vocabulary rows (logits, their softmax) for one head piece of positions at a time,
+# and VAL_ROWS + n_layer live model_dim rows per position (stream, x0, q/k/v, attention out, the 4-wide MLP
+# hidden, value and bigram embeddings; n_layer: a stash of every layer's output, as MUDD keeps): a bound, not fitted.
+VAL_LOGIT_COPIES, VAL_ROWS = 2, 16
 
 
-def memory_estimate(cfg, n_params, cuda=True, seq_len=None):
+def memory_estimate(cfg, n_params, cuda=True, seq_len=None, val=None):
     """Estimated peak bytes per process of a run of ``cfg`` with ``n_params`` parameters: ``dict(parameters,
-    gradients, optimizer, activations, logits, total)``; activations (logits included) for one micro-batch of
-    ``micro_batch_seqs x seq_len`` positions (``seq_len``: the longest stage's, default --seq-len), bf16 on
-    CUDA (``cuda``), float32 on CPU; logits float32."""
+    gradients, optimizer, activations, logits, total, peak)``; activations (logits included) for one micro-batch
+    of ``micro_batch_seqs x seq_len`` positions (``seq_len``: the longest stage's, default --seq-len), bf16 on
+    CUDA (``cuda``), float32 on CPU; logits float32. ``val``: ``(val chunk, head piece)`` in positions, adds
+    ``val_activations`` (the validation forward's, ``VAL_ROWS``) and takes ``total`` as the larger of the
+    train and val peaks, ``peak`` naming which ("train" or "val")."""
     positions = cfg.micro_batch_seqs * (seq_len or cfg.seq_len)
     params = 4 * n_params
+    width = 2 if cuda else 4
     logits = positions * LOGIT_COPIES * cfg.vocab_size * 4
-    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * (2 if cuda else 4)
+    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * width
     out = dict(parameters=params, gradients=params, optimizer=OPT_COPIES.get(cfg.optimizer, 2) * params,
-               activations=logits + layers, logits=logits)
-    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+               activations=logits + layers, logits=logits, peak="train")
+    state = out["parameters"] + out["gradients"] + out["optimizer"]
+    out["total"] = state + out["activations"]
+    if val:
+        chunk, piece = val
+        seqs = cfg.val_batch_seqs or cfg.micro_batch_seqs
+        piece_positions = seqs * min(chunk, max(1, piece // seqs))  # head_pieces: piece // B positions along L
+        out["val_activations"] = (piece_positions * VAL_LOGIT_COPIES * cfg.vocab_size * 4
+                                  + seqs * chunk * (VAL_ROWS + cfg.n_layer) * cfg.model_dim * width)
+        if state + out["val_activations"] > out["total"]:
+            out["total"], out["peak"] = state + out["val_activations"], "val"
     return out
 
 
-def memory_line(cfg, n_params, seq_len=None):
-    """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len``."""
+def memory_line(cfg, n_params, seq_len=None, val=None):
+    """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len`` and the
+    validation forward's ``val`` = ``(val chunk, head piece)`` (``memory_estimate``)."""
     seq_len = seq_len or cfg.seq_len
-    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params, seq_len=seq_len).items()}
+    est = memory_estimate(cfg, n_params, seq_len=seq_len, val=val)
+    m = {k: v / 2**30 for k, v in est.items() if k != "peak"}
+    val_part = (f", the validation forward's {m['val_activations']:.2f} GiB ({cfg.val_batch_seqs or cfg.micro_batch_seqs}"
+                f" x {val[0]:,} positions, no gradients)" if val else "")
+    peak = "the validation forward" if est["peak"] == "val" else "a train micro-batch"
+    lower = memory_flags(cfg)
+    if est["peak"] == "val":
+        lower = (f"--val-batch-seqs (now {cfg.val_batch_seqs or cfg.micro_batch_seqs}) or --val-seq-len "
+                 f"(now {val[0]:,}) for the validation forward; " + lower)
     return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {seq_len:,} positions: "
             f"parameters {m['parameters']:.2f} GiB, gradients {m['gradients']:.2f} GiB, optimizer state "
-            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}); peak about "
-            f"{m['total']:.1f} GiB (docs/MEMORY.md); to lower it: {memory_flags(cfg)}")
+            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}){val_part}; "
+            f"peak about {m['total']:.1f} GiB, in {peak} (docs/MEMORY.md); to lower it: {lower}")
 
 
 def describe(cfg, preset, trainer, gpu_check=None):
@@ -839,7 +865,8 @@ def describe(cfg, preset, trainer, gpu_check=None):
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}",
-             memory_line(cfg, n_params, max(s.length(cfg.seq_len) for s in table.stages))]  # the longest stage
+             memory_line(cfg, n_params, max(s.length(cfg.seq_len) for s in table.stages),  # the longest stage
+                         (table.val_chunk, table.val_piece))]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)

@@ -300,7 +300,7 @@ class Schedule:
 
     def __init__(self, cfg):
         self.stages, flops = stages(cfg), harness.FlopProfile(cfg, GPT)
-        self.val_chunk = val_chunk(cfg)  # tokens per val chunk (--describe)
+        self.val_chunk, self.val_piece = val_chunk(cfg), VAL_PIECE  # the val forward's shape (--describe)
         self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
