@@ -616,8 +616,11 @@ def grad_accum_steps(cfg, world):
         raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
                           f"{what}; use one of {fits}")
     counts = [w for w in range(1, min(least, 64) + 1) if least % w == 0]
+    thirds = 3 if cfg.stages == "record89" else 1
     raise ConfigError(f"{world} processes cannot share the {what} evenly, whatever --micro-batch-seqs; run with "
-                      f"a process count in {counts}")
+                      f"a process count in {counts} (one that divides them) or with --batch-tokens "
+                      f"{world * cfg.micro_batch_seqs * thirds * cfg.seq_len} (or a multiple): "
+                      f"{world * cfg.micro_batch_seqs} sequence(s) per step{' in stage 1' if thirds == 3 else ''}")
 
 
 # Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the
