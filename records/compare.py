@@ -227,8 +227,10 @@ def _append(points, point):
 
 def is_log(run):
     """Whether a parsed file is a run log at all: ours (a snapshot or our marker lines) or one with step lines
-    (a text file "hello" or random bytes is neither, and is skipped, not listed as an incomplete run)."""
-    return run.fmt == "ours" or bool(run.val or run.train or run.unreadable or run.total_steps)
+    (a text file "hello" or random bytes is neither, and is skipped, not listed as an incomplete run); an empty
+    file stays listed (a run killed before its first line)."""
+    return (run.fmt == "ours" or bool(run.val or run.train or run.unreadable or run.total_steps)
+            or run.reason.startswith("empty file"))
 
 
 def parse_log(path, group=""):
