@@ -221,6 +221,8 @@ class Trainer:
         name: the program's name in messages.
         flex_attention: ``flex_attention(cfg) -> bool``: whether the model attends through
             FlexAttention on CUDA (``check_eager_attention``); None: it never does.
+        model_shapes: ``model_shapes(cfg) -> {name: shape}``, the model's state_dict built without
+            memory: ``check_resume`` refuses, before any log line, a flag that changes it; None: skip.
     """
     config: type
     presets: dict
@@ -230,6 +232,7 @@ class Trainer:
     plan: Callable
     name: str = "train_gpt.py"
     flex_attention: Callable = None
+    model_shapes: Callable = None
 
     @property
     def run_defining(self):
@@ -558,12 +561,18 @@ def layer_set(text):
 EAGER_FLEX_BUFFERS = {"train": 4, "val": 2}
 
 
+def val_chunk_tokens(cfg):
+    """Tokens per metric (s = 1) val chunk: --val-seq-len (HEAD: 262,144), else --seq-len, never more than
+    --val-tokens (a longer chunk would pad one forward to score fewer tokens)."""
+    return min(cfg.val_seq_len or cfg.seq_len, cfg.val_tokens)
+
+
 def eager_attention_bytes(cfg):
     """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
     (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
     each ``B * n_head * T**2 * 4`` bytes, T the longest train sequence or the val chunk (--val-seq-len)."""
     grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
-    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * (cfg.val_seq_len or cfg.seq_len) ** 2 * 4
+    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * val_chunk_tokens(cfg) ** 2 * 4
     return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * train,
                EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * val)
 
@@ -607,8 +616,11 @@ def grad_accum_steps(cfg, world):
         raise ConfigError(f"--micro-batch-seqs {cfg.micro_batch_seqs} x {world} process(es) does not divide the "
                           f"{what}; use one of {fits}")
     counts = [w for w in range(1, min(least, 64) + 1) if least % w == 0]
+    thirds = 3 if cfg.stages == "record89" else 1
     raise ConfigError(f"{world} processes cannot share the {what} evenly, whatever --micro-batch-seqs; run with "
-                      f"a process count in {counts}")
+                      f"a process count in {counts} (one that divides them) or with --batch-tokens "
+                      f"{world * cfg.micro_batch_seqs * thirds * cfg.seq_len} (or a multiple): "
+                      f"{world * cfg.micro_batch_seqs} sequence(s) per step{' in stage 1' if thirds == 3 else ''}")
 
 
 # Model FLOPs (--describe, the log's flops): the matmuls a forward runs, read from the model on the
@@ -783,20 +795,37 @@ def find_gpu_check(path=None):
 # saved activations of model_dim per layer. Fitted on a CPU run of cpu_smoke (tests/test_reliability.py).
 OPT_COPIES = {"normuon": 3, "aurora_normuon": 3}  # any other optimizer: Adam on part, 2 copies at most
 LOGIT_COPIES, ACT_PER_LAYER = 3, 25
+# The validation forward (no gradients, nothing saved for a backward) over val_batch_seqs x the val chunk:
+# VAL_LOGIT_COPIES float32 vocabulary rows (logits, their softmax) for one head piece of positions at a time,
+# and VAL_ROWS + n_layer live model_dim rows per position (stream, x0, q/k/v, attention out, the 4-wide MLP
+# hidden, value and bigram embeddings; n_layer: a stash of every layer's output, as MUDD keeps): a bound, not fitted.
+VAL_LOGIT_COPIES, VAL_ROWS = 2, 16
 
 
-def memory_estimate(cfg, n_params, cuda=True, seq_len=None):
+def memory_estimate(cfg, n_params, cuda=True, seq_len=None, val=None):
     """Estimated peak bytes per process of a run of ``cfg`` with ``n_params`` parameters: ``dict(parameters,
-    gradients, optimizer, activations, logits, total)``; activations (logits included) for one micro-batch of
-    ``micro_batch_seqs x seq_len`` positions (``seq_len``: the longest stage's, default --seq-len), bf16 on
-    CUDA (``cuda``), float32 on CPU; logits float32."""
+    gradients, optimizer, activations, logits, total, peak)``; activations (logits included) for one micro-batch
+    of ``micro_batch_seqs x seq_len`` positions (``seq_len``: the longest stage's, default --seq-len), bf16 on
+    CUDA (``cuda``), float32 on CPU; logits float32. ``val``: ``(val chunk, head piece)`` in positions, adds
+    ``val_activations`` (the validation forward's, ``VAL_ROWS``) and takes ``total`` as the larger of the
+    train and val peaks, ``peak`` naming which ("train" or "val")."""
     positions = cfg.micro_batch_seqs * (seq_len or cfg.seq_len)
     params = 4 * n_params
+    width = 2 if cuda else 4
     logits = positions * LOGIT_COPIES * cfg.vocab_size * 4
-    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * (2 if cuda else 4)
+    layers = positions * ACT_PER_LAYER * cfg.n_layer * cfg.model_dim * width
     out = dict(parameters=params, gradients=params, optimizer=OPT_COPIES.get(cfg.optimizer, 2) * params,
-               activations=logits + layers, logits=logits)
-    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"] + out["activations"]
+               activations=logits + layers, logits=logits, peak="train")
+    state = out["parameters"] + out["gradients"] + out["optimizer"]
+    out["total"] = state + out["activations"]
+    if val:
+        chunk, piece = val
+        seqs = cfg.val_batch_seqs or cfg.micro_batch_seqs
+        piece_positions = seqs * min(chunk, max(1, piece // seqs))  # head_pieces: piece // B positions along L
+        out["val_activations"] = (piece_positions * VAL_LOGIT_COPIES * cfg.vocab_size * 4
+                                  + seqs * chunk * (VAL_ROWS + cfg.n_layer) * cfg.model_dim * width)
+        if state + out["val_activations"] > out["total"]:
+            out["total"], out["peak"] = state + out["val_activations"], "val"
     return out
 
 
@@ -806,14 +835,23 @@ def longest_sequence(cfg, table):
     return max((s.length(cfg.seq_len) for s in getattr(table, "stages", None) or ()), default=cfg.seq_len)
 
 
-def memory_line(cfg, n_params, seq_len=None):
-    """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len``."""
+def memory_line(cfg, n_params, seq_len=None, val=None):
+    """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len`` and the
+    validation forward's ``val`` = ``(val chunk, head piece)`` (``memory_estimate``)."""
     seq_len = seq_len or cfg.seq_len
-    m = {k: v / 2**30 for k, v in memory_estimate(cfg, n_params, seq_len=seq_len).items()}
+    est = memory_estimate(cfg, n_params, seq_len=seq_len, val=val)
+    m = {k: v / 2**30 for k, v in est.items() if k != "peak"}
+    val_part = (f", the validation forward's {m['val_activations']:.2f} GiB ({cfg.val_batch_seqs or cfg.micro_batch_seqs}"
+                f" x {val[0]:,} positions, no gradients)" if val else "")
+    peak = "the validation forward" if est["peak"] == "val" else "a train micro-batch"
+    lower = memory_flags(cfg)
+    if est["peak"] == "val":
+        lower = (f"--val-batch-seqs (now {cfg.val_batch_seqs or cfg.micro_batch_seqs}) or --val-seq-len "
+                 f"(now {val[0]:,}) for the validation forward; " + lower)
     return (f"memory_estimate: per GPU, one micro-batch of {cfg.micro_batch_seqs} x {seq_len:,} positions: "
             f"parameters {m['parameters']:.2f} GiB, gradients {m['gradients']:.2f} GiB, optimizer state "
-            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}); peak about "
-            f"{m['total']:.1f} GiB (docs/MEMORY.md); to lower it: {memory_flags(cfg)}")
+            f"{m['optimizer']:.2f} GiB, activations {m['activations']:.2f} GiB (logits {m['logits']:.2f}){val_part}; "
+            f"peak about {m['total']:.1f} GiB, in {peak} (docs/MEMORY.md); to lower it: {lower}")
 
 
 def describe(cfg, preset, trainer, gpu_check=None):
@@ -836,7 +874,8 @@ def describe(cfg, preset, trainer, gpu_check=None):
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}",
-             memory_line(cfg, n_params, longest_sequence(cfg, table))]
+             memory_line(cfg, n_params, longest_sequence(cfg, table),
+                         (table.val_chunk, table.val_piece) if hasattr(table, "val_piece") else None)]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):
             t = total / (n_gpus * RECORD_MFU * tflops * 1e12)
@@ -1082,10 +1121,12 @@ def check_resume(state, cfg, data, trainer):
     saved = {**{f.name: f.default for f in fields(cfg)}, **state["config"]}
     diffs = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
              for k in trainer.run_defining if saved[k] != getattr(cfg, k)]
-    shape = [d for d in diffs if d.split(":")[0] in trainer.shape_fields]
-    if shape:
-        raise ConfigError("--resume: the checkpoint holds a model of another shape (" + "; ".join(shape)
-                          + "); use the checkpoint's model flags")
+    shape, tensors = architecture_diffs(saved, cfg, diffs, trainer)
+    if shape or any(d.split(":")[0] in trainer.shape_fields for d in diffs):
+        raise ConfigError("--resume: the checkpoint holds a model of another shape ("
+                          + "; ".join(shape or [d for d in diffs if d.split(":")[0] in trainer.shape_fields])
+                          + (f"; tensors {tensors}" if tensors else "") + "); --resume-force cannot change the "
+                          "architecture: use the checkpoint's model flags")
     for kind in ("train", "val"):
         was, now = state.get("data", data)[kind], data[kind]
         if [fp for _, fp in was] != [fp for _, fp in now]:
@@ -1095,6 +1136,28 @@ def check_resume(state, cfg, data, trainer):
         raise ConfigError("--resume: the checkpoint was made with a different run config or data ("
                           + "; ".join(diffs) + "); use the same flags and shards, or --resume-force to continue anyway")
     return diffs
+
+
+def architecture_diffs(saved, cfg, diffs, trainer):
+    """``(entries, tensors)``: the entries of ``diffs`` whose flags change the model's state_dict between the
+    checkpoint's config ``saved`` and ``cfg`` (each flag alone, else all of them when only together) and
+    the line naming the tensors (``shape_mismatch``); ``([], None)`` when the state_dicts match."""
+    if not diffs or trainer.model_shapes is None:
+        return [], None
+
+    def shapes(**changes):
+        try:
+            return trainer.model_shapes(dataclasses.replace(cfg, **changes))
+        except Exception:  # noqa: BLE001 -- a model this code cannot build differs in structure
+            return None
+    now = trainer.model_shapes(cfg)
+    changed = {k: saved[k] for k in trainer.run_defining if saved[k] != getattr(cfg, k)}
+    was = shapes(**changed)
+    if was == now:
+        return [], None
+    alone = [k for k in changed if shapes(**{k: changed[k]}) != now]
+    tensors = shape_mismatch(was, now) if was is not None else None
+    return [d for d in diffs if d.split(":")[0] in alone] or diffs, tensors
 
 
 def prepare_resume(cfg, data, trainer, header_only=False):
@@ -1116,11 +1179,15 @@ def resolve_run(cfg, data, trainer, header_only=False):
 
 def model_mismatch(saved, model):
     """One line naming the tensors in which a checkpoint's ``saved`` state_dict and ``model`` differ, or None."""
-    now = model.state_dict()
+    return shape_mismatch({k: tuple(v.shape) for k, v in saved.items()},
+                          {k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def shape_mismatch(saved, now):
+    """One line naming the tensors in which two ``{name: shape}`` state_dicts differ, or None."""
     missing = [k for k in now if k not in saved]
     extra = [k for k in saved if k not in now]
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(now[k].shape)}" for k in now
-              if k in saved and tuple(saved[k].shape) != tuple(now[k].shape)]
+    shapes = [f"{k} {saved[k]} vs {now[k]}" for k in now if k in saved and saved[k] != now[k]]
     parts = [f"{what} {len(names)}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
              for what, names in (("only in this run's model", missing), ("only in the checkpoint", extra),
                                  ("of another shape (checkpoint vs now)", shapes)) if names]

@@ -4,7 +4,8 @@
 #                                          # if missing), the repository's sample data/sample without one
 #   DATA_DIR=data/mytext bash run.sh       # any folder of *_train_*.bin / *_val_*.bin shards
 #   bash run.sh --seed 3                   # extra arguments go to train_gpt.py
-#   NPROC=2 bash run.sh                    # that many processes under torchrun (gloo on CPU, for tests)
+#   NPROC=2 bash run.sh --batch-tokens 4608  # that many processes under torchrun (gloo on CPU, for tests); on CPU
+#                                          # cpu_smoke's stage 1 has 1 sequence: 2 need --batch-tokens 2 x 3 x 768
 # Exit status as the trainer's: 0 only for a completed run (or one stopped by --max-steps), 2 for a refusal
 # (a flag, the data, a run already going), 130 for SIGINT/SIGTERM; the log path is printed at the end.
 # Under torchrun, a signal gives every rank SHUTDOWN_TIMEOUT seconds (default 120) to finish its step, write
@@ -35,8 +36,8 @@ else
     if [ "$nproc" -eq 8 ]; then preset=record_8xb200; else preset=record_h200; fi
 fi
 if [ -n "${NPROC:-}" ]; then
-    if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
-        echo "run.sh: NPROC=$NPROC: give a process count (1, 2, 4, 8)" >&2
+    if ! [[ "$NPROC" =~ ^[1-9][0-9]{0,3}$ ]]; then  # at most 4 digits: bash's integer tests stay in range
+        echo "run.sh: NPROC=$NPROC: give a process count from 1 to 9999 (1, 2, 4, 8)" >&2
         exit 2
     fi
     nproc=$NPROC

@@ -300,7 +300,7 @@ class Schedule:
 
     def __init__(self, cfg):
         self.stages, flops = stages(cfg), harness.FlopProfile(cfg, GPT)
-        self.val_chunk = val_chunk(cfg)  # tokens per val chunk (--describe)
+        self.val_chunk, self.val_piece = val_chunk(cfg), VAL_PIECE  # the val forward's shape (--describe)
         self.rows, yarn = [], ()
         N = cfg.num_iterations
         for step in range(N + 1):
@@ -1389,8 +1389,8 @@ def val_batch_seqs(cfg):
 
 
 def val_chunk(cfg, bag_size=1):
-    """Tokens per val sequence: the metric's (s = 1) chunk, --val-seq-len (HEAD: 262,144), else --seq-len."""
-    return (cfg.val_seq_len or cfg.seq_len) if bag_size == 1 else cfg.seq_len
+    """Tokens per val sequence: the metric's (s = 1) chunk (``harness.val_chunk_tokens``), else --seq-len."""
+    return harness.val_chunk_tokens(cfg) if bag_size == 1 else cfg.seq_len
 
 
 @contextmanager
@@ -1622,9 +1622,15 @@ def plan(cfg):
     return n_params, Schedule(cfg)
 
 
+def model_shapes(cfg):
+    """``{name: shape}`` of the model's state_dict, built on the meta device (no memory): ``--resume`` checks it."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+
+
 TRAINER = harness.Trainer(config=Config, presets=PRESETS, operational=harness.OPERATIONAL,
                           shape_fields=("vocab_size", "n_layer", "n_head", "model_dim", "mlp_ratio"),
-                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg))
+                          train=train, plan=plan, flex_attention=lambda cfg: cfg.doc_mask or windowed(cfg), model_shapes=model_shapes)
 OPERATIONAL, RUN_DEFINING = TRAINER.operational, TRAINER.run_defining
 parse_config, config_to_argv, main = TRAINER.parse_config, TRAINER.config_to_argv, TRAINER.main  # harness.py's CLI
 

@@ -1079,6 +1079,13 @@ def report(res, out_dir, work):
 # check model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
 MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
 TIMING_RESERVE_S = (45.0, 150.0)
+REPORT_S = 25.0  # the agreement runs stop this long before the deadline: the final report's time
+
+
+def min_budget_s(cuda):
+    """Least --budget-s the plan needs (dry run, CUDA): the kernel checks' and agreement runs' least starts
+    and the final report's time; below it a section is skipped before anything ran."""
+    return MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda] + REPORT_S
 KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
 
 
@@ -1182,7 +1189,7 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
         res["kernels"], res["profile"] = both or (None, None)
     if room("agreement"):
         res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32; bf16 + fp8 vs bf16)",
-                                     correctness, device, check_data, args, out_dir, deadline - 25)
+                                     correctness, device, check_data, args, out_dir, deadline - REPORT_S)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1230,9 +1237,29 @@ def parse_args(argv):
     args.val_tokens = args.val_tokens or (256 if d else 65536)
     if d and args.compile is None:
         args.compile = False
+    if args.budget_s < min_budget_s(not d):
+        p.error(f"--budget-s {args.budget_s:g}: the plan needs at least {min_budget_s(not d):g} s"
+                f"{' with --dry-run' if d else ''} (kernel checks, agreement runs, report); give at least that")
+    explicit = any(a == "--out" or a.startswith("--out=") for a in (sys.argv[1:] if argv is None else argv))
+    args.out_flag = "$OUT" if os.environ.get("OUT") and not explicit else "--out"
     if args.steps < 4 or args.correct_steps < 4:
         p.error("--steps and --correct-steps must be >= 4 (the stage table's three stages and its extension step)")
     return args
+
+
+def check_out_dir(out, flag):
+    """None when folder ``out`` can be created and written (a probe file written and removed), else one line
+    naming ``flag`` ($OUT or --out) and the fix: checked before the check runs, so nothing is lost at the end."""
+    probe = os.path.join(out, f".gpu_check_probe_{os.getpid()}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        return (f"gpu_check.py: {flag} {out}: cannot write the result files there ({e.strerror or e}); "
+                f"give {flag} a folder this user can create and write")
+    return None
 
 
 def _interrupt(signum, frame):
@@ -1250,7 +1277,10 @@ def main(argv=None):
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
     out_dir = os.path.abspath(args.out)  # the result files only
-    os.makedirs(out_dir, exist_ok=True)
+    bad_out = check_out_dir(out_dir, args.out_flag)
+    if bad_out:
+        print(bad_out, file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="gpu_check_")  # logs, synthetic shards, kernels.json: archived into out_dir
     SAVE["fn"] = lambda: save(res, out_dir, work)
     res = dict(schema=SCHEMA, mode="dry-run (cpu)" if args.dry_run else "cuda",

@@ -990,6 +990,17 @@ def machine_line():
 
 
 
+def min_steps(spec):
+    """Least --steps every arm's trainer run accepts: its stage table's 3 scheduled steps past
+    --extension-steps and its lr warm-up, over the arm's steps multiplier (read from its parsed config)."""
+    least = 1
+    for arm in spec["arms"]:
+        words = trainer_argv(dict(spec, steps=10**6, val_files="x"), "x", "x", 0, arm, 0.01, "x")[2:]
+        cfg, _ = trainer_module().parse_config(words)
+        least = max(least, -(-max(cfg.extension_steps + 3, cfg.warmup_steps) // ARMS[arm][1]))
+    return least
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -1070,6 +1081,13 @@ def build_spec(args, argv):
                 machine=machine_line() + (f", trainer on {args.threads} thread(s)" if args.threads else "")
                 + (f", {args.jobs} runs at a time" if args.jobs > 1 else ""),
                 command="python bench/small_scale.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
+    try:
+        least = min_steps(spec)
+    except harness.ConfigError as e:
+        raise SystemExit(f"--trainer-args: the trainer refuses the arms' flags: {e}") from None
+    if spec["steps"] < least:
+        raise SystemExit(f"--steps {spec['steps']}: the arms' stage table needs at least {least} steps (3 scheduled "
+                         f"past the preset's extension steps); give --steps {least} or more")
     return spec
 
 

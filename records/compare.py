@@ -225,6 +225,14 @@ def _append(points, point):
     points.append(point)
 
 
+def is_log(run):
+    """Whether a parsed file is a run log at all: ours (a snapshot or our marker lines) or one with step lines
+    (a text file "hello" or random bytes is neither, and is skipped, not listed as an incomplete run); an empty
+    file stays listed (a run killed before its first line)."""
+    return (run.fmt == "ours" or bool(run.val or run.train or run.unreadable or run.total_steps)
+            or run.reason.startswith("empty file"))
+
+
 def parse_log(path, group=""):
     """Parse one log file (our format or the modded-nanogpt shape) into a ``Run``."""
     return parse_lines(read_log_lines(path), path, group)
@@ -394,6 +402,11 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
                 if warn:
                     warn(f"cannot read {f} ({runs[-1].reason[len('unreadable: '):]}); "
                          "listed as unreadable, not counted")
+                continue
+            if not is_log(runs[-1]):
+                runs.pop()
+                if warn:
+                    warn(f"{f}: not a train_gpt.py or modded-nanogpt log; skipped")
                 continue
             digest = file_digest(f) if runs[-1].fmt == "ours" else None  # ours hold a run id and start time:
             if digest is not None and digest in seen_content:            # equal bytes can only be a copy
@@ -1390,7 +1403,8 @@ def main(argv=None):
         return error(f"cannot import train_gpt.py beside records/ to tell run-defining config fields from "
                      f"operational ones ({e}); install the requirements: pip install -r requirements.txt")
     if not runs:
-        return error("no .txt logs found in " + ", ".join(args.paths))
+        return error("no train_gpt.py or modded-nanogpt log found in " + ", ".join(args.paths)
+                     + " (see the warnings above)")
     if all(r.reason.startswith("unreadable:") for r in runs):
         return error("no log could be read (see the warnings above)")
     rule = PassRule(args.rule, sigma=args.z_sigma, margin=args.z_margin) if args.first_passing else None

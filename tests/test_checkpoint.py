@@ -344,3 +344,17 @@ def test_restore_optimizers_keeps_this_runs_settings_and_names_only_what_the_con
     changed = H.restore_optimizers(SimpleNamespace(opts=new), saved)
     assert changed == [f"{type(new[1]).__name__}.initial_lr: {cfg.matrix_lr!r} -> {cfg.matrix_lr * 2!r}"], changed
     assert all(g["initial_lr"] == new_cfg.matrix_lr for g in new[1].param_groups)
+
+
+@pytest.mark.parametrize("flag", [("--attn-lambdas",), ("--xsa-layers", "1"), ("--attn-gate-layers", "0")])
+def test_resume_force_across_a_model_structure_flag_refuses_before_the_log(tmp_path, capsys, flag):
+    # HEAD's flags that add tensors (not n_layer/model_dim): refused up front, the original log untouched
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "2", "--save-final") == 0
+    log = tmp_path / "logs" / "c.txt"
+    before = log.read_bytes()
+    capsys.readouterr()
+    assert run(tmp_path, "--run-id", "c", "--resume", "auto", *flag, "--resume-force") == 2
+    out, err = capsys.readouterr()
+    assert log.read_bytes() == before and "continuing despite" not in out + err
+    [line] = [ln for ln in err.splitlines() if ln.strip()]
+    assert flag[0][2:].replace("-", "_") in line and "only in this run's model" in line, line

@@ -1174,8 +1174,26 @@ def test_run_sh_refuses_a_process_count_that_cannot_split_the_batch_in_one_line(
     assert res.returncode == 2, res.stderr
     assert [ln for ln in res.stderr.splitlines() if not ln.startswith("run.sh: preset ")] == [
         "run.sh: NPROC=3: 3 processes cannot share the 1 sequences of stage 1's steps (--stages record89: a third of "
-        "--batch-tokens / --seq-len) evenly, whatever --micro-batch-seqs; run with a process count in [1]"], res.stderr
+        "--batch-tokens / --seq-len) evenly, whatever --micro-batch-seqs; run with a process count in [1] (one that "
+        "divides them) or with --batch-tokens 6912 (or a multiple): 3 sequence(s) per step in stage 1"], res.stderr
     assert not (tmp_path / "logs").exists()  # refused before torchrun started a rank
+
+
+@pytest.mark.parametrize("nproc", ["99999999999999999999", "0", "two"])
+def test_run_sh_refuses_a_process_count_that_is_not_one_in_one_line(tmp_path, nproc):
+    res = _run_sh(tmp_path, {"NPROC": nproc, "OMP_NUM_THREADS": "1"}, "--log-dir", str(tmp_path / "logs"))
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"run.sh: NPROC={nproc}: give a process count from 1 to 9999 (1, 2, 4, 8)"], res.stderr
+    assert "integer expression" not in res.stdout + res.stderr and not (tmp_path / "logs").exists()
+
+
+def test_run_sh_s_header_names_an_nproc_2_command_cpu_smoke_accepts():
+    with open(os.path.join(REPO, "run.sh"), encoding="utf-8") as f:
+        [line] = [ln for ln in f if ln.startswith("#   NPROC=2 bash run.sh")]
+    extra = line.split("run.sh", 1)[1].split("#")[0].split()
+    assert extra == ["--batch-tokens", "4608"]
+    cfg, _ = train_gpt.parse_config(["--preset", "cpu_smoke", *extra])
+    assert harness.grad_accum_steps(cfg, 2) == 3  # the refusal is gone: stage 1's 2 sequences, 1 per process
 
 
 def _recording_python(tmp_path):

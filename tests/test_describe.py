@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import harness as H
 import train_gpt as T
@@ -68,3 +69,21 @@ def test_describe_flag_reads_the_report_named_by_gpu_check(tmp_path, capsys):
     path.write_text(json.dumps(report()))
     assert T.main(["--preset", "baseline_h200", "--describe", "--gpu-check", str(path)]) == 0
     assert f"on record_h200: {path})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, chunk", [(["--preset", "record_h200", "--val-tokens", "1000"], 1000),
+                                         (["--preset", "cpu_smoke", "--val-seq-len", "99999999"], 16384),
+                                         (["--preset", "record_h200"], 262_144)])
+def test_the_val_chunk_is_never_longer_than_the_val_tokens(argv, chunk, capsys):
+    import types
+    assert T.main(argv + ["--describe"]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("validation: ")]
+    cfg = T.parse_config(argv)[0]
+    n = -(-cfg.val_tokens // chunk)
+    assert T.val_chunk(cfg) == chunk and f"in {n:,} document-masked chunks of {chunk:,} tokens" in line, line
+    if cfg.val_tokens <= 16384:  # the batches themselves: one chunk of val_tokens, every label scored once
+        val = object.__new__(T.ValData)
+        val.n_tokens, val.tokens = cfg.val_tokens, torch.randint(0, 50257, (cfg.val_tokens + 1,))
+        batches = list(val.chunks(T.val_chunk(cfg), 1, types.SimpleNamespace(rank=0, world=1)))
+        assert len(batches) == n and batches[0][0].shape[1] == chunk
+        assert sum(int((t != T.IGNORE_INDEX).sum()) for _, t in batches) == cfg.val_tokens

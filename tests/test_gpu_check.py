@@ -533,3 +533,32 @@ def test_the_cuda_profile_config_is_valid_for_every_gpu_preset(preset):
     rows = T.stages(cfg)
     assert cfg.seq_len == 4096 and all(r.seq_len == 4096 for r in rows)
     assert rows[0].batch_tokens == 4096  # one sequence in the first stage
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file", "sys"])
+@pytest.mark.parametrize("flag", ["--out", "$OUT"])
+def test_an_unwritable_out_folder_is_refused_in_one_line_before_anything_runs(tmp_path, monkeypatch, capsys,
+                                                                             where, flag):
+    (tmp_path / "f").write_text("x")
+    out = {"file": tmp_path / "f", "under_a_file": tmp_path / "f" / "sub", "sys": "/sys/kernel"}[where]
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda **kw: pytest.fail("a work folder was made"))
+    monkeypatch.setattr(gpu_check, "environment", lambda *a: pytest.fail("the check ran"))
+    monkeypatch.setattr(gpu_check.signal, "signal", lambda *a: None)
+    if flag == "$OUT":
+        monkeypatch.setenv("OUT", str(out))
+    else:
+        monkeypatch.delenv("OUT", raising=False)
+    assert gpu_check.main(["--dry-run"] + (["--out", str(out)] if flag == "--out" else [])) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"gpu_check.py: {flag} {out}: cannot write") and "Traceback" not in line
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_a_budget_below_the_plans_minimum_is_refused_naming_the_minimum(capsys):
+    for argv, least in ((["--dry-run"], gpu_check.min_budget_s(False)), ([], gpu_check.min_budget_s(True))):
+        with pytest.raises(SystemExit) as e:
+            gpu_check.parse_args(argv + ["--budget-s", str(least - 1)])
+        assert e.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert f"--budget-s {least - 1:g}" in line and f"at least {least:g} s" in line, line
+        assert gpu_check.parse_args(argv + ["--budget-s", str(least)]).budget_s == least

@@ -1431,3 +1431,21 @@ def test_val_differences_names_val_protocol_fields_and_ignores_what_one_side_doe
     assert compare.val_differences(rows[0], rows[1]) == []  # how often and in what batches: the same val loss
     assert compare.val_differences(rows[0], rows[2]) == ["val_mode: next vs tst"]
     assert compare.val_differences(rows[0], rows[3]) == []  # val tokens unknown on one side: not a difference
+
+
+def test_compare_skips_files_that_are_not_run_logs_and_refuses_when_none_is_left(tmp_path, capsys):
+    hello, noise = tmp_path / "hello.txt", tmp_path / "noise.txt"
+    hello.write_text("hello\n")
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    assert compare.main([str(hello), str(noise)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"compare.py: warning: {hello}: not a train_gpt.py or modded-nanogpt log; skipped" in err
+    assert f"compare.py: warning: {noise}: not a train_gpt.py or modded-nanogpt log; skipped" in err
+    assert err[-1].startswith("compare.py: error: no train_gpt.py or modded-nanogpt log found in ")
+    # beside a real log: the log is compared, the others named and not counted as incomplete runs
+    log = sorted(glob.glob(os.path.join(os.path.dirname(compare.__file__), "**", "*.txt"), recursive=True))
+    log = [f for f in log if compare.is_log(compare.parse_log(f))][0]
+    assert compare.main(["--json", log, str(hello)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["runs"] + len(json.loads(out.out)[0]["incomplete"]) == 1
+    assert "hello.txt: not a train_gpt.py" in out.err

@@ -572,3 +572,23 @@ def test_describe_prints_the_memory_estimate_and_the_flags_that_lower_it(capsys)
     assert f"peak about {total:.1f} GiB" in line and "1 x 49,152 positions" in line, line
     assert "--seq-len (now 16,384" in line and "--bigram-vocab (now 377,280 rows" in line
     assert "--micro-batch-seqs" not in line and "--fp8" not in line  # 1 already, FP8 on already
+
+
+def test_the_memory_estimate_counts_the_validation_forward_and_names_the_peak(capsys):
+    # val_batch_seqs x the val chunk, no gradients: logits of one head piece, VAL_ROWS + n_layer rows a position
+    argv = ["--preset", "cpu_smoke", "--val-batch-seqs", "64", "--val-seq-len", "16384"]
+    cfg = T.parse_config(argv)[0]
+    n_params = T.plan(cfg)[0]
+    train = H.memory_estimate(cfg, n_params)
+    est = H.memory_estimate(cfg, n_params, val=(T.val_chunk(cfg), T.VAL_PIECE))
+    piece = 64 * (T.VAL_PIECE // 64)  # head_pieces: VAL_PIECE // B positions of each of the B sequences
+    val = piece * 2 * cfg.vocab_size * 4 + 64 * 16384 * (16 + cfg.n_layer) * cfg.model_dim * 2  # by hand
+    state = train["parameters"] + train["gradients"] + train["optimizer"]
+    assert est["val_activations"] == val and est["total"] == state + val > train["total"] and est["peak"] == "val"
+    assert T.main(argv + ["--describe"]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory_estimate: ")]
+    assert f"peak about {(state + val) / 2**30:.1f} GiB, in the validation forward" in line, line
+    assert "64 x 16,384 positions, no gradients" in line and "--val-batch-seqs (now 64)" in line
+    smoke = T.parse_config(["--preset", "cpu_smoke"])[0]  # 1 x 768 val positions
+    small = H.memory_estimate(smoke, n_params, val=(T.val_chunk(smoke), T.VAL_PIECE))
+    assert small["total"] == H.memory_estimate(smoke, n_params)["total"] and small["peak"] == "train"  # the train micro-batch stays the peak

@@ -603,6 +603,8 @@ def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
     (["--val-tokens", "10000000"], "--val-tokens 10000000"),
     (["--train-files", "README.md"], "not a token shard"),
     (["--trainer-args", "--tst-frac 2"], "--tst-frac must be in [0, 1)"),
+    (["--steps", "1"], "--steps 1: the arms' stage table needs at least 5 steps"),  # cpu_smoke: 2 extension steps
+    (["--steps", "4"], "give --steps 5 or more"),
 ])
 def test_bad_arguments_stop_before_anything_runs(ss, tmp_path, capsys, args, says):
     rc = ss.cli(["--out", str(tmp_path / "o"), *args])  # in process: the command line's own path, no start-up
