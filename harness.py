@@ -567,12 +567,16 @@ def val_chunk_tokens(cfg):
     return min(cfg.val_seq_len or cfg.seq_len, cfg.val_tokens)
 
 
+def longest_train_sequence(cfg):
+    """Positions of the longest train sequence: 3 x --seq-len in record #89's third stage with --grow-seq-len."""
+    return cfg.seq_len * (3 if cfg.grow_seq_len and cfg.stages == "record89" else 1)
+
+
 def eager_attention_bytes(cfg):
     """Least memory of one layer's eager FlexAttention, bytes: the larger of a train micro-step's
     (B = --micro-batch-seqs) and a validation forward's (B = --val-batch-seqs) buffers of fp32 scores,
     each ``B * n_head * T**2 * 4`` bytes, T the longest train sequence or the val chunk (--val-seq-len)."""
-    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
-    train, val = cfg.n_head * (grow * cfg.seq_len) ** 2 * 4, cfg.n_head * val_chunk_tokens(cfg) ** 2 * 4
+    train, val = cfg.n_head * longest_train_sequence(cfg) ** 2 * 4, cfg.n_head * val_chunk_tokens(cfg) ** 2 * 4
     return max(EAGER_FLEX_BUFFERS["train"] * cfg.micro_batch_seqs * train,
                EAGER_FLEX_BUFFERS["val"] * (cfg.val_batch_seqs or cfg.micro_batch_seqs) * val)
 
@@ -829,12 +833,6 @@ def memory_estimate(cfg, n_params, cuda=True, seq_len=None, val=None):
     return out
 
 
-def longest_sequence(cfg, table):
-    """The longest train sequence of a plan's stage table (``table.stages``, each ``length(seq_len)``), else
-    --seq-len (a plan without stages)."""
-    return max((s.length(cfg.seq_len) for s in getattr(table, "stages", None) or ()), default=cfg.seq_len)
-
-
 def memory_line(cfg, n_params, seq_len=None, val=None):
     """``--describe``'s memory line (GiB per GPU, parts and total) at the longest stage's ``seq_len`` and the
     validation forward's ``val`` = ``(val chunk, head piece)`` (``memory_estimate``)."""
@@ -874,7 +872,7 @@ def describe(cfg, preset, trainer, gpu_check=None):
              "config: " + json.dumps(dataclasses.asdict(cfg), sort_keys=True), *plan["lines"],
              f"flops_total: {total:.4e}", f"tokens_total: {plan['tokens_total']}",
              f"positions_total: {plan['positions_total']}", f"steps: {plan['steps']}",
-             memory_line(cfg, n_params, longest_sequence(cfg, table),
+             memory_line(cfg, n_params, longest_train_sequence(cfg),
                          (table.val_chunk, table.val_piece) if hasattr(table, "val_piece") else None)]
     for gpu, tflops in PEAK_BF16_TFLOPS.items():
         for n_gpus in (1, 8):

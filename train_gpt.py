@@ -515,8 +515,7 @@ def _linear(d_in, d_out, zero=False, group="matrix", role=None):
 
 def longest_sequence(cfg):
     """Most positions one forward sees: the longest train sequence (--grow-seq-len: 3 x --seq-len) or val chunk."""
-    grow = 3 if cfg.grow_seq_len and cfg.stages == "record89" else 1
-    return max(cfg.seq_len * grow, val_chunk(cfg))
+    return max(harness.longest_train_sequence(cfg), val_chunk(cfg))
 
 
 def make_rotary(cfg):
