@@ -15,7 +15,9 @@ Checks, in order:
    snapshot holds, the logged code says (its ``SOURCE_FILES``, read, never run: in train_gpt.py
    in logs of two files, in harness.py in logs of three);
 2. (unless ``--extract``) each stored file equals the working tree's file (``--repo``, default
-   the repository that holds this records/ folder), else the first differing line is reported;
+   the repository that holds this records/ folder), else the first differing line is reported: a
+   failure without ``--rerun``, a note with it (the rerun runs the log's own code, so a log made by
+   earlier code still re-runs);
 3. with ``--rerun K``: the extracted code is written to a temp dir and run (from ``--run-dir``,
    default the repo root, as the log's data globs are relative to where the run was launched) as
    ``python <tmp>/train_gpt.py <config_to_argv(config)> --max-steps K --device cpu --log-dir <tmp>
@@ -80,7 +82,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from compare import SEPARATOR, has_line_end, parse_lines, parse_log, read_log_lines, split_snapshot  # noqa: E402
+from compare import (SEPARATOR, has_line_end, parse_lines, parse_log, parse_step_line, read_log_lines,  # noqa: E402
+                     split_snapshot)
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says
 SOURCE_LIST_HOLDERS = (ENTRY, "harness.py")  # where a logged trainer keeps its SOURCE_FILES
@@ -406,6 +409,55 @@ def machine_differences(logged, here):
     return list(dict.fromkeys(differs))
 
 
+RESUME_RE = re.compile(r"^resume: from .* at step (\d+) ")
+FORCED = "resume_force: continuing despite differences: "
+
+
+def starts(lines, rest):
+    """The run's starts, in order: ``[{line, step, forced, steps}]``: the log line (1-based) of the
+    ``resume:`` line (the first start: the line after the snapshot), the step it resumed from (None: step
+    0), the differences a ``--resume-force`` continued past (None: none) and the steps it logged."""
+    out, forced = [dict(line=rest + 1, step=None, forced=None, steps=set())], None
+    for number, ln in enumerate(lines[rest:], rest + 1):
+        m = RESUME_RE.match(ln)
+        if ln.startswith(FORCED):
+            forced = (number, ln[len(FORCED):].strip())
+        elif m:
+            out.append(dict(line=number, step=int(m[1]), forced=forced, steps=set()))
+            forced = None
+        elif (parsed := parse_step_line(ln.rstrip("\r\n"))) and parsed[0] > (out[-1]["step"] or 0):
+            out[-1]["steps"].add(parsed[0])
+    return out
+
+
+def conflicting_continuations(history):
+    """Messages for each two ``--resume-force`` continuations that log the same steps: two histories of
+    one run id in one log (compare.py reads only the later)."""
+    forced = [s for s in history if s["forced"]]
+    out = []
+    for i, a in enumerate(forced):
+        for b in forced[i + 1:]:
+            both = sorted(a["steps"] & b["steps"])
+            if both:
+                out.append(f"--resume-force continuations at lines {a['forced'][0]} and {b['forced'][0]} both log "
+                           f"steps {both[0]}..{both[-1]} (with {a['forced'][1]} / {b['forced'][1]}): two histories "
+                           "of one run, of which compare.py reads only the later; keep one (re-run the other under "
+                           "its own --run-id)")
+    return out
+
+
+def forced_limit(history):
+    """``(step, note)``: the last step the logged config made (the first ``--resume-force`` start's
+    step) and the report line saying so; ``(None, None)`` for a run without one."""
+    forced = [s for s in history if s["forced"]]
+    if not forced:
+        return None, None
+    first = min(forced, key=lambda s: s["step"])
+    return first["step"], (f"rerun: the run continues from step {first['step']} under --resume-force (line "
+                           f"{first['forced'][0]}: {first['forced'][1]}): its logged config made steps "
+                           f"0..{first['step']} only, so the rerun checks those and no later step")
+
+
 def is_gpu_log(logged):
     return any(m["device"] not in ("cpu", "?") for m in logged)
 
@@ -662,6 +714,9 @@ def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, thr
     compiled = was_compiled(lines, rest, config) and not is_gpu_log(logged_machines)
     total = old.summary.get("steps")
     last = min(steps, total) if isinstance(total, int) and total > 0 else steps
+    limit, forced_note = forced_limit(starts(lines, rest))
+    if limit is not None and last > limit:
+        last, total = limit, None  # steps after it ran with other settings than the config the rerun has
     cpu_threads = [m["threads"] for m in logged_machines if m["threads"]]
     threads = threads or (cpu_threads[0] if cpu_threads else None)
     write_sources(sources, tmp)
@@ -685,7 +740,7 @@ def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, thr
             return False, report
         measured = measure_drift(new, parse_lines(eager_lines))
     text, rule = judgement(logged_machines, here, tol, compiled, measured)
-    report += [f"rerun: machine: {text}", coverage(old, last)]
+    report += [f"rerun: machine: {text}", coverage(old, last)] + ([forced_note] if limit is not None else [])
     checks = [compare_train(old, new, last, rule), compare_val(old, new, last, rule)]
     if isinstance(total, int) and last >= total:
         checks.append(compare_summary(old, new, rule))
@@ -836,7 +891,10 @@ def main(argv=None):
         print(f"snapshot: {name} {len(text.splitlines())} lines, sha256 {sha256(text)[:16]}... {match}")
     for p in problems:
         print(f"FAIL snapshot: {p}")
-    failed = bool(problems)
+    conflicts = conflicting_continuations(starts(lines, rest))
+    for c in conflicts:
+        print(f"FAIL log: {c}")
+    failed = bool(problems or conflicts)
     if args.extract:
         clash = [n for n in sources if os.path.lexists(os.path.join(args.extract, n))
                  and not same_text(os.path.join(args.extract, n), sources[n])]
@@ -852,11 +910,15 @@ def main(argv=None):
               f"extracted nothing: the snapshot holds no complete file (nothing written to {args.extract})")
     else:
         diffs = compare_with_tree(sources, os.path.abspath(args.repo))
+        # a rerun asks "does this log reproduce?", which the log's own code answers: code that has moved on
+        # since (an older record, a study made by its own snapshot) is said, not failed
         for d in diffs:
-            print(f"FAIL working tree: {d}")
+            print(f"note: working tree: {d}" if args.rerun else f"FAIL working tree: {d}")
+        if diffs and args.rerun:
+            print("note: the log was made by other code than this working tree's; the rerun runs the log's own code")
         if sources and not diffs:
             print(f"working tree: {', '.join(sources)} equal to the log's snapshot ({os.path.abspath(args.repo)})")
-        failed |= bool(diffs)
+        failed |= bool(diffs) and not args.rerun
     missing = [n for n in snapshot_names(sources, [f.name for f in split_snapshot(lines)[0]]) if n not in sources]
     if args.rerun and missing:
         print(f"rerun: skipped: the log holds no complete {' / '.join(missing)} to run")

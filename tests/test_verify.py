@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 import harness as H
+import train_gpt as T
 from conftest import REPO, loss_lines, sample_args, subprocess_env, tiny_args
 
 sys.path.insert(0, os.path.join(REPO, "records"))
@@ -105,6 +106,22 @@ def test_full_rerun_of_an_unedited_log_recomputes_val_and_summary(tiny):
     assert f"val_loss at step 8: logged {tiny['val']}, rerun {tiny['val']}, diff 0.00e+00: reproduced" in out
     assert f"summary final_val_loss: logged {tiny['val']}, rerun {tiny['val']}" in out
     assert "summary counts equal (steps:8, raw_tokens:" in out and out.strip().endswith("OK")
+
+
+def test_a_log_of_earlier_code_fails_the_tree_check_but_reruns_from_its_own_code(tiny, tmp_path):
+    """The working tree has moved on since the log (a study made by its own snapshot, an old record):
+    plain verify says the code differs and fails; --rerun notes it and re-runs the log's own code."""
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny["tree"], moved, ignore=shutil.ignore_patterns("logs"))
+    with open(moved / "train_gpt.py", "a") as f:
+        f.write("# a later commit\n")
+    plain = run_verify(dict(tiny, tree=moved), tiny["log"])
+    assert plain.returncode == 1 and "FAIL working tree: train_gpt.py: log has" in plain.stdout, plain.stdout
+    proc = run_verify(dict(tiny, tree=moved), tiny["log"], "--rerun", 8)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: working tree: train_gpt.py: log has" in proc.stdout and "FAIL" not in proc.stdout
+    assert "the rerun runs the log's own code" in proc.stdout
+    assert f"val_loss at step 8: logged {tiny['val']}, rerun {tiny['val']}, diff 0.00e+00: reproduced" in proc.stdout
 
 
 @pytest.mark.parametrize("where", ["step line and summary", "step line", "summary"])
@@ -470,3 +487,32 @@ def test_bad_paths_are_one_line_naming_the_flag_or_file(tiny, tmp_path):
     proc = run_verify(tiny, log, "--keep", tmp_path / "k")
     assert proc.returncode == 2 and f"--keep {tmp_path / 'k'}: keeps a rerun's code and log; add --rerun K" \
         in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# --resume-force continuations: the logged config made the steps before them only
+
+def test_resume_force_continuations_limit_the_rerun_and_two_of_them_fail(tmp_path):
+    """A run resumed from step 2 with another lr (--resume-force) into its own log, then once more with a
+    third lr: the log holds two histories of steps 3..8. verify fails it, naming both; the log cut
+    before the second continuation passes, its rerun judging steps 0..2 only (what its config made)."""
+    def run(*extra):
+        return T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "c", *extra))
+    assert run("--max-steps", "4", "--save-every", "2") == 0
+    ckpt = str(tmp_path / "ckpt" / "c" / "step_000002.pt")
+    assert run("--resume", ckpt, "--resume-force", "--matrix-lr", "0.1") == 0
+    assert run("--resume", ckpt, "--resume-force", "--matrix-lr", "0.2") == 0
+    log = tmp_path / "logs" / "c.txt"
+    both = run_verify(dict(tree=REPO), log, "--rerun", 8)
+    assert both.returncode == 1 and both.stdout.strip().endswith("FAILED"), both.stdout + both.stderr
+    [line] = [ln for ln in both.stdout.splitlines() if ln.startswith("FAIL log: ")]
+    assert "both log steps 3..8" in line and "matrix_lr: checkpoint" in line and "now 0.1 /" in line, line
+    lines = log.read_text().splitlines(keepends=True)
+    second = max(i for i, ln in enumerate(lines) if ln.startswith("resume_force: continuing"))
+    one = tmp_path / "one.txt"
+    one.write_text("".join(lines[:second]))
+    proc = run_verify(dict(tree=REPO), one, "--rerun", 8)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rerun: the run continues from step 2 under --resume-force" in proc.stdout
+    assert "covers steps 0..2 of 8 only" in proc.stdout and "summary" not in proc.stdout.split("covers", 1)[1].split(
+        "\n", 1)[1]
