@@ -807,6 +807,21 @@ def val_differences(base, row):
     return [f"{k}: {a[k]} vs {b[k]}" for k in a if k in b and json.dumps(a[k]) != json.dumps(b[k])]
 
 
+def val_setup_warning(rows):
+    """Without a baseline: one line naming each field of ``val_setup`` on which the groups disagree (with
+    each group's value), or None when they agree: side by side, such val losses measure different things."""
+    fields = {}
+    for r in rows:
+        for k, v in (r.get("val_setup") or {}).items():
+            fields.setdefault(k, {})[r["group"]] = json.dumps(v)
+    differ = ["{}: {}".format(k, ", ".join(f"{v} ({g})" for g, v in by.items()))
+              for k, by in fields.items() if len(set(by.values())) > 1]
+    if not differ:
+        return None
+    return ("the groups differ in what decides the val loss (" + "; ".join(differ) + "): their val losses "
+            "measure different things and are not comparable")
+
+
 def welch(base, other):
     """Welch's t-test of ``mean(other) - mean(base)`` (final val losses, two lists of floats).
 
@@ -1420,6 +1435,8 @@ def main(argv=None):
         for row in rows:
             if row.get("val_differs"):
                 print(f"compare.py: warning: group {row['group']}: {row['welch_note']}", file=sys.stderr)
+    elif val_setup_warning(rows):
+        print(f"compare.py: warning: {val_setup_warning(rows)}", file=sys.stderr)
     if args.json:
         print(json.dumps(_jsonable(rows), indent=1))
     else:

@@ -1421,6 +1421,12 @@ def test_groups_that_differ_in_what_decides_the_val_loss_get_no_number_against_t
     [line] = [ln for ln in out.split("against the baseline A")[1].splitlines() if ln.startswith("B ")]
     assert line.split()[1:4] == ["-", "-", "-"], line  # no difference, CI or p-value in the table
     assert "B: not compared with the baseline" in out
+    # without --baseline the two groups stand side by side in the table: the same fields are named, per group
+    plain = run_tool("compare.py", tmp_path / "A", tmp_path / "B")
+    assert plain.returncode == 0 and "compare.py: warning: the groups differ in what decides the val loss (" \
+        f"{field.split(':')[0]}: " in plain.stderr and "(A), " in plain.stderr and "are not comparable" in plain.stderr
+    same = run_tool("compare.py", tmp_path / "A", tmp_path / "A")
+    assert "differ in what decides" not in same.stderr
 
 
 def test_val_differences_names_val_protocol_fields_and_ignores_what_one_side_does_not_record():
