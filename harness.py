@@ -405,6 +405,11 @@ def check_config(cfg, need):
     check_architecture(cfg, need)
     need(not cfg.tied_embed or (cfg.stages == "record89" and cfg.optimizer in ("normuon", "aurora_normuon")),
          "--tied-embed needs --stages record89 and --optimizer normuon or aurora_normuon (its untie step and Adam)")
+    # flags that only modify another one: alone they would do nothing, silently
+    need(not cfg.grow_seq_len or cfg.stages == "record89", "--grow-seq-len lengthens record #89's later stages: it "
+         "needs --stages record89 (with --stages flags add --no-grow-seq-len)")
+    need(not cfg.key_offset_docs or cfg.key_offset,
+         "--key-offset-docs stops the key offset at document starts: it needs --key-offset")
     if cfg.stages == "record89":  # stage k trains k thirds of --batch-tokens
         need(cfg.batch_tokens % (3 * cfg.seq_len) == 0,
              f"--stages record89 needs --batch-tokens ({cfg.batch_tokens}) a multiple of 3 x --seq-len ({cfg.seq_len})")
@@ -535,7 +540,7 @@ def check_model89(cfg, need, no_attn):
     G = cfg.mudd_gates
     need(not G or (cfg.x0_gates and cfg.bigram_vocab and skip),
          f"--mudd-gates {G} needs --x0-gates, --bigram-vocab and a --skip-gate 'a,b' with b >= {G}")
-    need(not G or G <= skip[1], f"--mudd-gates {G}: give 1..{skip and skip[1]}; the skip's factor (--skip-gate "
+    need(not G or G <= skip[1], f"--mudd-gates {G}: give 0 (no gate MLPs) or 1..{skip and skip[1]}; the skip's factor (--skip-gate "
          f"{cfg.skip_gate!r}) comes from the second gate MLP, which must start by the skip's layer")
 
 
@@ -731,10 +736,14 @@ def plan_summary(cfg, n_params, table):
                   if cfg.stages != "flags" else "")
         n_seqs = st.batch_tokens // st.length(L)
         lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
-                     f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} raw tokens per step"
+                     f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} tokens of text trained on per step"
                      f"{recipe}, {min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
     positions = sum(row.stage.batch_tokens for row in table.rows[:N])
+    # the log's tokens: count what a step reads, which is more than it trains on
+    lines.append("tokens: a packed step also reads, and skips, the rest of each sequence's last document and any "
+                 "document's text past the cap; the log's tokens: count that too, so they exceed tokens_total (by how "
+                 "much depends on the documents' lengths)")
     return dict(lines=lines, flops_total=sum(flops), tokens_total=tokens, positions_total=positions, steps=N)
 
 

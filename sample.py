@@ -20,6 +20,7 @@ stdout; bad input is one ``sample.py: error:`` line with exit status 2.
 """
 import argparse
 import dataclasses
+import glob
 import math
 import os
 import sys
@@ -73,13 +74,18 @@ def load_model(path, device):
         SampleError: the file is missing, not a checkpoint, truncated or corrupt, or its weights
             do not fit its config.
     """
+    if os.path.isdir(path):  # a run's checkpoint folder: name the file to give
+        newest = sorted(glob.glob(os.path.join(path, "step_*.pt")))
+        raise SampleError(f"--checkpoint {path}: a folder; give one of its checkpoint files"
+                          + (f" (the newest: {newest[-1]})" if newest else ": it holds no step_N.pt"))
     if not os.path.isfile(path):
         raise SampleError(f"--checkpoint {path}: no such file; give a checkpoints/<run_id>/step_N.pt "
                           "written by train_gpt.py --save-final or --save-every")
     try:
         state = load_checkpoint(path)
-    except ConfigError as e:  # its message names the trainer's --resume flag: name ours instead
-        raise SampleError(f"--checkpoint {path}: {str(e).split(': ', 1)[-1]}") from None
+    except ConfigError as e:  # its message names the trainer's --resume flag and resuming: say ours instead
+        text = str(e).split(": ", 1)[-1].replace("resume from an older one", "sample an older one")
+        raise SampleError(f"--checkpoint {path}: {text}") from None
     cfg = config_of(state, path)
     if cfg.vocab_size < GPT2_VOCAB:
         raise SampleError(f"--checkpoint {path}: vocab_size {cfg.vocab_size} is below GPT-2's {GPT2_VOCAB} ids; "

@@ -36,8 +36,12 @@ CASES = [
     (["--rope-half", "--model-dim", "120", "--n-head", "4"], ["--rope-half", "multiple of 4"]),
     (["--bigram-vocab", "-1"], ["--bigram-vocab must be >= 0"]),
     (["--bigram-dim", "9999"], ["--bigram-dim 9999 exceeds --model-dim 128"]),
-    (["--mudd-gates", "99"], ["--mudd-gates 99: give 1..2", "--skip-gate '1,2'"]),  # 4 layers: no b >= 99
-    (["--mudd-gates", "3"], ["--mudd-gates 3: give 1..2"]),
+    (["--mudd-gates", "99"], ["--mudd-gates 99: give 0 (no gate MLPs) or 1..2", "--skip-gate '1,2'"]),  # 4 layers: no b >= 99
+    (["--mudd-gates", "3"], ["--mudd-gates 3: give 0 (no gate MLPs) or 1..2"]),
+    # a flag that only modifies another one is refused alone, not accepted to do nothing
+    (["--no-key-offset", "--key-offset-docs"], ["--key-offset-docs", "needs --key-offset"]),
+    (["--stages", "flags", "--window", "256", "--grow-seq-len"], ["--grow-seq-len", "needs --stages record89",
+                                                                  "--no-grow-seq-len"]),
     (["--skip-gate", "", "--no-mudd"], ["--mudd-gates 2 needs", "--skip-gate 'a,b' with b >= 2"]),
     (["--attn-state-layer", "50"], ["--attn-state-layer 50", "below the last layer (3)"]),
     (["--xsa-layers", "x"], ["--xsa-layers 'x'", "0-based layer numbers"]),

@@ -87,3 +87,18 @@ def test_the_val_chunk_is_never_longer_than_the_val_tokens(argv, chunk, capsys):
         batches = list(val.chunks(T.val_chunk(cfg), 1, types.SimpleNamespace(rank=0, world=1)))
         assert len(batches) == n and batches[0][0].shape[1] == chunk
         assert sum(int((t != T.IGNORE_INDEX).sum()) for _, t in batches) == cfg.val_tokens
+
+
+def test_describe_counts_the_text_trained_on_and_the_log_the_text_read(tmp_path):
+    """--describe's tokens_total is the text the steps train on; a packed loader reads past it (the rest of each
+    sequence's last document, text past a cap) and the log's tokens count what was read: never less."""
+    from conftest import tiny_args
+    argv = tiny_args(tmp_path, "--no-compile", "--max-steps", "3", "--val-every", "0", "--run-id", "t")
+    cfg, _ = T.parse_config(argv)
+    plan = H.plan_summary(cfg, *T.plan(cfg))
+    assert any(ln.startswith("tokens: a packed step also reads, and skips") for ln in plan["lines"])
+    per_step = [int(m.replace(",", "")) for ln in plan["lines"] if ln.startswith("phase ")
+                for m in [ln.split(") and ", 1)[1].split(" tokens of text trained on per step")[0]]]
+    assert T.main(argv) == 0
+    summary = json.loads((tmp_path / "logs" / "t.json").read_text())
+    assert summary["raw_tokens"] >= 3 * per_step[0] > 0, (summary["raw_tokens"], per_step)

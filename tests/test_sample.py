@@ -105,7 +105,13 @@ def test_bad_input_is_one_error_line(ckpt, tmp_path, capsys):
         line = one_error_line(capsys, "--checkpoint", tmp_path / name)
         assert f"--checkpoint {tmp_path / name}: " in line and "--resume" not in line, line
     assert "truncated or unreadable" in one_error_line(capsys, "--checkpoint", tmp_path / "cut.pt")
-    assert "sha256 mismatch" in one_error_line(capsys, "--checkpoint", tmp_path / "flipped.pt")
+    flipped = one_error_line(capsys, "--checkpoint", tmp_path / "flipped.pt")
+    assert "sha256 mismatch" in flipped and "sample an older one" in flipped and "resume" not in flipped, flipped
+    # a run's checkpoint folder instead of a file: the file to give is named
+    folder = os.path.dirname(ckpt)
+    line = one_error_line(capsys, "--checkpoint", folder)
+    assert f"--checkpoint {folder}: a folder; give one of its checkpoint files (the newest: " in line, line
+    assert "holds no step_N.pt" in one_error_line(capsys, "--checkpoint", tmp_path)
     assert "--prompt is empty" in one_error_line(capsys, "--checkpoint", ckpt, "--prompt", "  ")
     for flags, needle in [(("--max-new-tokens", 0), "--max-new-tokens must be at least 1"),
                           (("--temperature", -1), "--temperature must be"), (("--top-k", -2), "--top-k must be"),
