@@ -1377,7 +1377,7 @@ def test_tools_find_the_repository_one_way():
 def test_a_record_21_era_log_reruns_from_its_own_code(tmp_path):
     """Record #21's recipe (U-net, x0 mix, growing window) left the code; its small-scale logs re-run from their
     snapshot with the command records/README.md gives: the data order rebuilt from data/sample, then
-    ``verify.py LOG --extract DIR --rerun 5`` (the log's train losses are every 5th step)."""
+    ``verify.py LOG --rerun 5`` (the log's train losses are every 5th step); ``--extract DIR`` writes the code."""
     log = os.path.join(CPU, "2026-11-30_small_scale_cost", "cur_seed0.txt")
     text = read_text(log)
     assert '"unet": true' in text and '"x0_mix": true' in text and '"window_start": 32' in text
@@ -1387,11 +1387,13 @@ def test_a_record_21_era_log_reruns_from_its_own_code(tmp_path):
     orders = small_scale_data.build_orders(os.path.join(REPO, DATA, "*_train_*.bin"), str(tmp_path / "orders"),
                                            ["mix"], 1, 128)
     assert orders[("mix", 0)].endswith("mix_o0_80275d8349/*_train_*.bin")  # the logged order's hash
-    out = tmp_path / "code"
-    proc = run_tool("verify.py", log, "--extract", out, "--rerun", 5, "--train-files", orders[("mix", 0)])
+    proc = run_tool("verify.py", log, "--rerun", 5, "--train-files", orders[("mix", 0)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "train losses reproduced" in proc.stdout and "val_loss at step 0" in proc.stdout
-    assert "unet: bool" in (out / "train_gpt.py").read_text() and proc.stdout.rstrip().endswith("OK")
+    assert "note: working tree: train_gpt.py" in proc.stdout and proc.stdout.rstrip().endswith("OK")
+    out = tmp_path / "code"
+    assert run_tool("verify.py", log, "--extract", out).returncode == 0
+    assert "unet: bool" in (out / "train_gpt.py").read_text()
 
 
 @pytest.mark.parametrize("changes, field", [(dict(val_tokens=8192), "val_tokens: 16384 vs 8192"),
