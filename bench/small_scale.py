@@ -672,13 +672,21 @@ def differences_plot(rows, path):
     return True
 
 
-def make_plots(out, arms, stats, target):
+LOADED = 3.0  # a 1-min load average above this on the 2 cores: the run shared them with other jobs
+
+
+def make_plots(out, arms, stats, target, timing):
     """val loss vs FLOPs and vs train time via records/compare.py (one arm folder = one group, pooled
-    over the data orders)."""
+    over the data orders); no time plot when some run shared the cores (``timing``'s load above LOADED):
+    its curve would show the other jobs, not the arm. Returns ``(plots, notes, compare's table)``."""
     plots, compare_text = [], ""
     folders = [os.path.join(out, a) for a in arms if stats.get(a, {}).get("n")]
     tool = os.path.join(REPO, "records", "compare.py")
-    for x in ("flops", "time"):
+    loaded = [r["run"] for r in timing["runs"] if max(r["load_start"], r["load_end"]) > LOADED]
+    notes = [f"No val loss vs train time plot: {len(loaded)} of {len(timing['runs'])} runs shared the 2 cores with "
+             f"other jobs (1-min load above {LOADED:g}, e.g. `{loaded[0]}`), so their train times measure the load, "
+             "not the arm."] if loaded else []
+    for x in ("flops",) if loaded else ("flops", "time"):
         path = os.path.join(out, f"val_loss_vs_{x}.png")
         what = f"val loss vs {'training FLOPs' if x == 'flops' else 'train time'}, every run"
         ok = False
@@ -701,7 +709,7 @@ def make_plots(out, arms, stats, target):
             own_plot(stats, arms, path, x, target)
             what += " (means, drawn by small_scale.py: records/compare.py was unavailable or failed)"
         plots.append((path, what))
-    return plots, compare_text
+    return plots, notes, compare_text
 
 
 
@@ -868,11 +876,12 @@ def sweep_lines(spec, sweep):
     return L + [""]
 
 
-def report(spec, sweep, stats, rows, passing, corpus, timing, plots, compare_text):
+def report(spec, sweep, stats, rows, passing, corpus, timing, plots, compare_text, plot_notes=()):
     """The markdown of results.md (printed too)."""
     L = header_lines(spec, stats, corpus) + arm_table(spec, sweep, stats) + comparison_table(rows)
     L += passing_lines(spec, passing) + detail_lines(spec, stats) + sweep_lines(spec, sweep)
     L += ["## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots] + [""]
+    L += [*plot_notes, ""] if plot_notes else []
     L += timing_lines(timing)
     if compare_text:
         L += ["## `records/compare.py --pool-train-data` on the arm folders", "", "```", compare_text.rstrip(), "```"]
@@ -1110,9 +1119,11 @@ def analyse_and_report(spec, sweep, results, timing_of):
     if differences_plot(rows, os.path.join(out, "differences.png")):
         plots.append((os.path.join(out, "differences.png"), "the paired differences of every comparison in the table "
                                                              "above with at least 2 pairs, with their 95% intervals"))
-    more, compare_text = make_plots(out, [a for a in spec["arms"] if ARMS[a][1] == 1], stats, target)
     timing = timing_of()
-    md = report(spec, sweep, stats, rows, passing, spec["corpus"], timing, plots + more, compare_text)
+    more, notes, compare_text = make_plots(out, [a for a in spec["arms"] if ARMS[a][1] == 1], stats, target, timing)
+    if notes and os.path.exists(os.path.join(out, "val_loss_vs_time.png")):  # drawn by an earlier invocation
+        os.remove(os.path.join(out, "val_loss_vs_time.png"))
+    md = report(spec, sweep, stats, rows, passing, spec["corpus"], timing, plots + more, compare_text, notes)
     with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
         f.write(md)
     for r in rows:

@@ -1103,10 +1103,13 @@ def smooth(y, window, segments):
     out = np.array(y, dtype=np.float64)
     if window <= 1:
         return out
-    kernel = np.ones(window)
+    kernel, lo = np.ones(window), (window - 1) // 2
     for label in np.unique(segments):
         m = segments == label
-        out[m] = np.convolve(out[m], kernel, "same") / np.convolve(np.ones(m.sum()), kernel, "same")
+        n = int(m.sum())
+        # the full convolution, sliced: numpy's "same" is as long as the kernel when a segment is shorter
+        out[m] = (np.convolve(out[m], kernel, "full")[lo:lo + n]
+                  / np.convolve(np.ones(n), kernel, "full")[lo:lo + n])
     return out
 
 

@@ -1044,8 +1044,9 @@ def test_mean_curve_and_smoothing_match_slow_references():
         assert m["std"][j] == pytest.approx(statistics.stdev(ys), rel=1e-9)
     assert compare.mean_curve([dict(step=np.array([0, 1]), x=np.zeros(2), y=np.zeros(2), phase1=np.zeros(2, bool)),
                                dict(step=np.array([1, 2]), x=np.zeros(2), y=np.zeros(2), phase1=np.zeros(2, bool))]) is None
-    y, seg = rng.normal(0, 1, 57), np.array([1] * 20 + [2] * 37)
-    for w in (1, 4, 5):
+    # segments shorter than the window too (a run with 2 train lines in TST's phase 1)
+    y, seg = rng.normal(0, 1, 60), np.array([1] * 20 + [2] * 37 + [3] * 2 + [4])
+    for w in (1, 4, 5, 8):
         got = compare.smooth(y, w, seg)
         for i in range(len(y)):  # the mean of the points within the window and the same segment
             lo, hi = i - w // 2, i - w // 2 + w

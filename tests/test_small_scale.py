@@ -489,12 +489,19 @@ def test_arm_plots_pool_each_arm_over_its_data_orders(ss, tmp_path, monkeypatch)
 
     monkeypatch.setattr(ss.subprocess, "run", fake_run)
     stats = {"adamw": {"n": 6}, "aurora": {"n": 6}, "muon": {"n": 0}}
-    plots, text = ss.make_plots(str(tmp_path), ["adamw", "aurora", "muon"], stats, 7.3)
-    assert len(calls) == 2 and text == "table" and [os.path.basename(p) for p, _ in plots] == [
+    idle = dict(runs=[dict(run="adamw/a_o0_seed0", load_start=1.0, load_end=2.0)] * 2)
+    plots, notes, text = ss.make_plots(str(tmp_path), ["adamw", "aurora", "muon"], stats, 7.3, idle)
+    assert len(calls) == 2 and text == "table" and notes == [] and [os.path.basename(p) for p, _ in plots] == [
         "val_loss_vs_flops.png", "val_loss_vs_time.png"]
     for cmd in calls:
         assert "--pool-train-data" in cmd and cmd[cmd.index("--target") + 1] == "7.3000"
         assert [c for c in cmd if c.startswith(str(tmp_path))][:2] == [str(tmp_path / "adamw"), str(tmp_path / "aurora")]
+    # one run on loaded cores: its train time measures the other jobs, so no time plot, and the note says why
+    loaded = dict(runs=idle["runs"] + [dict(run="aurora/a_o1_seed0", load_start=7.5, load_end=5.0)])
+    calls.clear()
+    plots, notes, _ = ss.make_plots(str(tmp_path), ["adamw", "aurora", "muon"], stats, 7.3, loaded)
+    assert [os.path.basename(p) for p, _ in plots] == ["val_loss_vs_flops.png"] and len(calls) == 1
+    assert notes and "1 of 3 runs shared the 2 cores" in notes[0] and "`aurora/a_o1_seed0`" in notes[0], notes
 
 
 
