@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The one command. With GPUs: the record preset on all of them (torchrun); without: the CPU smoke preset.
+# The one command. With GPUs: baseline_h200 (record #89 as modded-nanogpt HEAD runs it) on all of them (torchrun):
+# the small-scale study of 2026-12-03 found our methods (record_h200: TST + Aurora) no better at 3x its steps
+# (README, "Results at small scale"), so they are one flag away: bash run.sh --preset record_h200.
+# Without a GPU: the CPU smoke preset (record_h200's recipe at a tiny shape: every code path, TST's switch too).
 #   bash run.sh                            # shards from $DATA_DIR; unset: data/fineweb10B with a GPU (downloaded
 #                                          # if missing), the repository's sample data/sample without one
 #   DATA_DIR=data/mytext bash run.sh       # any folder of *_train_*.bin / *_val_*.bin shards
@@ -33,7 +36,7 @@ else
     if [ "$nproc" -ne "$n_gpus" ]; then
         echo "run.sh: note: $n_gpus GPUs found; using $nproc so the global batch splits evenly" >&2
     fi
-    if [ "$nproc" -eq 8 ]; then preset=record_8xb200; else preset=record_h200; fi
+    preset=baseline_h200  # the same run on 1, 2, 4 or 8 GPUs (a fixed global batch)
 fi
 if [ -n "${NPROC:-}" ]; then
     if ! [[ "$NPROC" =~ ^[1-9][0-9]{0,3}$ ]]; then  # at most 4 digits: bash's integer tests stay in range

@@ -4,8 +4,9 @@ Top to bottom: config and the stage table, data, model, TST, optimizers, eval, t
 The CLI, checkpoints, run log and signals are in harness.py, the optimizers in aurora_opt.py, the
 fused kernels in kernels.py (every log snapshots all four); the math is in docs/METHODS.md.
 
-    python train_gpt.py --preset record_h200                                   # one GPU
-    torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_8xb200
+    python train_gpt.py --preset baseline_h200                   # one GPU: record #89 as HEAD runs it (run.sh's)
+    python train_gpt.py --preset record_h200                     # ... plus TST and Aurora: the A/B
+    torchrun --standalone --nproc_per_node=8 train_gpt.py --preset baseline_h200   # the same run on 8 GPUs
     python train_gpt.py --preset cpu_smoke --train-files 'dir/*_train_*.bin' --val-files 'dir/*_val_*.bin'
 """
 import copy
@@ -189,8 +190,10 @@ SMOKE_MODEL89 = dict(n_layer=4, n_head=4, model_dim=128, value_embeds=2, ve_laye
                      no_attn_layers="", skip_gate="1,2", attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2,
                      paired_head_layers="0,2", xsa_layers="1", attn_gate_layers="3", dc_layers="3")
 PRESETS = {
-    "baseline_h200": RECORD89,     # record #89's recipe as HEAD's code runs it: the A/B baseline on a GPU
-    "record_h200": RECORD89_OURS,  # the record's name on one H200
+    # run.sh's GPU default: record #89's recipe as HEAD's code runs it. Our methods on it were no better at 3x
+    # the steps of the small-scale study (records/cpu/2026-12-03_small_scale_89), so they are the A/B arm.
+    "baseline_h200": RECORD89,
+    "record_h200": RECORD89_OURS,  # baseline_h200 + TST + Aurora: the A/B on one H200
     "record_8xb200": RECORD89_OURS,  # ... and on 8 B200s: the same run
     # 2 CPU cores, under 5 minutes: the record recipe and model at a tiny shape on the real-text sample, one
     # document-packed sequence of 768 per micro-step, 1 -> 2 -> 3 of them per step.

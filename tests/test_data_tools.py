@@ -1302,3 +1302,21 @@ def test_trainer_start_up_refuses_what_check_shards_refuses(tmp_path):
     sf.write_shard(str(path), tokens)
     with pytest.raises(harness.DataError, match="zero-filled"):
         train_gpt.TokenStream([str(path)], wrap=True, vocab_size=train_gpt.GPT2_IDS)
+
+
+@pytest.mark.parametrize("gpus, processes", [(1, "1 process"), (8, "8 processes")])
+def test_run_sh_starts_baseline_h200_on_gpus_and_record_h200_one_flag_away(tmp_path, gpus, processes):
+    """The GPU default follows the small-scale study (baseline_h200); --preset record_h200 overrides it. The
+    GPU count comes from a stand-in python that answers run.sh's torch.cuda question; --describe is answered
+    before anything trains, so no GPU is needed."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nif [[ "$*" == *device_count* ]]; then echo {gpus}; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "DATA_DIR": os.path.join(REPO, "data", "sample")}
+    for extra, preset in (((), "baseline_h200"), (("--preset", "record_h200"), "record_h200")):
+        res = _run_sh(tmp_path, env, *extra, "--describe")
+        assert res.returncode == 0, res.stderr
+        [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
+        assert line.startswith(f"run.sh: preset {preset}, {processes} on GPU"), line
+        assert f"describe: preset {preset};" in res.stdout, res.stdout[:500]
