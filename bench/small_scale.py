@@ -11,7 +11,7 @@ lr is swept on baseline89 first; two arms run again at 3x the steps. Comparisons
 t-interval, paired t-test p; and each arm's first val step whose mean is below baseline89's final
 mean at p < 0.01 (``records/compare.py --first-passing``), with the steps saved.
 
-    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~73 min, 2 idle cores)
+    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~51 min measured, 2 idle cores)
     python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
