@@ -36,6 +36,10 @@ Checks, in order:
    gets it rebuilt into a temp dir from the study's ``data_recipes.json``; where the corpus is
    missing too, one line names the ``bench/small_scale_data.py`` command that rebuilds it.
 
+A run continued with ``--resume-force`` ran its later steps with settings its logged config does not
+hold: a rerun judges the steps up to the first such resume only, and says so. Two such continuations
+logging the same steps (two histories of one run id) fail the log, naming both.
+
 How close is close enough depends on where the log was made, compared with the rerun's own
 ``cpu:`` / ``gpus:`` line (the case is printed; the method: docs/VERIFY.md):
 * same CPU model, thread count and process count, eager or compiled alike: float32 results are
