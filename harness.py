@@ -1831,6 +1831,11 @@ def check_run_files(cfg, run_id, resumed_run_id, lock=None):
         path = os.path.join(cfg.log_dir, f"{run_id}.txt")
         if resumed_run_id is None and os.path.exists(path):
             raise log_exists(run_id, path)
+        if resumed_run_id is not None and resumed_run_id != run_id and os.path.exists(path):
+            # another run's checkpoint continued under this id: its steps would land in this run's log
+            raise ConfigError(f"--run-id {run_id}: {path} is the log of another run (the checkpoint is run "
+                              f"{resumed_run_id}'s); choose a new --run-id, or leave --run-id out to continue "
+                              f"{resumed_run_id}")
         check_checkpoint_dir(cfg, run_id, resumed_run_id)
     except BaseException:
         lock.release()

@@ -181,6 +181,18 @@ def test_resume_into_a_new_run_id_writes_a_full_snapshot_header(tmp_path):
     assert text.startswith("### file train_gpt.py") and "\nconfig: {" in text and "\nresume: from " in text
 
 
+def test_resuming_another_runs_checkpoint_into_an_existing_log_is_refused(tmp_path, capsys):
+    # run a's finished log must not receive run c's steps (nor its JSON summary be replaced)
+    assert run(tmp_path, "--run-id", "c", "--max-steps", "3", "--save-final") == 0
+    assert run(tmp_path, "--run-id", "a", "--max-steps", "2") == 0
+    before = [(tmp_path / "logs" / f"a.{ext}").read_bytes() for ext in ("txt", "json")]
+    capsys.readouterr()
+    assert run(tmp_path, "--run-id", "a", "--resume", str(tmp_path / "ckpt" / "c" / "step_000003.pt")) == 2
+    err = capsys.readouterr().err
+    assert "--run-id a:" in err and "is the log of another run (the checkpoint is run c's)" in err, err
+    assert [(tmp_path / "logs" / f"a.{ext}").read_bytes() for ext in ("txt", "json")] == before
+
+
 def test_an_unwritable_checkpoint_dir_fails_before_training(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert run(tmp_path, "--save-final", "--checkpoint-dir", str(tmp_path / "afile")) == 2
