@@ -1073,6 +1073,13 @@ def build_spec(args, argv):
         spec["trainer_args"] = shlex.split(args.trainer_args)
     except ValueError as e:
         raise SystemExit(f"--trainer-args {args.trainer_args!r}: {e}; quote it as one shell word") from None
+    # the flags every run sets (and those that would stop or redirect it): appended after them, the last would win
+    own = {w for w in trainer_argv(dict(spec, trainer="", val_files="", trainer_args=[]), "", "", 0, "tst_aurora", 0.1, "")
+           if w.startswith("--")} | {"--preset", "--max-steps", "--describe", "--help", "--resume", "--resume-force"}
+    taken = [w for w in spec["trainer_args"] if w.split("=", 1)[0] in own]
+    if taken:
+        raise SystemExit(f"--trainer-args: {taken[0].split('=', 1)[0]} is set by the study itself (each arm, the lr sweep, "
+                         "the seeds and orders, the shape); change it through this script's own flags, or add an arm")
     date = datetime.date.today().isoformat()
     out = args.out or spec["out"].format(date=date)
     out = out if os.path.isabs(out) else os.path.join(REPO, out)

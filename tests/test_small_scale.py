@@ -609,7 +609,11 @@ def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
     (["--batch-tokens", "700"], "multiple of 3 x seq_len 256"),
     (["--val-tokens", "10000000"], "--val-tokens 10000000"),
     (["--train-files", "README.md"], "not a token shard"),
-    (["--trainer-args", "--tst-frac 2"], "--tst-frac must be in [0, 1)"),
+    (["--trainer-args", "--cooldown-frac 2"], "--cooldown-frac must be in [0, 1]"),
+    # a flag the study sets itself would override every arm, the sweep or the seeds (the last one wins)
+    (["--trainer-args", "--tst-frac 0.2"], "--tst-frac is set by the study itself"),
+    (["--trainer-args=--seed=3"], "--seed is set by the study itself"),
+    (["--trainer-args", "--preset baseline_h200"], "--preset is set by the study itself"),
     (["--steps", "1"], "--steps 1: the arms' stage table needs at least 5 steps"),  # cpu_smoke: 2 extension steps
     (["--steps", "4"], "give --steps 5 or more"),
 ])
