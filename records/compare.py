@@ -394,6 +394,10 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
                     warn(f"{f}: already read (named twice); counted once")
                 continue
             seen.add(os.path.realpath(f))
+            if os.path.exists(f) and not os.path.isfile(f):  # a FIFO or device: reading it would block forever
+                if warn:
+                    warn(f"{f}: not a regular file (a FIFO, device or folder), skipped")
+                continue
             group = group_of(f, as_folder, group_by)
             try:
                 runs.append(parse_log(f, group))

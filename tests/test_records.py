@@ -1458,3 +1458,10 @@ def test_compare_skips_files_that_are_not_run_logs_and_refuses_when_none_is_left
     out = capsys.readouterr()
     assert json.loads(out.out)[0]["runs"] + len(json.loads(out.out)[0]["incomplete"]) == 1
     assert "hello.txt: not a train_gpt.py" in out.err
+
+
+def test_compare_skips_a_fifo_instead_of_blocking_on_it(tmp_path):
+    os.mkfifo(tmp_path / "fifo.txt")
+    for target in (tmp_path / "fifo.txt", tmp_path):
+        proc = run_tool("compare.py", target)  # would block forever reading the FIFO
+        assert proc.returncode == 2 and "fifo.txt: not a regular file (a FIFO, device or folder), skipped" in proc.stderr
