@@ -570,7 +570,9 @@ def compare_train(old, new, last, tol):
     fresh = {p["step"]: p for p in new.train if p.get("train_loss") is not None}
     logged = [p for p in old.train if 1 <= p["step"] <= last and p.get("train_loss") is not None]
     if not any(p["step"] in fresh for p in logged):
-        return False, [f"rerun: no train_loss line of steps 1..{last} in both logs to compare"]
+        later = [p["step"] for p in old.train if p["step"] > last and p.get("train_loss") is not None]
+        fix = f"; the log's first is at step {later[0]}: pass --rerun {later[0]} or more" if later else ""
+        return False, [f"rerun: no train_loss line of steps 1..{last} in both logs to compare{fix}"]
     report = [f"{'step':>6}  {'logged':>10}  {'rerun':>10}  {'diff':>10}"]
     losses_ok, judged, counts_bad = True, 0, []
     for p in logged:

@@ -516,3 +516,12 @@ def test_resume_force_continuations_limit_the_rerun_and_two_of_them_fail(tmp_pat
     assert "rerun: the run continues from step 2 under --resume-force" in proc.stdout
     assert "covers steps 0..2 of 8 only" in proc.stdout and "summary" not in proc.stdout.split("covers", 1)[1].split(
         "\n", 1)[1]
+
+
+def test_a_rerun_shorter_than_the_logs_train_loss_interval_names_the_k_that_works():
+    """The study's logs write a train loss every 5 steps: --rerun 2 has nothing to compare, and says which K has."""
+    log = os.path.join(REPO, "records", "cpu", "2026-12-03_small_scale_89", "baseline89", "baseline89_o0_seed0.txt")
+    proc = run_verify(dict(tree=REPO), log, "--rerun", 2)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no train_loss line of steps 1..2 in both logs to compare; the log's first is at step 5: pass --rerun 5 " \
+           "or more" in proc.stdout, proc.stdout[-2000:]
