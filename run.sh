@@ -18,7 +18,9 @@ if [ -n "${DATA_DIR:-}" ] && [[ "$DATA_DIR" != /* ]]; then  # relative to where 
     if [ -d "$DATA_DIR" ]; then DATA_DIR=$(cd "$DATA_DIR" && pwd); else DATA_DIR="$PWD/$DATA_DIR"; fi
 fi
 cd "$(dirname "$0")"
-PYTHON="${PYTHON:-python}"
+if [ -z "${PYTHON:-}" ]; then  # a venv's python, else python3 (stock Debian/Ubuntu have no plain python)
+    if command -v python >/dev/null 2>&1; then PYTHON=python; else PYTHON=python3; fi
+fi
 
 if ! "$PYTHON" -c "import torch, numpy" 2>/dev/null; then
     echo "run.sh: torch/numpy not importable by '$PYTHON'; install first: pip install -r requirements.txt" >&2
