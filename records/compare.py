@@ -82,6 +82,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import warnings
 
@@ -394,9 +395,10 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
                     warn(f"{f}: already read (named twice); counted once")
                 continue
             seen.add(os.path.realpath(f))
-            if os.path.exists(f) and not os.path.isfile(f):  # a FIFO or device: reading it would block forever
+            mode = os.stat(f).st_mode if os.path.exists(f) else 0
+            if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # reading it would block forever
                 if warn:
-                    warn(f"{f}: not a regular file (a FIFO, device or folder), skipped")
+                    warn(f"{f}: not a regular file (a FIFO or device), skipped")
                 continue
             group = group_of(f, as_folder, group_by)
             try:

@@ -1464,4 +1464,4 @@ def test_compare_skips_a_fifo_instead_of_blocking_on_it(tmp_path):
     os.mkfifo(tmp_path / "fifo.txt")
     for target in (tmp_path / "fifo.txt", tmp_path):
         proc = run_tool("compare.py", target)  # would block forever reading the FIFO
-        assert proc.returncode == 2 and "fifo.txt: not a regular file (a FIFO, device or folder), skipped" in proc.stderr
+        assert proc.returncode == 2 and "fifo.txt: not a regular file (a FIFO or device), skipped" in proc.stderr
