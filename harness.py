@@ -2241,8 +2241,19 @@ def main(argv, trainer):
             lock.release()
         write_exit_code(code, rank)
     if code == 0 and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        leave_process_group()
     return code
+
+
+def leave_process_group():
+    """Leave the process group together: a barrier, then ``destroy_process_group``. A rank that tears down
+    its gloo pairs while another still reads them can kill that one in gloo's C++ (std::terminate, SIGABRT)
+    after its run completed; the barrier makes every rank finish its last collective first."""
+    try:
+        dist.barrier()
+    except RuntimeError:  # another rank died after this one completed: its own message says why
+        pass
+    dist.destroy_process_group()
 
 
 def failure(err, rank, stop, log, name, quiet=False):

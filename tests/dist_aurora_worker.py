@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
 import aurora_opt  # noqa: E402
 
 
@@ -48,8 +49,7 @@ def main(out):
         torch.save(dict(world=world, weights=[p.detach() for p in params],
                         shares=dict(enumerate(all_shares))), out)
     if world > 1:
-        dist.barrier()  # tear down together: no rank closes its gloo pairs while the other still writes
-        dist.destroy_process_group()
+        harness.leave_process_group()  # tear down together, as the trainer does
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
 from conftest import SMALL_FLAGS  # noqa: E402  (this folder is the script's: on the path)
@@ -70,8 +71,7 @@ def main(out):
         torch.save(dict(ref_loss=ref_loss, loss=loss, ref_grads=ref_grads, grads=grads, events=events,
                         n_buckets=len(buckets.buckets), n_params=len(list(model.parameters())),
                         hooks_left=sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())), out)
-    dist.barrier()
-    dist.destroy_process_group()
+    harness.leave_process_group()  # tear down together, as the trainer does
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
 from conftest import SMALL_FLAGS  # noqa: E402  (this folder is the script's: on the path)
 
@@ -74,8 +75,7 @@ def main(out):
         torch.save(dict(val_loss=val_loss, loss=loss,
                         grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}), out)
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        harness.leave_process_group()  # tear down together, as the trainer does
 
 
 if __name__ == "__main__":

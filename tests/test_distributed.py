@@ -5,10 +5,9 @@ import subprocess
 import sys
 import time
 
+import pytest
 
-from conftest import REPO, read_log, subprocess_env, tiny_args
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+from conftest import REPO, TORCHRUN, read_log, run_torchrun, subprocess_env, tiny_args
 
 
 def dist_args(tmp_path, run_id, *extra):
@@ -28,13 +27,11 @@ def test_two_processes_match_one_process_with_accumulation(tmp_path):
     script = os.path.join(REPO, "train_gpt.py")
     # both runs at once (one thread each, as torchrun's workers): their start-ups overlap
     env = dict(subprocess_env(), OMP_NUM_THREADS="1")
-    procs = {}
-    for name, cmd in (("one", [sys.executable, script]), ("two", [*TORCHRUN, script])):
-        with open(tmp_path / f"{name}.err", "w") as err:  # files, not pipes: neither can block on a full pipe
-            procs[name] = subprocess.Popen([*cmd, *dist_args(tmp_path, name, "--micro-batch-seqs", "8")],
-                                           stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path)
-    for name, proc in procs.items():
-        assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.err").read_text()[-2000:]
+    with open(tmp_path / "one.err", "w") as err:  # a file, not a pipe: it cannot block on a full pipe
+        one = subprocess.Popen([sys.executable, script, *dist_args(tmp_path, "one", "--micro-batch-seqs", "8")],
+                               stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path)
+    run_torchrun([script, *dist_args(tmp_path, "two", "--micro-batch-seqs", "8")], env, cwd=tmp_path, run_ids=["two"])
+    assert one.wait(timeout=600) == 0, (tmp_path / "one.err").read_text()[-3000:]
     logs = tmp_path / "logs"
     a, b = (json.loads((logs / f"{r}.json").read_text()) for r in ("one", "two"))
     assert a["world_size"] == 1 and b["world_size"] == 2
@@ -69,3 +66,28 @@ def test_micro_batch_must_divide_the_global_batch(tmp_path):
     assert "--micro-batch-seqs 3 x 2 process(es) does not divide the 16 sequences" in out.stderr
     assert "use one of [1, 2, 4, 8]" in out.stderr
     assert not (tmp_path / "logs").exists()  # refused before any log was written
+
+
+ABORT_ONCE = """import os, sys
+marker = os.path.join(sys.argv[1], "aborted")
+if os.environ["RANK"] == "1" and (sys.argv[2] == "always" or not os.path.exists(marker)):
+    open(marker, "w").close()
+    sys.stderr.write("rank 1 gives up\\n"); sys.stderr.flush()
+    os.abort()
+"""
+
+
+@pytest.mark.parametrize("mode", ["once", "always"])
+def test_run_torchrun_relaunches_a_sigabrt_once_with_a_warning_and_fails_the_second(tmp_path, mode):
+    # the guard of every torchrun test that expects success (conftest.run_torchrun): once, never twice
+    (tmp_path / "w.py").write_text(ABORT_ONCE)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "r.txt").write_text("left by the aborted launch")
+    args, env = [str(tmp_path / "w.py"), str(tmp_path), mode], dict(subprocess_env(), OMP_NUM_THREADS="1")
+    with pytest.warns(UserWarning, match="(?s)relaunched once:.*rank 1 gives up"):
+        if mode == "once":
+            run_torchrun(args, env, cwd=tmp_path, run_ids=["r"])
+        else:
+            with pytest.raises(AssertionError, match="rank 1 gives up"):
+                run_torchrun(args, env, cwd=tmp_path, run_ids=["r"])
+    assert not (tmp_path / "logs" / "r.txt").exists()  # the aborted launch's run files went before the relaunch

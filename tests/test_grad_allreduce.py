@@ -5,26 +5,17 @@ the whole backward (bit for bit: a sum of two numbers does not depend on the buc
 gradient collective runs before the last micro-batch, buckets start before the backward ends.
 """
 import os
-import subprocess
-import sys
-import warnings
 
 import torch
 
 import kernels
 import train_gpt as T
-from conftest import REPO, SMALL_FLAGS, subprocess_env
+from conftest import REPO, SMALL_FLAGS, run_torchrun, subprocess_env
 
 
 def run_worker(out):
     worker = os.path.join(REPO, "tests", "dist_grad_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(out)]
-    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0 and "SIGABRT" in result.stderr:  # as test_aurora: a gloo teardown abort, once
-        warnings.warn(f"torchrun rank aborted (SIGABRT), relaunched once:\n{result.stderr[-1500:]}")
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_torchrun([worker, str(out)], dict(subprocess_env(), OMP_NUM_THREADS="1"), timeout=300)
     return torch.load(out)
 
 

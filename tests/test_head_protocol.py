@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_torchrun, subprocess_env
 import train_gpt as T
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import dist_head_worker as W  # noqa: E402
 
 WORKER = os.path.join(REPO, "tests", "dist_head_worker.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +27,11 @@ def runs(tmp_path_factory):
     """The worker's results on one process and on two (both started at once, one thread each)."""
     tmp = tmp_path_factory.mktemp("head")
     env = dict(subprocess_env(), OMP_NUM_THREADS="1")
-    procs = {n: subprocess.Popen([*cmd, WORKER, str(tmp / f"{n}.pt")], env=env, cwd=tmp, stderr=subprocess.PIPE)
-             for n, cmd in (("one", [sys.executable]), ("two", TORCHRUN))}
-    for n, p in procs.items():
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err.decode()[-3000:]
-    return {n: torch.load(tmp / f"{n}.pt") for n in procs}
+    with open(tmp / "one.err", "w") as err:  # a file, not a pipe: it cannot block on a full pipe
+        one = subprocess.Popen([sys.executable, WORKER, str(tmp / "one.pt")], env=env, cwd=tmp, stderr=err)
+    run_torchrun([WORKER, str(tmp / "two.pt")], env, cwd=tmp)
+    assert one.wait(timeout=600) == 0, (tmp / "one.err").read_text()[-3000:]
+    return {n: torch.load(tmp / f"{n}.pt") for n in ("one", "two")}
 
 
 def reference_val_loss():

@@ -3,13 +3,12 @@ import math
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
 
 import aurora_opt as A
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_torchrun, subprocess_env
 
 
 def svd_polar(X):
@@ -333,12 +332,7 @@ def test_two_processes_match_one(tmp_path):
     worker = os.path.join(REPO, "tests", "dist_normuon_worker.py")
     single, multi = tmp_path / "single.pt", tmp_path / "multi.pt"
     subprocess.run([sys.executable, worker, str(single)], check=True, env=subprocess_env(), timeout=300)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(multi)]
-    out = subprocess.run(torchrun, capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    if out.returncode != 0 and "SIGABRT" in out.stderr:  # as test_aurora: one relaunch on a gloo abort
-        warnings.warn(f"torchrun rank aborted (SIGABRT), relaunched once:\n{out.stderr[-1500:]}")
-        out = subprocess.run(torchrun, capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_torchrun([worker, str(multi)], subprocess_env(), timeout=300)
     a, b = torch.load(single), torch.load(multi)
     assert a["world"] == 1 and b["world"] == 2
     for wa, wb in zip(a["weights"], b["weights"]):

@@ -18,7 +18,7 @@ import pytest
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, TORCHRUN, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 
 def error_lines(stderr):
@@ -405,7 +405,7 @@ def test_save_on_interrupt_under_torchrun_agrees_every_few_steps_not_every_step(
     # step-0 validation and after steps 10 and 20 (stop_check_every, --log-every 1), and stop after 20
     worker = os.path.join(REPO, "tests", "dist_stop_worker.py")
     out = tmp_path / "stop"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, str(out),
+    cmd = [*TORCHRUN, worker, str(out),
            *tiny_args(tmp_path, "--batch-tokens", "512", "--num-iterations", "40", "--val-every", "0",
                       "--tst-frac", "0", "--run-id", "s", "--dist-timeout", "120", "--save-on-interrupt")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
@@ -481,12 +481,12 @@ def test_a_second_start_of_a_running_run_id_is_refused_naming_the_pid(tmp_path, 
 
 
 def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_path):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
+    with socket.socket() as s:  # a port nobody listens on, held for the run: no other process (another
+        s.bind(("127.0.0.1", 0))  # test's gloo pair) can take it and receive the trainer's connection tries
         port = s.getsockname()[1]
-    env = dict(subprocess_env(), WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
-    out = run_cli(tmp_path, "--dist-timeout", "2", "--micro-batch-seqs", "4", env=env)
+        env = dict(subprocess_env(), WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        out = run_cli(tmp_path, "--dist-timeout", "2", "--micro-batch-seqs", "4", env=env)
     assert out.returncode == 2
     errors = error_lines(out.stderr)
     assert len(errors) == 1 and errors[0].startswith("train_gpt.py: error: rank 1: cannot join the gloo process group"), \

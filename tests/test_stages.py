@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SMALL_FLAGS, read_log, subprocess_env, tiny_args
+from conftest import REPO, SMALL_FLAGS, read_log, run_torchrun, subprocess_env, tiny_args
 
 N_SCHED, N_EXT = 1270, 15
 TOTAL = N_SCHED + N_EXT
@@ -193,11 +193,11 @@ def test_resume_across_a_stage_change_repeats_the_straight_run(tmp_path, stop, e
 def test_two_processes_match_one_process_across_stage_changes(tmp_path, extra):
     script = os.path.join(REPO, "train_gpt.py")
     env = dict(subprocess_env(), OMP_NUM_THREADS="1")  # one thread each: the same summation order
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    for cmd, run_id in (([sys.executable, script], "one"), (torchrun + [script], "two")):
-        out = subprocess.run([*cmd, *recipe_args(tmp_path, run_id, "--dist-timeout", "60", *extra)], capture_output=True,
-                             text=True, env=env, cwd=tmp_path, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, script, *recipe_args(tmp_path, "one", "--dist-timeout", "60", *extra)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_torchrun([script, *recipe_args(tmp_path, "two", "--dist-timeout", "60", *extra)], env, cwd=tmp_path,
+                 run_ids=["two"])
     a, b = summary(tmp_path, "one"), summary(tmp_path, "two")
     assert (a["world_size"], b["world_size"]) == (1, 2) and a["raw_tokens"] == b["raw_tokens"]
     assert [s for s, _ in a["train_losses"]] == list(range(1, 9))
