@@ -1176,12 +1176,11 @@ def prepare_resume(cfg, data, trainer, header_only=False):
 
 
 def resolve_run(cfg, data, trainer, header_only=False):
-    """``(resume, run_id, resumed_run_id)`` of a run, as ``preflight`` and ``start`` both take them: ``resume``
+    """``(resume, run_id)`` of a run, as ``preflight`` and ``start`` both take them: ``resume``
     ``prepare_resume``'s triple or None; ``run_id`` --run-id, else the resumed checkpoint's, else "" (a new
-    unnamed run: ``start`` draws its id); ``resumed_run_id`` the checkpoint's run id, None for a new run."""
+    unnamed run: ``start`` draws its id)."""
     resume = prepare_resume(cfg, data, trainer, header_only) if cfg.resume else None
-    resumed_run_id = resume[0]["run_id"] if resume else None
-    return resume, cfg.run_id or resumed_run_id or "", resumed_run_id
+    return resume, cfg.run_id or (resume[0]["run_id"] if resume else "")
 
 
 def model_mismatch(saved, model):
@@ -1305,15 +1304,16 @@ def prune_checkpoints(run, path):
         run.log.line(f"checkpoint: removed {old} (--keep-checkpoints {keep})")
 
 
-def check_checkpoint_dir(cfg, run_id, resumed_run_id=None):
+def check_checkpoint_dir(cfg, run_id, resume=None):
     """Fail at start-up, not after hours of training, when checkpoints cannot be written, or when they would
-    overwrite (and --keep-checkpoints then delete) those another run left under the same run id.
+    overwrite (and --keep-checkpoints then delete) those another run left under the same run id, or those of
+    its own later steps that a --resume-force past differences would replace with another trajectory.
 
     Args:
         cfg: the run's config (--checkpoint-dir, the --save-* flags).
         run_id: the run's id: its checkpoints go to ``<checkpoint_dir>/<run_id>/``.
-        resumed_run_id: the run id of the checkpoint this run resumes (None: a new run); only a run
-            that continues its own run id may write where step_*.pt files already are.
+        resume: ``prepare_resume``'s ``(state, path, diffs)`` of the checkpoint this run resumes (None: a new
+            run); only a run that continues its own run id may write where step_*.pt files already are.
 
     Raises:
         ConfigError: the folder cannot be written, or it holds checkpoints this run does not continue.
@@ -1322,10 +1322,16 @@ def check_checkpoint_dir(cfg, run_id, resumed_run_id=None):
         return
     where = os.path.join(cfg.checkpoint_dir, run_id)
     found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(where), "step_*.pt")))
-    if found and resumed_run_id != run_id:
+    if found and (resume[0]["run_id"] if resume else None) != run_id:
         raise ConfigError(f"--run-id {run_id}: {where} already holds checkpoints of a run under that id "
                           f"({', '.join(found[:2])}{' ...' if len(found) > 2 else ''}); choose another --run-id, "
                           f"continue that run with --resume auto --run-id {run_id}, or move them away")
+    steps = {f: re.fullmatch(r"step_(\d+)\.pt", f) for f in found}
+    later = [f for f, m in steps.items() if resume and resume[2] and m and int(m[1]) > resume[0]["step"]]
+    if later:  # the same steps again under other settings: those files would be overwritten with other weights
+        raise ConfigError(f"--resume-force: {where} holds checkpoints after step {resume[0]['step']} "
+                          f"({', '.join(later[:2])}{' ...' if len(later) > 2 else ''}) that this run, continuing "
+                          f"past differences, would overwrite; give it a new --run-id, or move them away")
     try:
         os.makedirs(where, exist_ok=True)
         probe = os.path.join(where, f".write_test.{os.getpid()}")
@@ -1810,14 +1816,14 @@ def check_gpu_count(cfg, world):
                           f"{n}, or unset it to use every GPU")
 
 
-def check_run_files(cfg, run_id, resumed_run_id, lock=None):
+def check_run_files(cfg, run_id, resume, lock=None):
     """What rank 0 refuses at start for the files of run ``run_id`` (``preflight`` and ``start``): its lock (a
     run of that id going now, an unwritable --log-dir; ``RunLock``), a log of that id that a new run would not
     replace, and its checkpoint folder (``check_checkpoint_dir``).
 
     Args:
         cfg: the run's config; run_id: its id.
-        resumed_run_id: the run id of the checkpoint it resumes, None for a new run.
+        resume: ``prepare_resume``'s ``(state, path, diffs)`` of the checkpoint it resumes, None for a new run.
         lock: the run's ``RunLock`` if already taken (``start`` locks a named run before reading its checkpoint).
 
     Returns:
@@ -1829,6 +1835,7 @@ def check_run_files(cfg, run_id, resumed_run_id, lock=None):
     lock = lock or RunLock(cfg.log_dir, run_id)
     try:
         path = os.path.join(cfg.log_dir, f"{run_id}.txt")
+        resumed_run_id = resume[0]["run_id"] if resume else None
         if resumed_run_id is None and os.path.exists(path):
             raise log_exists(run_id, path)
         if resumed_run_id is not None and resumed_run_id != run_id and os.path.exists(path):
@@ -1836,7 +1843,7 @@ def check_run_files(cfg, run_id, resumed_run_id, lock=None):
             raise ConfigError(f"--run-id {run_id}: {path} is the log of another run (the checkpoint is run "
                               f"{resumed_run_id}'s); choose a new --run-id, or leave --run-id out to continue "
                               f"{resumed_run_id}")
-        check_checkpoint_dir(cfg, run_id, resumed_run_id)
+        check_checkpoint_dir(cfg, run_id, resume)
     except BaseException:
         lock.release()
         raise
@@ -1874,9 +1881,9 @@ def preflight(argv, trainer, world):
         accum = grad_accum_steps(cfg, world)
         who = f"{trainer.name}: error"
         _, _, data = check_start(cfg, world, accum)
-        _, run_id, resumed_run_id = resolve_run(cfg, data, trainer, header_only=True)
+        resume, run_id = resolve_run(cfg, data, trainer, header_only=True)
         if run_id:  # an unnamed new run gets a fresh id: nothing can be in its way
-            check_run_files(cfg, run_id, resumed_run_id).release()
+            check_run_files(cfg, run_id, resume).release()
     except (ConfigError, DataError) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return 2
@@ -2184,10 +2191,10 @@ def start(cfg, trainer, rt, data):
     # a named run is locked before its checkpoint is read (a second --resume of a running run stops here)
     lock = RunLock(cfg.log_dir, cfg.run_id) if rt.master and cfg.run_id else None
     try:
-        resume, run_id, resumed_run_id = resolve_run(cfg, data, trainer)
+        resume, run_id = resolve_run(cfg, data, trainer)
         run_id = run_id or datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6]
         if rt.master:
-            lock = check_run_files(cfg, run_id, resumed_run_id, lock)
+            lock = check_run_files(cfg, run_id, resume, lock)
     except BaseException:
         if lock is not None:
             lock.release()

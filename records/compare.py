@@ -196,6 +196,7 @@ class Run:
     group: str = ""
     unreadable: list = dataclasses.field(default_factory=list)  # (line number, text) of step lines not parsed
     snapshot: dict = dataclasses.field(default_factory=dict)  # {file name: sha256} of our log's source snapshot
+    forced: list = dataclasses.field(default_factory=list)  # what each --resume-force start continued past
 
     @property
     def complete(self):
@@ -292,6 +293,8 @@ def parse_lines(lines, path="", group=""):
             continue
         if run.fmt == "ours" and ln.startswith("step:"):  # our step lines all parse; this one is damaged
             run.unreadable.append((number, ln))
+        elif ln.startswith(FORCED):
+            run.forced.append(ln[len(FORCED):])
         elif ln.startswith("status:"):
             f = ln[len("status:"):].split(" reason:", 1)
             run.status = f[0].strip()  # the last one wins: a resumed run writes a later status
@@ -457,6 +460,13 @@ def run_defining(config, operational):
 
 
 DATA_KINDS = ("train data", "val data")
+FORCED = "resume_force: continuing despite differences: "  # the trainer's line at a --resume-force start
+
+
+def forced_label(run):
+    """``no``, or 8 hex digits naming what the run's --resume-force starts continued past: such a run
+    trained part of its steps under settings or data that its config line does not show."""
+    return hashlib.sha256("\n".join(run.forced).encode()).hexdigest()[:8] if run.forced else "no"
 CODE = "code "  # a split's entry for a source file: "code <file name>"
 
 
@@ -505,7 +515,8 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
     ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs whose
     source snapshots differ in a file (its ``### file`` header's sha256) add ``code <file> <sha>``
     (``<missing>`` for a file a snapshot lacks); runs that read other data (``data_identity``;
-    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``).
+    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``);
+    runs that a ``--resume-force`` start took past differences add ``resume_force=<id>`` (``forced_label``).
     Complete runs without a config line (modded-nanogpt logs) mixed with ours go to
     ``g [no config line]``. Each split is reported through ``warn(message)``, naming the fields
     and files. Runs without a config line alone are grouped as given.
@@ -524,7 +535,7 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             continue
         if operational is None:
             operational = operational_fields()
-        defs = {id(r): run_defining(r.config, operational) for r in configured}
+        defs = {id(r): {**run_defining(r.config, operational), "resume_force": forced_label(r)} for r in configured}
         keys = sorted({k for d in defs.values() for k in d})
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
         code = sorted({n for r in configured for n in r.snapshot})  # none: logs without a snapshot, as given
@@ -549,6 +560,8 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             parts = ", ".join(dict.fromkeys(r.group for r in members))
             hint = ("; --pool-train-data keeps them in one group where the data order is part of the noise "
                     "measured" if differ == ["train data"] else "")
+            if "resume_force" in differ:
+                hint += "; a --resume-force run continued past the differences its 'resume_force:' line names"
             if any(k.startswith(CODE) for k in differ):
                 hint += "; records/verify.py LOG names the first line where a log's code differs from the working tree"
             warn(f"group {g}: its runs {why} (they measured different things); split into {parts}{hint}")

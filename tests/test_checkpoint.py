@@ -370,3 +370,24 @@ def test_resume_force_across_a_model_structure_flag_refuses_before_the_log(tmp_p
     assert log.read_bytes() == before and "continuing despite" not in out + err
     [line] = [ln for ln in err.splitlines() if ln.strip()]
     assert flag[0][2:].replace("-", "_") in line and "only in this run's model" in line, line
+
+
+def test_resume_force_from_an_older_checkpoint_never_overwrites_the_later_ones(tmp_path, capsys):
+    # steps 3-4 again under another lr would replace step_000004.pt's weights with another trajectory's
+    assert run(tmp_path, "--run-id", "o", "--max-steps", "4", "--save-every", "2") == 0
+    folder = tmp_path / "ckpt" / "o"
+    before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
+    assert sorted(before) == ["step_000002.pt", "step_000004.pt"]
+    older, lr = str(folder / "step_000002.pt"), str(T.parse_config(tiny_args(tmp_path))[0].matrix_lr * 2)
+    capsys.readouterr()
+    assert run(tmp_path, "--run-id", "o", "--resume", older, "--max-steps", "2", "--save-every", "2",
+               "--resume-force", "--matrix-lr", lr) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume-force:" in err[0] and "after step 2 (step_000004.pt)" in err[0], err
+    assert "give it a new --run-id" in err[0]
+    assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == before
+    # another run id keeps the forced trajectory apart (--max-steps counts the steps after the resume)
+    assert run(tmp_path, "--run-id", "o2", "--resume", older, "--max-steps", "2", "--save-every", "2",
+               "--resume-force", "--matrix-lr", lr) == 0
+    assert sorted(os.listdir(tmp_path / "ckpt" / "o2")) == ["step_000004.pt"]
+    assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == before

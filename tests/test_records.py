@@ -1465,3 +1465,26 @@ def test_compare_skips_a_fifo_instead_of_blocking_on_it(tmp_path):
     for target in (tmp_path / "fifo.txt", tmp_path):
         proc = run_tool("compare.py", target)  # would block forever reading the FIFO
         assert proc.returncode == 2 and "fifo.txt: not a regular file (a FIFO or device), skipped" in proc.stderr
+
+
+def test_a_run_continued_with_resume_force_is_not_pooled_with_plain_runs(tmp_path):
+    # its config line is its first start's: the steps after a forced resume ran under what the line names
+    grp = tmp_path / "grp"
+    grp.mkdir()
+    for seed in (0, 1):
+        shutil.copyfile(os.path.join(TST, f"tst_seed{seed}.txt"), grp / f"s{seed}.txt")
+    lines = read_text(os.path.join(TST, "tst_seed1.txt")).splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("step:") and "train_loss" in ln)
+    forced = "resume_force: continuing despite differences: lr: checkpoint 0.05 vs now 0.1\n"
+    write_text(grp / "forced.txt", "".join(lines[:at] + [forced] + lines[at:]))
+    warnings = []
+    runs = compare.collect([str(grp)], warn=warnings.append)
+    label = compare.forced_label(next(r for r in runs if r.name == "forced"))
+    assert len(label) == 8 and label != "no"
+    assert {r.name: r.group for r in runs} == {"s0": "grp [resume_force=no]", "s1": "grp [resume_force=no]",
+                                                "forced": f"grp [resume_force={label}]"}
+    [w] = warnings
+    assert "differ in resume_force" in w and "continued past the differences its 'resume_force:' line names" in w
+    os.remove(grp / "forced.txt")  # plain runs alone: one group, no warning
+    warnings.clear()
+    assert {r.group for r in compare.collect([str(grp)], warn=warnings.append)} == {"grp"} and warnings == []
