@@ -71,8 +71,9 @@ stderr; the other logs are compared as usual. A PATH argument that does not exis
 
 Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
 incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
-no group or several, ``--plot`` into a missing folder or an unknown image type, ``--rule`` or the
-z-test's flags without ``--first-passing``), or when no log at all could be read.
+no group or several, ``--plot`` into a missing folder, an unknown image type or an empty name,
+``--x`` without ``--plot``, ``--rule`` or the z-test's flags without ``--first-passing``), or when
+no log at all could be read.
 """
 import argparse
 import dataclasses
@@ -1363,7 +1364,9 @@ def finite_float(text):
 
 
 def plot_problem(out):
-    """Why ``--plot out`` cannot be written (missing folder, unknown image type), or None."""
+    """Why ``--plot out`` cannot be written (an empty name, a missing folder, an unknown image type), or None."""
+    if not out.strip():  # '' would read as "no --plot" and be skipped in silence
+        return "an empty file name; name the image to write (e.g. --plot curves.png)"
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         return f"no folder {folder} to write it in; create it or pick another path"
@@ -1408,7 +1411,7 @@ def build_parser():
                      help="print the tables as Markdown (to paste into a README)")
     ap.add_argument("--plot", metavar="OUT.png",
                     help="draw the val (and train) loss curves of every group to this file")
-    ap.add_argument("--x", choices=sorted(X_AXES), default="time", help="x axis of --plot")
+    ap.add_argument("--x", choices=sorted(X_AXES), help="x axis of --plot (default: time)")
     return ap
 
 
@@ -1427,9 +1430,12 @@ def main(argv=None):
     if args.rule == "ttest" and (args.z_sigma != Z_SIGMA or args.z_margin != Z_MARGIN):
         return error("--z-sigma and --z-margin belong to --rule ztest; add --rule ztest or leave them out")
 
-    problem = plot_problem(args.plot) if args.plot else None  # before the work, not after the table
+    if args.x is not None and args.plot is None:  # the only plot-only flag; else it would be ignored in silence
+        return error(f"--x {args.x} sets the x axis of --plot; add --plot OUT.png or leave --x out")
+    args.x = args.x or "time"
+    problem = plot_problem(args.plot) if args.plot is not None else None  # before the work, not after the table
     if problem:
-        return error(f"--plot {args.plot}: {problem}")
+        return error(f"--plot {args.plot if args.plot.strip() else repr(args.plot)}: {problem}")
     try:
         runs = collect(args.paths, args.group_by,
                        warn=lambda message: print(f"compare.py: warning: {message}", file=sys.stderr),
@@ -1463,7 +1469,7 @@ def main(argv=None):
         print(json.dumps(_jsonable(rows), indent=1))
     else:
         print(format_table(rows, args.markdown))
-    if args.plot:
+    if args.plot is not None:
         try:
             notes = plot(runs, args.plot, args.x, args.target)
         except OSError as e:  # e.g. no write permission (folder and image type were checked up front)

@@ -1303,6 +1303,20 @@ def test_first_passing_flags_without_their_mode_are_one_error_line(tmp_path, arg
                                                                      "; add --rule ztest or leave them out")
 
 
+@pytest.mark.parametrize("args, line", [
+    (("--x", "tokens"), "--x tokens sets the x axis of --plot; add --plot OUT.png or leave --x out"),
+    (("--x", "time"), "--x time sets the x axis of --plot; add --plot OUT.png or leave --x out"),  # the default too
+    (("--plot=",), "--plot '': an empty file name; name the image to write (e.g. --plot curves.png)"),
+])
+def test_plot_flags_that_would_be_ignored_are_one_error_line(tmp_path, args, line):
+    modded_log(tmp_path / "a.txt", 3.27)
+    proc = run_tool("compare.py", *args, tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.strip() == f"compare.py: error: {line}"
+    if args[0] == "--x":  # with --plot the same --x draws
+        drawn = run_tool("compare.py", *args, tmp_path, "--plot", tmp_path / "p.png")
+        assert drawn.returncode == 0 and (tmp_path / "p.png").exists(), drawn.stderr
+
+
 def with_code(src, dst, name, old, new):
     """Copy a log of records/cpu whose snapshot of ``name`` has its first line ``old`` replaced by ``new``,
     with the header's line count and sha256 made to match (an honest log of other code)."""
