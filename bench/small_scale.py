@@ -1081,7 +1081,10 @@ def build_spec(args, argv):
         raise SystemExit(f"--trainer-args: {taken[0].split('=', 1)[0]} is set by the study itself (each arm, the lr sweep, "
                          "the seeds and orders, the shape); change it through this script's own flags, or add an arm")
     date = datetime.date.today().isoformat()
-    out = args.out or spec["out"].format(date=date)
+    if args.out is not None and not args.out.strip():  # '' would read as "not given": the default in silence
+        raise SystemExit(f"--out {args.out!r}: an empty folder name; name a folder, or leave --out out for the "
+                         f"default {spec['out'].format(date=date)}")
+    out = args.out if args.out is not None else spec["out"].format(date=date)
     out = out if os.path.isabs(out) else os.path.join(REPO, out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"--out {out}: exists and is not a folder; name a folder")

@@ -605,6 +605,9 @@ def test_dry_run_prints_the_plan_and_every_arm(tmp_path):
     (["--lrs", "nan"], "finite and > 0"),
     (["--arms", "tst,tst"], "tst named more than once"),
     (["--out", "/proc/small_scale_out"], "name a writable folder"),
+    # --dry-run: were '' taken as "not given", the study would plan in the default folder, not run there
+    (["--out", "", "--dry-run"], "--out '': an empty folder name; name a folder, or leave --out out for the default "
+                                 "records/cpu/"),
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--batch-tokens", "700"], "multiple of 3 x seq_len 256"),
     (["--val-tokens", "10000000"], "--val-tokens 10000000"),
