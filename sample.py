@@ -16,7 +16,8 @@ padding rows of the embedding are never drawn), restricted to the ``--top-k`` mo
 ``--temperature 0`` takes the most likely token. ``--seed`` fixes the draw: the same checkpoint,
 prompt, flags and device give the same text. Exactly ``--max-new-tokens`` tokens are drawn (an
 ``<|endoftext|>`` among them is printed as such). The text (prompt and continuation) goes to
-stdout; bad input is one ``sample.py: error:`` line with exit status 2.
+stdout; bad input is one ``sample.py: error:`` line with exit status 2. Ctrl-C stops it with one
+``sample.py: interrupted`` line (nothing printed to stdout) and exit status 130.
 """
 import argparse
 import dataclasses
@@ -181,7 +182,17 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    """Command line: print the prompt and its sampled continuation; returns the exit status."""
+    """Command line: print the prompt and its sampled continuation; returns the exit status (130: Ctrl-C)."""
+    try:
+        return _sample(argv)
+    except KeyboardInterrupt:  # one line, not a traceback out of torch
+        print("sample.py: interrupted: nothing printed (the text is printed once every token is drawn)",
+              file=sys.stderr)
+        return 130
+
+
+def _sample(argv):
+    """``main`` without the Ctrl-C handling."""
     try:
         args = parse_args(argv)
         device = pick_device(args.device)

@@ -1,5 +1,6 @@
 """sample.py: text from a checkpoint of a few cpu_smoke steps (the tiny model of tests/conftest.py)."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -118,6 +119,32 @@ def test_bad_input_is_one_error_line(ckpt, tmp_path, capsys):
                           (("--max-new-tokens", "many"), "--max-new-tokens: invalid int value")]:
         assert needle in one_error_line(capsys, "--checkpoint", ckpt, *flags)
     assert "--checkpoint" in one_error_line(capsys, "--prompt", "The")  # no checkpoint named
+
+
+def test_ctrl_c_while_generating_is_one_line_and_exit_130(ckpt):
+    # sample.main as the command line runs it, its generate marked on stderr so that the signal lands mid-draw
+    driver = ("import sys, sample\n"
+              "draw = sample.generate\n"
+              "def marked(*args, **kw):\n"
+              "    print('generating', file=sys.stderr, flush=True)\n"
+              "    return draw(*args, **kw)\n"
+              "sample.generate = marked\n"
+              "sys.exit(sample.main(sys.argv[1:]))\n")
+    # SIGINT back to its default in the child: a shell running the tests in the background passes it on as
+    # ignored, and Python then never turns it into Ctrl-C
+    proc = subprocess.Popen([sys.executable, "-c", driver, "--checkpoint", ckpt, "--max-new-tokens", "1000000",
+                             "--device", "cpu"], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stderr.readline() == "generating\n"  # blocks until the model is loaded and drawing
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert out == "" and err.strip().splitlines() == [
+        "sample.py: interrupted: nothing printed (the text is printed once every token is drawn)"], err
 
 
 @pytest.mark.parametrize("steps, tied", [(3, True), (6, False)])
