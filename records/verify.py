@@ -66,7 +66,12 @@ checks ``train_time``, ``step_avg``, ``peak_memory`` or ``compile_time`` (timing
 the logged machine), the JSON summary beside the log, or the losses of a GPU log.
 
 Exit status: 0 only if every check passed; 1 if one failed; 2 for a log that cannot be read (or
-has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file); 130 when
+has no snapshot at all) and for bad arguments (e.g. ``--extract`` naming a file, an empty path, a
+flag of the rerun (``--train-files``, ``--val-files``, ``--tol``, ``--threads``, ``--keep``,
+``--run-dir``) without ``--rerun``), each one line; with ``--rerun``, also for a config line the
+rerun cannot trust, named by its log line: not JSON, or lacking a field of the logged code's
+``Config`` or holding a key it lacks (the logged trainer writes exactly its fields; a log of older
+code lacks the fields added since, and so does the older code its rerun runs); 130 when
 interrupted (Ctrl-C or SIGTERM: the rerun is stopped, its temp dir removed).
 """
 import argparse
@@ -242,12 +247,58 @@ def write_sources(sources, folder):
             f.write(text)
 
 
-def logged_config(lines, rest):
-    """The ``config: {...}`` dict written after the snapshot."""
-    for ln in lines[rest:]:
-        if ln.startswith("config: {"):
-            return json.loads(ln[len("config: "):])
-    raise ValueError("no 'config: {...}' line after the snapshot: the run cannot be repeated")
+NO_CONFIG = "no 'config: {...}' line after the snapshot: the run cannot be repeated"
+RESTORE = "restore the log's original copy (a rerun needs the config the run was made with)"
+
+
+def logged_config(lines, rest, sources):
+    """The ``config: {...}`` dict written after the snapshot, checked against the logged code; None if the log
+    has no such line.
+
+    The logged trainer writes every field of its own ``Config`` (``sources``' dataclass, read with ``ast``, never
+    run), so the line must hold exactly those: a log of older code lacks the fields added since, and its rerun
+    runs that older code, which lacks them too. Raises ValueError (the log line's number and what is wrong) for a
+    line that is not JSON, lacks a field of the logged ``Config`` (the rerun would take the default in silence)
+    or holds a key it does not know (the rerun would ignore it).
+    """
+    for number, ln in enumerate(lines[rest:], rest + 1):
+        if not ln.startswith("config: {"):
+            continue
+        try:
+            config = json.loads(ln[len("config: "):])
+        except ValueError as e:  # JSONDecodeError: its position within the JSON text, made one within the line
+            raise ValueError(f"line {number}: the config line is not valid JSON ({e.msg} at column "
+                             f"{e.pos + len('config: ') + 1}); {RESTORE}") from None
+        fields = config_fields(sources)
+        if fields is not None:
+            missing = [f for f in fields if f not in config]
+            unknown = sorted(set(config) - set(fields))
+            if missing:  # the logged code writes every field of its Config: the line was edited
+                raise ValueError(f"line {number}: the config line lacks {', '.join(missing)}, which the logged code's "
+                                 f"Config has (a rerun would take {'its' if len(missing) == 1 else 'their'} default); "
+                                 f"{RESTORE}")
+            if unknown:
+                raise ValueError(f"line {number}: the config line has {', '.join(unknown)}, which the logged code's "
+                                 f"Config lacks (a rerun would ignore {'it' if len(unknown) == 1 else 'them'}); "
+                                 f"{RESTORE}")
+        return config
+    return None
+
+
+def config_fields(sources):
+    """The field names of the logged code's ``Config`` dataclass (``train_gpt.py``, else ``harness.py``, read with
+    ``ast``, never run), in order; None when neither defines a ``class Config``."""
+    for holder in SOURCE_LIST_HOLDERS:
+        try:
+            body = ast.parse(sources.get(holder, "")).body
+        except SyntaxError:
+            continue
+        for node in body:
+            if isinstance(node, ast.ClassDef) and node.name == "Config":
+                return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)
+                        and isinstance(n.target, ast.Name)
+                        and "ClassVar" not in ast.unparse(n.annotation)]  # a ClassVar is no dataclass field
+    return None
 
 
 def data_fingerprints(lines, rest=0):
@@ -434,10 +485,14 @@ def starts(lines, rest):
     return out
 
 
-def conflicting_continuations(history):
-    """Messages for each two ``--resume-force`` continuations that log the same steps: two histories of
-    one run id in one log (compare.py reads only the later)."""
-    forced = [s for s in history if s["forced"]]
+def forced_starts(lines, rest):
+    """The starts (``starts``) that continued under ``--resume-force``, in order."""
+    return [s for s in starts(lines, rest) if s["forced"]]
+
+
+def conflicting_continuations(forced):
+    """Messages for each two ``--resume-force`` continuations (``forced_starts``) that log the same steps: two
+    histories of one run id in one log (compare.py reads only the later)."""
     out = []
     for i, a in enumerate(forced):
         for b in forced[i + 1:]:
@@ -450,10 +505,9 @@ def conflicting_continuations(history):
     return out
 
 
-def forced_limit(history):
-    """``(step, note)``: the last step the logged config made (the first ``--resume-force`` start's
-    step) and the report line saying so; ``(None, None)`` for a run without one."""
-    forced = [s for s in history if s["forced"]]
+def forced_limit(forced):
+    """``(step, note)``: the last step the logged config made (the first of the ``--resume-force`` starts
+    ``forced``, see ``forced_starts``) and the report line saying so; ``(None, None)`` for a run without one."""
     if not forced:
         return None, None
     first = min(forced, key=lambda s: s["step"])
@@ -671,21 +725,25 @@ def coverage(old, last):
             f"{NOT_RERUNNABLE}")
 
 
-def rerun(lines, rest, sources, steps, train_files=None, val_files=None, run_dir=None, tol=None, threads=None,
-          keep=None, repo=None):
+def rerun(lines, rest, sources, config, forced, steps, train_files=None, val_files=None, run_dir=None, tol=None,
+          threads=None, keep=None, repo=None):
     """Re-run the first ``steps`` steps with the extracted code and compare; returns ``(ok, report lines)``.
 
+    ``config``: the logged config (``logged_config``; None: the log has none, a failure); ``forced``: the log's
+    ``--resume-force`` starts (``forced_starts``), after the first of which the config no longer made the steps.
     ``tol`` (None: by the machine case, see ``judgement``) bounds |logged - rerun| of the losses;
     ``threads`` (None: the logged run's) sets the rerun's torch threads; ``repo``: the checkout whose
     data/gpt2_bpe/encoder.json the rerun reads (default: the one holding records/). The rerun works in a
     temp dir that is always removed, also on Ctrl-C (which propagates); ``keep``: a folder that
     receives its code and log (``verify.txt``) first.
     """
-    config = logged_config(lines, rest)  # the rerun overrides some fields (device, log dir, ...) in place
+    if config is None:
+        return False, [f"rerun: {NO_CONFIG}"]
+    config = dict(config)  # the rerun overrides some fields (device, log dir, ...) in place
     tmp = tempfile.mkdtemp(prefix="verify_")
     try:
-        ok, report = _rerun_in(tmp, lines, rest, sources, config, steps, (train_files, val_files), run_dir, tol,
-                               threads, repo or os.path.dirname(HERE))
+        ok, report = _rerun_in(tmp, lines, rest, sources, config, forced, steps, (train_files, val_files), run_dir,
+                               tol, threads, repo or os.path.dirname(HERE))
         if keep:
             shutil.copytree(tmp, keep, dirs_exist_ok=True)
     finally:
@@ -708,8 +766,8 @@ def launch(config, sources, last, run_dir, threads, tmp, compile, run_id):
     return report, read_log_lines(new_log)
 
 
-def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, threads, repo):
-    """``rerun`` with the folder ``tmp`` to work in and the logged ``config``."""
+def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, tol, threads, repo):
+    """``rerun`` with the folder ``tmp`` to work in."""
     # Data globs are relative to where the run was launched (the repo root for run.sh);
     # overrides given to verify.py are relative to the caller, so make them absolute.
     for key, value in zip(("train_files", "val_files"), files):
@@ -720,7 +778,7 @@ def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, thr
     compiled = was_compiled(lines, rest, config) and not is_gpu_log(logged_machines)
     total = old.summary.get("steps")
     last = min(steps, total) if isinstance(total, int) and total > 0 else steps
-    limit, forced_note = forced_limit(starts(lines, rest))
+    limit, forced_note = forced_limit(forced)
     if limit is not None and last > limit:
         last, total = limit, None  # steps after it ran with other settings than the config the rerun has
     cpu_threads = [m["threads"] for m in logged_machines if m["threads"]]
@@ -798,14 +856,13 @@ def rebuild_study_order(rec, run_dir, tmp):
                       f"'DIR/{rec['folder']}/*_train_*.bin'")
 
 
-def study_data(args, lines, rest, tmp):
+def study_data(args, config, tmp):
     """``(train_files for the rerun, a line to print or None)``: ``--train-files``, else a small-scale study's
-    missing data order rebuilt under ``tmp`` from its recipe; ``False`` as the glob when that fails."""
+    missing data order (named by the logged ``config``) rebuilt under ``tmp`` from its recipe; ``False`` as the
+    glob when that fails."""
     if args.train_files:
         return args.train_files, None
-    try:
-        config = logged_config(lines, rest)
-    except ValueError:
+    if config is None:
         return None, None  # the rerun names the missing config line
     rec = study_order(args.log, str(config.get("train_files", "")), os.path.abspath(args.run_dir),
                       int(config.get("seq_len", 0) or 0))
@@ -817,10 +874,20 @@ def study_data(args, lines, rest, tmp):
     return got, f"data: {rec['folder']} (a small-scale study's data order) was missing: rebuilt from its recipe"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one error line (exit status 2), not the usage block above it."""
+
+    def error(self, message):
+        self.exit(2, f"verify.py: error: {message}\n")
+
+
+RERUN_ONLY = ("--train-files", "--val-files", "--tol", "--threads", "--run-dir")  # and --keep, with its own message
+
+
 def parse_args(argv):
     """The command line's arguments; a bad value exits with status 2 and one message naming the flag."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog=__doc__)
     ap.add_argument("log", help="a run log (<run_id>.txt) written by train_gpt.py")
     ap.add_argument("--extract", metavar="DIR", help="write the logged source files to DIR instead of "
                                                      "comparing them with the working tree")
@@ -837,14 +904,25 @@ def parse_args(argv):
     ap.add_argument("--repo", default=os.path.dirname(HERE),
                     help="the tree whose train_gpt.py/aurora_opt.py the snapshot is compared with; "
                          "default: the repo holding records/")
-    ap.add_argument("--run-dir", default=os.path.dirname(HERE),
-                    help="--rerun: where the rerun is launched, so where the log's relative data globs "
-                         "resolve (runs are launched from the repo root); default: the repo holding records/")
+    ap.add_argument("--run-dir", help="--rerun: where the rerun is launched, so where the log's relative data globs "
+                                      "resolve (runs are launched from the repo root); default: the repo holding "
+                                      "records/")
     args = ap.parse_args(argv)
     if args.rerun < 0:
         ap.error("--rerun K needs K >= 1 (0, the default, skips the rerun)")
     if args.keep and not args.rerun:
         ap.error(f"--keep {args.keep}: keeps a rerun's code and log; add --rerun K")
+    empty = [flag for flag in ("--extract", "--keep", "--repo", "--run-dir", "--train-files", "--val-files")
+             if getattr(args, flag[2:].replace("-", "_")) == ""]
+    if empty:  # '' reads as "not given" further on: it would be ignored in silence
+        ap.error(f"{empty[0]} '': an empty path; pass a {'glob' if 'files' in empty[0] else 'folder'} or leave "
+                 f"{empty[0]} out")
+    ignored = [flag for flag in RERUN_ONLY if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if ignored and not args.rerun:  # else they would be ignored in silence
+        one = len(ignored) == 1
+        ap.error(f"{', '.join(ignored)} {'applies' if one else 'apply'} to --rerun only and would be ignored without "
+                 f"it; add --rerun K or leave {'it' if one else 'them'} out")
+    args.run_dir = os.path.dirname(HERE) if args.run_dir is None else args.run_dir
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1 (got {args.threads})")
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol >= 0):
@@ -885,6 +963,10 @@ def main(argv=None):
     sources, problems, rest = extract(lines)
     if not split_snapshot(lines)[0]:
         return error(f"{args.log}: " + "; ".join(problems))
+    try:
+        config = logged_config(lines, rest, sources) if args.rerun else None
+    except ValueError as e:
+        return error(f"{args.log}: {e}")
 
     print(f"log: {args.log}")
     status = [ln for ln in lines[rest:] if ln.startswith("status:")]
@@ -897,7 +979,8 @@ def main(argv=None):
         print(f"snapshot: {name} {len(text.splitlines())} lines, sha256 {sha256(text)[:16]}... {match}")
     for p in problems:
         print(f"FAIL snapshot: {p}")
-    conflicts = conflicting_continuations(starts(lines, rest))
+    forced = forced_starts(lines, rest)  # the --resume-force continuations: checked here, they limit the rerun
+    conflicts = conflicting_continuations(forced)
     for c in conflicts:
         print(f"FAIL log: {c}")
     failed = bool(problems or conflicts)
@@ -932,10 +1015,10 @@ def main(argv=None):
     elif args.rerun:
         try:
             with tempfile.TemporaryDirectory(prefix="verify_data_") as data_tmp:
-                train_files, note = study_data(args, lines, rest, data_tmp)
+                train_files, note = study_data(args, config, data_tmp)
                 if note:
                     print(note)
-                ok, report = (rerun(lines, rest, sources, args.rerun, train_files, args.val_files,
+                ok, report = (rerun(lines, rest, sources, config, forced, args.rerun, train_files, args.val_files,
                                     os.path.abspath(args.run_dir), args.tol, args.threads, args.keep,
                                     os.path.abspath(args.repo))
                               if train_files is not False else (False, []))

@@ -489,6 +489,75 @@ def test_bad_paths_are_one_line_naming_the_flag_or_file(tiny, tmp_path):
         in proc.stderr
 
 
+@pytest.mark.parametrize("args, flags", [
+    (["--tol", "0.1"], "--tol applies"),
+    (["--threads", "2", "--train-files", "x_*.bin"], "--train-files, --threads apply"),
+    (["--val-files", "x_*.bin"], "--val-files applies"),
+    (["--run-dir", "."], "--run-dir applies"),
+])
+def test_rerun_only_flags_without_rerun_are_one_error_line(tiny, args, flags):
+    proc = run_verify(tiny, tiny["log"], *args, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"verify.py: error: {flags} to --rerun only and would be ignored without it; add "
+                           "--rerun K or leave "), line
+
+
+@pytest.mark.parametrize("flag", ["--extract", "--keep", "--train-files", "--val-files", "--run-dir"])
+def test_an_empty_path_is_one_error_line_not_the_default(tiny, flag):
+    proc = run_verify(tiny, tiny["log"], "--rerun", 1, f"{flag}=", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"verify.py: error: {flag} '': an empty path; pass a "
+                                   f"{'glob' if 'files' in flag else 'folder'} or leave {flag} out")
+
+
+def config_line_number(path):
+    return next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.startswith("config: {"))
+
+
+@pytest.mark.parametrize("name, sub, says", [
+    ("not_json.txt", (r'^(config: \{.*"n_layer": \d+),', r"\1"),
+     "the config line is not valid JSON (Expecting ',' delimiter at column "),
+    ("missing.txt", (r'^(config: \{.*)"n_layer": \d+, ', r"\1"),
+     "the config line lacks n_layer, which the logged code's Config has (a rerun would take its default)"),
+    ("unknown.txt", (r"^config: \{", 'config: {"zeta": 1, "alpha": 2, '),
+     "the config line has alpha, zeta, which the logged code's Config lacks (a rerun would ignore them)"),
+])
+def test_a_damaged_config_line_is_one_error_line_naming_the_log_line_and_what_is_wrong(tiny, tmp_path, name, sub,
+                                                                                      says):
+    bad = edited(tiny, tmp_path, name, sub)
+    proc = run_verify(tiny, bad, "--rerun", 1, tmpdir=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == (f"verify.py: error: {bad}: line {config_line_number(bad)}: {says}" + line.split(says, 1)[1]), line
+    assert line.endswith("; restore the log's original copy (a rerun needs the config the run was made with)")
+    assert verify_dirs(tmp_path) == []  # refused before any rerun
+
+
+def test_a_not_json_config_line_names_the_column_of_the_fault(tiny, tmp_path):
+    bad = edited(tiny, tmp_path, "bad.txt", (r'^(config: \{.*"n_layer": \d+),', r"\1"))
+    line = bad.read_text().splitlines()[config_line_number(bad) - 1]
+    column = int(re.search(r"at column (\d+)\)", run_verify(tiny, bad, "--rerun", 1, timeout=120).stderr)[1])
+    assert line[column - 1:].startswith('"') and line[:column - 1].rstrip().endswith(re.search(
+        r'"n_layer": \d+', line)[0])  # the 1-based column of the key after n_layer's value, where ',' is missing
+
+
+def test_every_committed_log_holds_exactly_its_logged_codes_config_fields():
+    """The rule a rerun applies (a field missing or unknown fails) holds for every log under records/, of
+    every age: a log of older code lacks the fields added since, and so does the older code it reruns."""
+    logs = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(REPO, "records")) for n in names
+            if n.endswith(".txt")]
+    checked = 0
+    for log in logs:
+        lines = verify.read_log_lines(log)
+        sources, _, rest = verify.extract(lines)
+        if sources:  # records/cpu/*/README.txt is no log
+            config = verify.logged_config(lines, rest, sources)
+            assert config is not None and list(config) and set(config) == set(verify.config_fields(sources)), log
+            checked += 1
+    assert checked > 200
+
+
 # ----------------------------------------------------------------------------------------------
 # --resume-force continuations: the logged config made the steps before them only
 
