@@ -730,12 +730,14 @@ def plan_summary(cfg, n_params, table):
     lines.append(f"validation: {cfg.val_tokens:,} tokens in {n_chunks:,} document-masked chunks of {chunk:,} tokens, "
                  f"chunk i on process i mod world: {-(-n_chunks // 8):,} per process on 8, {n_chunks:,} on 1 "
                  f"(the same chunks, so the same val loss, whatever the process count)")
+    tst = any(st.phase == 1 for st in table.stages)  # a baseline (--tst-frac 0) has no TST phase to number
     for st in table.stages:
         what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        label = f"phase {st.phase} ({what})" if tst else "next-token (no TST)"
         recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
                   if cfg.stages != "flags" else "")
         n_seqs = st.batch_tokens // st.length(L)
-        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
+        lines.append(f"{label}: steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
                      f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} tokens of text trained on per step"
                      f"{recipe}, {min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)
