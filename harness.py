@@ -695,8 +695,9 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # 8 x H100, the README's record table) trained its 12 x 768 model for 1,770 steps of 393,216
 # positions, 5.517e17 model FLOPs by FlopProfile's count (taken while its recipe was a preset here):
 # 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its LM head in FP8
-# (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and model, 2.512e17
-# FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
+# (record #19). (Record #89, 2026-07-17, 1.23 min in its record table, on our count of its recipe and
+# model, 2.512e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%; at its logs' mean train_time,
+# 79.7 s, 39.8%: docs/RECORD89.md.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 

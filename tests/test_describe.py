@@ -13,7 +13,7 @@ import train_gpt as T
 
 def test_record_89s_utilization_is_its_time_over_its_flops():
     # RECORD_MFU is record #21's (its recipe left the code; the figure stays, see its comment); the comment's
-    # check on record #89: baseline_h200's FLOPs over 1.23 min on 8 x H100 (989 TFLOP/s) is 42.9% of peak
+    # check on record #89: baseline_h200's FLOPs over 1.23 min (its record table's) on 8 x H100 (989 TFLOP/s) is 43.0% of peak
     cfg, _ = T.parse_config(["--preset", "baseline_h200"])
     flops = H.plan_summary(cfg, *T.plan(cfg))["flops_total"]
     assert f"{flops:.3e}" == "2.512e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
