@@ -695,8 +695,9 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 # 8 x H100, the README's record table) trained its 12 x 768 model for 1,770 steps of 393,216
 # positions, 5.517e17 model FLOPs by FlopProfile's count (taken while its recipe was a preset here):
 # 5.517e17 / (175.98 s x 8 x 989e12 FLOP/s) = 39.6% of the H100's dense bf16 peak, its LM head in FP8
-# (record #19). (Record #89, 2026-07-17, 1.23 min, on our count of its recipe and model, 2.512e17
-# FLOPs (`--preset baseline_h200 --describe`), is 43.0%.)
+# (record #19). (Record #89, 2026-07-17, 1.23 min in its record table, on our count of its recipe and
+# model, 2.512e17 FLOPs (`--preset baseline_h200 --describe`), is 43.0%; at its logs' mean train_time,
+# 79.7 s, 39.8%: docs/RECORD89.md.)
 RECORD_MFU = 0.396
 GPU_CHECK_REPORTS = ("bench/out/gpu_check*/gpu_check.json", "bench/out/gpu_check*.json")  # under the repository
 
@@ -730,12 +731,14 @@ def plan_summary(cfg, n_params, table):
     lines.append(f"validation: {cfg.val_tokens:,} tokens in {n_chunks:,} document-masked chunks of {chunk:,} tokens, "
                  f"chunk i on process i mod world: {-(-n_chunks // 8):,} per process on 8, {n_chunks:,} on 1 "
                  f"(the same chunks, so the same val loss, whatever the process count)")
+    tst = any(st.phase == 1 for st in table.stages)  # a baseline (--tst-frac 0) has no TST phase to number
     for st in table.stages:
         what = f"TST {st.mode} s={st.bag_size}" if st.phase == 1 else "next-token"
+        label = f"phase {st.phase} ({what})" if tst else "next-token (no TST)"
         recipe = (f", document cap {st.doc_cap}, windows (long, short) {table[st.start].window}, lr x{st.lr_mul}"
                   if cfg.stages != "flags" else "")
         n_seqs = st.batch_tokens // st.length(L)
-        lines.append(f"phase {st.phase} ({what}): steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
+        lines.append(f"{label}: steps [{st.start}, {st.end}): {st.batch_tokens:,} positions "
                      f"({n_seqs} sequence(s) of {st.length(L):,}) and {st.raw_tokens(L):,} tokens of text trained on per step"
                      f"{recipe}, {min(flops[st.start:st.end]):.3e} - {max(flops[st.start:st.end]):.3e} FLOPs per step")
     tokens = sum((st.end - st.start) * st.raw_tokens(L) for st in table.stages)

@@ -13,7 +13,7 @@ import train_gpt as T
 
 def test_record_89s_utilization_is_its_time_over_its_flops():
     # RECORD_MFU is record #21's (its recipe left the code; the figure stays, see its comment); the comment's
-    # check on record #89: baseline_h200's FLOPs over 1.23 min on 8 x H100 (989 TFLOP/s) is 42.9% of peak
+    # check on record #89: baseline_h200's FLOPs over 1.23 min (its record table's) on 8 x H100 (989 TFLOP/s) is 43.0% of peak
     cfg, _ = T.parse_config(["--preset", "baseline_h200"])
     flops = H.plan_summary(cfg, *T.plan(cfg))["flops_total"]
     assert f"{flops:.3e}" == "2.512e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
@@ -97,8 +97,18 @@ def test_describe_counts_the_text_trained_on_and_the_log_the_text_read(tmp_path)
     cfg, _ = T.parse_config(argv)
     plan = H.plan_summary(cfg, *T.plan(cfg))
     assert any(ln.startswith("tokens: a packed step also reads, and skips") for ln in plan["lines"])
-    per_step = [int(m.replace(",", "")) for ln in plan["lines"] if ln.startswith("phase ")
+    per_step = [int(m.replace(",", "")) for ln in plan["lines"] if "tokens of text trained on per step" in ln
                 for m in [ln.split(") and ", 1)[1].split(" tokens of text trained on per step")[0]]]
     assert T.main(argv) == 0
     summary = json.loads((tmp_path / "logs" / "t.json").read_text())
     assert summary["raw_tokens"] >= 3 * per_step[0] > 0, (summary["raw_tokens"], per_step)
+
+
+@pytest.mark.parametrize("preset, labels", [
+    ("baseline_h200", ["next-token (no TST)"] * 4),  # no TST phase: the rows are not numbered as one
+    ("record_h200", ["phase 1 (TST full s=4)"] + ["phase 2 (next-token)"] * 4),
+    ("cpu_smoke", ["phase 1 (TST full s=4)"] + ["phase 2 (next-token)"] * 4)])
+def test_describe_labels_a_baselines_stages_next_token_and_numbers_tst_phases(preset, labels):
+    cfg, _ = T.parse_config(["--preset", preset])
+    rows = [ln for ln in H.plan_summary(cfg, *T.plan(cfg))["lines"] if "tokens of text trained on per step" in ln]
+    assert [ln.split(": steps [")[0] for ln in rows] == labels, rows

@@ -117,6 +117,6 @@ def test_describe_prints_the_validation_layout_and_each_stages_train_layout():
     lines = harness.plan_summary(cfg, *T.plan(cfg))["lines"]
     assert any(ln.startswith("validation: 10,485,760 tokens in 40 document-masked chunks of 262,144 tokens")
                and "5 per process on 8, 40 on 1" in ln for ln in lines)
-    stage_lines = [ln for ln in lines if ln.startswith("phase 2")]
+    stage_lines = [ln for ln in lines if ln.startswith("next-token (no TST): ")]  # the baseline: no TST phases
     assert ["(8 sequence(s) of 16,384)" in stage_lines[0], "(8 sequence(s) of 32,768)" in stage_lines[1],
             "(8 sequence(s) of 49,152)" in stage_lines[2]] == [True] * 3
