@@ -91,7 +91,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from compare import (SEPARATOR, has_line_end, parse_lines, parse_log, parse_step_line, read_log_lines,  # noqa: E402
+from compare import (SEPARATOR, has_line_end, parse_lines, parse_step_line, read_log_lines,  # noqa: E402
                      split_snapshot)
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says
@@ -381,11 +381,13 @@ class Tolerance:
 
 
 DRIFT = Tolerance(PRINT_TOL, DRIFT_PER_STEP, DRIFT_CAP)
-# A compiled CPU log is re-run compiled. On another machine (CPU model, threads, processes) inductor's
-# kernels sum in another order, by how much no constant can say (one AMD machine's calibration failed an
-# honest log on an Intel Xeon): the rerun measures it. A second rerun of the same log, eager, differs from
-# the compiled one only in the summation order; MEASURED_FACTOR x its |difference| (running maximum up to
-# the step, train and val apart) bounds the drift, capped at DRIFT_CAP so that an edit of 0.01 fails.
+# On another machine (CPU model, threads, processes) a rerun sums in another order, and how fast a run
+# amplifies that depends on the run: one AMD machine's calibration of inductor's kernels failed an honest
+# compiled log on an Intel Xeon, and an AdamW study log drifts 1e-3 by step 5 eager, 6x DRIFT. So the
+# rerun measures it: a second rerun of the same log that differs from the first only in the summation
+# order (a compiled log: eager; an eager log: another thread count); MEASURED_FACTOR x their |difference|
+# (running maximum up to the step, train and val apart) bounds the drift, capped at DRIFT_CAP so that an
+# edit of 0.01 fails.
 MEASURED_FACTOR = 2.0
 
 
@@ -396,10 +398,12 @@ class MeasuredTolerance:
     of eager runs on two CPU models); a loss whose allowance passes ``DRIFT_CAP`` is shown, not judged
     (there an edit could hide in the measured drift).
 
-    ``train``/``val``: ``{step: |compiled - eager|}`` of the two reruns' losses.
+    ``train``/``val``: ``{step: |first - second|}`` of the two reruns' losses; ``between``: what differs
+    between them ("compiled - eager", "1 - 2 threads").
     """
     train_diffs: dict
     val_diffs: dict
+    between: str = "compiled - eager"
     cap: float = DRIFT_CAP
 
     @staticmethod
@@ -432,20 +436,20 @@ class MeasuredTolerance:
     def __str__(self):
         top = max(self.val_diffs.items(), key=lambda kv: kv[1], default=(0, 0.0))
         top_t = max(self.train_diffs.items(), key=lambda kv: kv[1], default=(0, 0.0))
-        return (f"tol(step) = max({PRINT_TOL:g} + {MEASURED_FACTOR:g} x the measured |compiled - eager| rerun "
+        return (f"tol(step) = max({PRINT_TOL:g} + {MEASURED_FACTOR:g} x the measured |{self.between}| rerun "
                 f"difference up to the step, {PRINT_TOL:g} + {DRIFT_PER_STEP:g} x step) (largest measured: val "
                 f"{top[1]:.2e} at step {top[0]}, train {top_t[1]:.2e} at step {top_t[0]}), judged where at most "
                 f"{self.cap:g}")
 
 
-def measure_drift(compiled_run, eager_run):
-    """``MeasuredTolerance`` from two reruns of one log (``compare.Run``s), compiled and eager."""
+def measure_drift(compiled_run, eager_run, between="compiled - eager"):
+    """``MeasuredTolerance`` from two reruns of one log (``compare.Run``s) that differ in ``between`` only."""
     def diffs(a, b, key):
         other = {p["step"]: p[key] for p in b if p.get(key) is not None}
         return {p["step"]: abs(p[key] - other[p["step"]]) for p in a
                 if p.get(key) is not None and p["step"] in other and math.isfinite(p[key] - other[p["step"]])}
     return MeasuredTolerance(diffs(compiled_run.train, eager_run.train, "train_loss"),
-                             diffs(compiled_run.val, eager_run.val, "val_loss"))
+                             diffs(compiled_run.val, eager_run.val, "val_loss"), between)
 
 
 def machine_differences(logged, here):
@@ -525,8 +529,9 @@ def judgement(logged, here, tol=None, compiled=False, measured=None):
 
     ``logged``: ``machines()`` of the log (one entry per start); ``here``: the rerun's entry;
     ``tol``: a ``--tol`` that replaces the case's tolerance; ``compiled``: the logged CPU run was
-    compiled, and so is the rerun; ``measured``: for a compiled log made on another machine, the
-    ``MeasuredTolerance`` of a second, eager rerun (``measure_drift``). Returns ``(text, tolerance or
+    compiled, and so is the rerun; ``measured``: for a CPU log made on another machine, the
+    ``MeasuredTolerance`` of a second rerun (``measure_drift``; eager for a compiled log, another thread
+    count for an eager one; None: ``DRIFT``). Returns ``(text, tolerance or
     None)``; None means the losses are shown, not judged. Float32 CPU results are bitwise equal only
     on the same CPU model, thread count and process count, compiled or eager both times. GPU runs are
     not bitwise repeatable.
@@ -553,9 +558,15 @@ def judgement(logged, here, tol=None, compiled=False, measured=None):
                 + (f"; train losses after step {after} shown, not judged" if after is not None else "")
                 + " (docs/VERIFY.md)")
         return text + given, (measured if tol is None else Tolerance(tol))
+    if measured is not None:
+        after = measured.last_train_step
+        text = (f"different {', '.join(differs)}: float32 sums in another order, the runs drift apart with the "
+                f"step; drift measured on this machine by a rerun at another thread count: {measured}"
+                + (f"; train losses after step {after} shown, not judged" if after is not None else "")
+                + " (docs/VERIFY.md)")
+        return text + given, (measured if tol is None else Tolerance(tol))
     text = (f"different {', '.join(differs)}: float32 sums in another order, the runs drift apart with the step: "
-            f"{DRIFT}, train losses after step {DRIFT.last_train_step} shown, not judged (measured spread: "
-            "records/README.md)")
+            f"{DRIFT}, train losses after step {DRIFT.last_train_step} shown, not judged (docs/VERIFY.md)")
     return text + given, (DRIFT if tol is None else Tolerance(tol))
 
 
@@ -766,6 +777,20 @@ def launch(config, sources, last, run_dir, threads, tmp, compile, run_id):
     return report, read_log_lines(new_log)
 
 
+def second_rerun(config, sources, last, run_dir, threads, tmp, compiled, here, first):
+    """``(ok, report lines, MeasuredTolerance)``: the log re-run again in another summation order only (a
+    compiled log: eager, same threads; an eager one: 2 threads, or 1 where the first had more), to measure how
+    fast this run amplifies a reordering on this machine (``first``: the first rerun's ``compare.Run``)."""
+    n = here.get("threads") or 1
+    other, between = (threads, "compiled - eager") if compiled else (2 if n == 1 else 1, f"{n} - {2 if n == 1 else 1} threads")
+    label = "eager" if compiled else f"{other} thread{'s' if other > 1 else ''}"
+    more, lines = launch(config, sources, last, run_dir, other, tmp, False, "verify_eager" if compiled else "verify_threads")
+    more = [ln.replace("rerun: ", f"rerun ({label}, to measure the drift): ", 1) for ln in more]
+    if lines is None:
+        return False, more, None
+    return True, more, measure_drift(first, parse_lines(lines), between)
+
+
 def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, tol, threads, repo):
     """``rerun`` with the folder ``tmp`` to work in."""
     # Data globs are relative to where the run was launched (the repo root for run.sh);
@@ -797,12 +822,11 @@ def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, 
                       f"pass --train-files/--val-files pointing at the same shards")
     here = (machines(fresh_lines) or [dict(device="cpu", world=1, cpu=None, threads=None, gpus=None)])[0]
     new, measured = parse_lines(fresh_lines), None
-    if compiled and tol is None and machine_differences(logged_machines, here):
-        more, eager_lines = launch(config, sources, last, run_dir, threads, tmp, False, "verify_eager")
-        report += [ln.replace("rerun: ", "rerun (eager, to measure the drift): ", 1) for ln in more]
-        if eager_lines is None:
+    if tol is None and not is_gpu_log(logged_machines) and machine_differences(logged_machines, here):
+        ok_second, more, measured = second_rerun(config, sources, last, run_dir, threads, tmp, compiled, here, new)
+        report += more
+        if not ok_second:
             return False, report
-        measured = measure_drift(new, parse_lines(eager_lines))
     text, rule = judgement(logged_machines, here, tol, compiled, measured)
     report += [f"rerun: machine: {text}", coverage(old, last)] + ([forced_note] if limit is not None else [])
     checks = [compare_train(old, new, last, rule), compare_val(old, new, last, rule)]

@@ -178,12 +178,14 @@ def test_rerun_is_capped_at_the_logged_steps(tiny):
 # ----------------------------------------------------------------------------------------------
 # machine cases: same CPU, another CPU / thread count, GPU log
 
-def test_another_cpu_model_gets_the_drift_tolerance_and_still_fails_an_edit_of_0_01(tiny, tmp_path):
+def test_another_cpu_model_gets_the_drift_a_rerun_at_another_thread_count_measures_and_fails_an_edit(tiny, tmp_path):
     cpu = (r"^cpu: .*?  cores:", "cpu: Some Other CPU  cores:")
     proc = run_verify(tiny, edited(tiny, tmp_path, "other_cpu.txt", cpu), "--rerun", 8)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "different CPU model (Some Other CPU vs " in proc.stdout
-    assert f"tol(step) = min(0.0001 + {verify.DRIFT_PER_STEP:g} x step, {verify.DRIFT_CAP:g})" in proc.stdout
+    assert re.search(r"^rerun \(\d threads?, to measure the drift\): .* --no-compile ", proc.stdout, re.M)
+    assert "drift measured on this machine by a rerun at another thread count: tol(step) = max(0.0001 + 2 x the " \
+           "measured |" in proc.stdout
     step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", tiny["text"], re.M)[1])
     bad = edited(tiny, tmp_path, "other_cpu_edit.txt", cpu,
                  (r"^(step:8/8 train_loss:)\S+", rf"\g<1>{step8 + 0.01:.4f}"))
@@ -297,6 +299,12 @@ def test_judgement_of_a_compiled_log_is_exact_on_its_machine_and_measured_elsewh
     assert "train losses after step 1 shown, not judged" in text
     text, tol = verify.judgement([machine()], machine(cpu="AMD EPYC"), tol=0.02, compiled=True)
     assert "--tol 0.02 given instead" in text and tol(0) == tol(10 ** 6) == 0.02
+    # an eager log: the second rerun ran at another thread count
+    measured = verify.measure_drift(points((5, 8.9216), (10, 9.8757)), points((5, 8.9205), (10, 9.8744)), "1 - 2 threads")
+    text, tol = verify.judgement([machine(cpu="AMD EPYC")], machine(), measured=measured)
+    assert text.startswith("different CPU model (AMD EPYC vs ") and "by a rerun at another thread count" in text
+    assert "|1 - 2 threads|" in text and tol is measured
+    assert tol.train(5) == pytest.approx(1e-4 + 2 * 1.1e-3) and tol.train(10) == pytest.approx(1e-4 + 2 * 1.3e-3)
     lines = ["world_size: 1  device: cpu  compile: True  bf16: False\n"]  # an unset --compile, resolved on
     assert verify.was_compiled(lines, 0, {"compile": None}) and verify.was_compiled([], 0, {"compile": True})
     assert not verify.was_compiled([lines[0].replace("True", "False", 1)], 0, {"compile": None})
