@@ -445,23 +445,25 @@ _ADAM = ("embed_lr", "head_lr", "scalar_lr", "adam_beta1", "adam_beta2")
 _MATRIX = ("matrix_lr", "matrix_wd", "momentum", "momentum_start", "momentum_warmup_steps", "momentum_cooldown_steps",
            "nesterov", "ns", "ns_dtype")
 _POLAR = ("pp_iterations", "pp_beta")  # Aurora's row equalization: muon and normuon run K = 0
-OPTIMIZER_READS = dict(aurora=_ADAM + _MATRIX + _POLAR, muon=_ADAM + _MATRIX, adamw=_ADAM + ("adamw_lr", "adamw_wd"),
+_ADAMW = ("adamw_lr", "adamw_wd")
+OPTIMIZER_READS = dict(aurora=_ADAM + _MATRIX + _POLAR, muon=_ADAM + _MATRIX, adamw=_ADAM + _ADAMW,
                        normuon=_MATRIX, aurora_normuon=_MATRIX + _POLAR)
-_UNREAD_WHY = dict(  # why a family leaves a field of each group unread
-    adam="(record #89's CautiousAdam sets its lrs and betas per role)", adamw="(only --optimizer adamw's AdamW reads it)",
-    matrix="(AdamW updates the block matrices: --adamw-lr, --adamw-wd)", polar="(Aurora's row equalization: off, K = 0)")
+_UNREAD_WHY = [(_ADAM, "record #89's CautiousAdam sets its lrs and betas per role"),  # a family without them: why
+               (_ADAMW, "only --optimizer adamw's AdamW reads it"),
+               (_MATRIX, "AdamW updates the block matrices: --adamw-lr, --adamw-wd"),
+               (_POLAR, "Aurora's row equalization: off, K = 0")]
 
 
 def unread_fields(cfg):
     """``{field: why it has no effect, and the fix}`` for the fields ``cfg`` does not read: flags that, typed,
     would silently change nothing (``parse_config`` refuses them; ``config_to_argv`` leaves them out)."""
     out = {}
-    for group, names in (("adam", _ADAM), ("adamw", ("adamw_lr", "adamw_wd")), ("matrix", _MATRIX), ("polar", _POLAR)):
+    for names, why in _UNREAD_WHY:
         for name in names:
             if name not in OPTIMIZER_READS[cfg.optimizer]:
                 users = [k for k, v in OPTIMIZER_READS.items() if name in v]
                 users = ", ".join(users[:-1]) + " or " * (len(users) > 1) + users[-1]
-                out[name] = (f"has no effect with --optimizer {cfg.optimizer} {_UNREAD_WHY[group]}; drop it, or use "
+                out[name] = (f"has no effect with --optimizer {cfg.optimizer} ({why}); drop it, or use "
                              f"--optimizer {users}")
     if cfg.stages == "record89":
         out["warmup_steps"] = ("has no effect with --stages record89 (its stage table sets the lr); drop it, "

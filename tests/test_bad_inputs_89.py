@@ -200,7 +200,8 @@ def test_every_preset_the_studies_and_gpu_check_and_read_flags_are_accepted():
     read = [SMOKE + ["--optimizer", "aurora", "--embed-lr", "0.3", "--adam-beta1", "0.9"],
             ["--optimizer", "adamw", "--adamw-lr", "0.01", "--embed-lr", "0.3"],
             SMOKE + ["--optimizer", "normuon", "--matrix-lr", "0.02", "--momentum", "0.9", "--adam-eps", "1e-8"],
-            SMOKE + ["--pp-iterations", "3"], ["--warmup-steps", "5"], SMOKE + ["--tst-frac", "0", "--tst-bag-size", "1"],
+            SMOKE + ["--pp-iterations", "3"], ["--warmup-steps", "5"],
+            SMOKE + ["--tst-frac", "0", "--tst-bag-size", "1"],
             SMOKE + ["--save-every", "5", "--keep-checkpoints", "3"], ["--resume", "auto", "--resume-force"]]
     for argv in read:
         T.parse_config(argv)
@@ -212,7 +213,8 @@ TINY = dict(n_layer=2, model_dim=32, n_head=2, seq_len=16, batch_tokens=32, micr
             val_tokens=64, value_embeds=1, x0_gates=True, momentum_warmup_steps=2)
 OTHER = dict(embed_lr=1.2, head_lr=0.02, scalar_lr=0.08, adam_beta1=0.5, adam_beta2=0.8, adamw_lr=0.01, adamw_wd=0.1,
              matrix_lr=0.01, matrix_wd=0.5, momentum=0.9, momentum_start=0.5, momentum_warmup_steps=1,
-             momentum_cooldown_steps=2, nesterov=False, ns="quintic5", ns_dtype="bfloat16", pp_iterations=1, pp_beta=0.9)
+             momentum_cooldown_steps=2, nesterov=False, ns="quintic5", ns_dtype="bfloat16", pp_iterations=1,
+             pp_beta=0.9)
 
 
 def trained_weights(cfg):
@@ -234,7 +236,7 @@ def trained_weights(cfg):
 def test_the_optimizer_fields_a_family_does_not_read_change_nothing_and_the_others_do(optimizer):
     """The refusal's table (harness.OPTIMIZER_READS) against the optimizers: each field it calls unread leaves
     the weights bit for bit; each field it calls read moves them (so neither list can be wrong unseen)."""
-    assert set(OTHER) == set(H._ADAM + H._MATRIX + H._POLAR + ("adamw_lr", "adamw_wd"))
+    assert set(OTHER) == {f for names, _ in H._UNREAD_WHY for f in names}
     base = T.Config(**TINY, optimizer=optimizer)
     H.validate_config(base)
     ref = trained_weights(base)

@@ -13,7 +13,8 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SAMPLE_DIR, SMALL_FLAGS, drop_flags, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import (REPO, SAMPLE_DIR, SMALL_FLAGS, drop_flags, loss_lines, read_log, subprocess_env, tiny_args,
+                      write_shard)
 
 # ---------------------------------------------------------------------------------------------
 # config and CLI
