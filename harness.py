@@ -316,7 +316,8 @@ def parse_config(argv, trainer):
     Returns ``(Config, preset name or None)``.
 
     Raises:
-        ConfigError: a value that cannot work (names the flag).
+        ConfigError: a value that cannot work (names the flag), or a flag typed that the config does not read
+            (``unread_fields``; a preset's value of such a field is never refused).
     """
     parser = build_parser(trainer)
     known, _ = parser.parse_known_args(argv)
@@ -330,15 +331,26 @@ def parse_config(argv, trainer):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     cfg = trainer.config(**{f.name: getattr(args, f.name) for f in fields(trainer.config)})
     validate_config(cfg)
+    parser.set_defaults(**{f.name: _UNSET for f in fields(cfg)})  # the fields typed, not from a preset or default
+    typed = vars(parser.parse_known_args(argv)[0])
+    idle = [(f, why) for f, why in unread_fields(cfg).items() if typed[f] is not _UNSET]
+    if idle:
+        raise ConfigError(f"{flag_of(idle[0][0])} {idle[0][1]}")
     return cfg, args.preset
 
 
+_UNSET = object()
+
+
 def config_to_argv(config, config_class):
-    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``)."""
+    """Command-line words that reproduce a config (a Config or the dict logged as ``config:``); of a whole
+    config, without the fields it does not read (``unread_fields``: typed, they are refused)."""
     values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    names = [f.name for f in fields(config_class)]
+    unread = unread_fields(config_class(**{k: values[k] for k in names})) if set(names) <= set(values) else {}
     argv = []
     for f in fields(config_class):
-        if f.name not in values or values[f.name] is None:
+        if f.name not in values or values[f.name] is None or f.name in unread:
             continue
         flag, value = flag_of(f.name), values[f.name]
         if f.type in (bool, "bool"):
@@ -424,6 +436,47 @@ def check_config(cfg, need):
         need(cfg.val_tokens >= 2 * cfg.tst_bag_size,
              f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} "
              f"(got {cfg.val_tokens}); lower the bag size or raise --val-tokens")
+
+
+# The optimizer fields each --optimizer reads (train_gpt.build_optimizers; the momentum ramps through
+# apply_schedule, Aurora's and NorMuon's only); adam_eps is read by all. tests/test_bad_inputs_89.py trains
+# with each unread field changed and finds the same weights.
+_ADAM = ("embed_lr", "head_lr", "scalar_lr", "adam_beta1", "adam_beta2")
+_MATRIX = ("matrix_lr", "matrix_wd", "momentum", "momentum_start", "momentum_warmup_steps", "momentum_cooldown_steps",
+           "nesterov", "ns", "ns_dtype")
+_POLAR = ("pp_iterations", "pp_beta")  # Aurora's row equalization: muon and normuon run K = 0
+_ADAMW = ("adamw_lr", "adamw_wd")
+OPTIMIZER_READS = dict(aurora=_ADAM + _MATRIX + _POLAR, muon=_ADAM + _MATRIX, adamw=_ADAM + _ADAMW,
+                       normuon=_MATRIX, aurora_normuon=_MATRIX + _POLAR)
+_UNREAD_WHY = [(_ADAM, "record #89's CautiousAdam sets its lrs and betas per role"),  # a family without them: why
+               (_ADAMW, "only --optimizer adamw's AdamW reads it"),
+               (_MATRIX, "AdamW updates the block matrices: --adamw-lr, --adamw-wd"),
+               (_POLAR, "Aurora's row equalization: off, K = 0")]
+
+
+def unread_fields(cfg):
+    """``{field: why it has no effect, and the fix}`` for the fields ``cfg`` does not read: flags that, typed,
+    would silently change nothing (``parse_config`` refuses them; ``config_to_argv`` leaves them out)."""
+    out = {}
+    for names, why in _UNREAD_WHY:
+        for name in names:
+            if name not in OPTIMIZER_READS[cfg.optimizer]:
+                users = [k for k, v in OPTIMIZER_READS.items() if name in v]
+                users = ", ".join(users[:-1]) + " or " * (len(users) > 1) + users[-1]
+                out[name] = (f"has no effect with --optimizer {cfg.optimizer} ({why}); drop it, or use "
+                             f"--optimizer {users}")
+    if cfg.stages == "record89":
+        out["warmup_steps"] = ("has no effect with --stages record89 (its stage table sets the lr); drop it, "
+                               "or use --stages flags")
+    if cfg.tst_frac == 0:
+        off = "has no effect with --tst-frac 0 (TST off); add --tst-frac r > 0 (e.g. 0.3) to train TST, or drop it"
+        out.update(tst_mode=off, **({"tst_bag_size": off} if cfg.tst_bag_size != 1 else {}))  # s = 1: TST off too
+    if not cfg.resume:
+        out["resume_force"] = "has no effect without --resume; add --resume FILE (or auto), or drop it"
+    if not cfg.save_every:
+        out["keep_checkpoints"] = ("has no effect without --save-every N (it deletes only --save-every checkpoints); "
+                                   "add --save-every, or drop it")
+    return out
 
 
 def check_architecture(cfg, need):
@@ -1075,6 +1128,11 @@ def load_checkpoint(path, header_only=False):
         ConfigError: missing file, not a checkpoint of this trainer, truncated, or corrupt
             (checksum mismatch); the message names the file and what to do.
     """
+    if os.path.isdir(path):
+        newest = sorted(glob.glob(os.path.join(path, "step_*.pt")))  # step_NNNNNN.pt: by name is by step
+        raise ConfigError(f"--resume {path}: a folder; give one of its checkpoint files"
+                          + (f" (the newest: {newest[-1]})" if newest else " (it holds no step_N.pt)")
+                          + ", or --resume auto (the newest under --checkpoint-dir)")
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path}: no such checkpoint file")
     with open(path, "rb") as f:

@@ -52,6 +52,18 @@ def tiny_args(tmp_path, *extra):
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
 
 
+def drop_flags(argv, *flags):
+    """``argv`` without each of ``flags`` and the value after it (the trainer refuses a typed flag its config
+    does not read: tiny_args's --embed-lr, --head-lr under record #89's CautiousAdam)."""
+    out, words = [], iter(argv)
+    for w in words:
+        if w in flags:
+            next(words)
+        else:
+            out.append(w)
+    return out
+
+
 def random_tokens(shape, seed, p_eot):
     """int64 ids in [0, 1000) of ``shape``, each an <|endoftext|> (50256) with probability ``p_eot``."""
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,6 @@
 """Bad values of record #89's model flags and presets: each gives one ConfigError line naming the flag
 and the fix (exit status 2 from the CLI), never a traceback from deep in the model."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -7,7 +8,9 @@ import sys
 import pytest
 import torch
 
+import harness as H
 import train_gpt as T
+from conftest import sample_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -134,3 +137,136 @@ def test_under_torchrun_rank_0_alone_says_a_refusal_every_rank_makes(monkeypatch
             assert err == [], err
         else:
             assert len(err) == 1 and err[0].startswith("train_gpt.py: error: ") and says in err[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# A typed flag the config does not read is refused, not accepted to do nothing (harness.unread_fields)
+
+# (words after train_gpt.py, the flag the one line names, words it must hold besides)
+UNREAD = [
+    (SMOKE + ["--embed-lr", "0.3"], "--embed-lr", "--optimizer aurora_normuon"),
+    (SMOKE + ["--head-lr", "0.3"], "--head-lr", "--optimizer aurora, muon or adamw"),
+    (SMOKE + ["--scalar-lr", "0.3"], "--scalar-lr", "CautiousAdam"),
+    (SMOKE + ["--adam-beta1", "0.9"], "--adam-beta1", "drop it"),
+    (SMOKE + ["--adam-beta2", "0.99"], "--adam-beta2", "drop it"),
+    (SMOKE + ["--adamw-lr", "0.01"], "--adamw-lr", "--optimizer adamw"),
+    (SMOKE + ["--adamw-wd", "0.1"], "--adamw-wd", "--optimizer adamw"),
+    (["--preset", "baseline_h200", "--embed-lr", "0.3"], "--embed-lr", "--optimizer normuon"),
+    (SMOKE + ["--optimizer", "normuon", "--pp-iterations", "3"], "--pp-iterations", "aurora or aurora_normuon"),
+    (["--optimizer", "muon", "--pp-beta", "0.3"], "--pp-beta", "--optimizer muon"),
+    (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum", "--adamw-lr"),
+    (["--optimizer", "adamw", "--matrix-lr", "0.01"], "--matrix-lr", "--optimizer adamw"),
+    (["--optimizer", "aurora", "--adamw-lr", "0.01"], "--adamw-lr", "--optimizer aurora"),
+    (SMOKE + ["--warmup-steps", "5"], "--warmup-steps", "--stages record89"),
+    (SMOKE + ["--tst-frac", "0", "--tst-bag-size", "8"], "--tst-bag-size", "--tst-frac 0"),
+    (["--preset", "baseline_h200", "--tst-bag-size", "4"], "--tst-bag-size", "add --tst-frac r > 0"),
+    (SMOKE + ["--tst-frac", "0", "--tst-mode", "input"], "--tst-mode", "--tst-frac 0"),
+    (SMOKE + ["--resume-force"], "--resume-force", "add --resume"),
+    (SMOKE + ["--keep-checkpoints", "3"], "--keep-checkpoints", "add --save-every"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, says", UNREAD, ids=[" ".join(c[0]) for c in UNREAD])
+def test_a_typed_flag_the_config_does_not_read_exits_2_in_one_line(tmp_path, capsys, argv, flag, says):
+    assert T.main(argv + ["--log-dir", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_gpt.py: error: "), err
+    assert f"{flag} has no effect" in err[0] and says in err[0], err
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
+def test_the_cli_refuses_an_unread_flag_with_exit_2():
+    proc = subprocess.run([sys.executable, "train_gpt.py", *SMOKE, "--embed-lr", "0.3", "--describe"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("train_gpt.py: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_every_preset_the_studies_and_gpu_check_and_read_flags_are_accepted():
+    """Only typed flags count: a preset's value of a field its family does not read (baseline_h200's head_lr,
+    the other families' Adam lrs) is no refusal, and neither are the small-scale arms' and gpu_check's words."""
+    import small_scale as ss
+    for name in T.PRESETS:
+        T.parse_config(["--preset", name])
+    for spec in ss.MODES.values():
+        spec = dict(spec, val_files="v", trainer="train_gpt.py", order_globs=["o"] * 3, trainer_args=[])
+        for arm in ss.ARMS:
+            T.parse_config(ss.trainer_argv(spec, "out", "r", 0, arm, spec["sweep"][0], "t")[2:])
+    for name in T.PRESETS:
+        for dry in ([], ["--dry-run"]):
+            args = gpu_check.parse_args([*dry, "--preset", name])
+            T.parse_config(gpu_check.timing_argv(args, name, [], "cpu", "out")[1])
+    T.parse_config(gpu_check.check_argv(gpu_check.parse_args(["--dry-run"]), [], "cpu", "out", "c", bf16=True))
+    read = [SMOKE + ["--optimizer", "aurora", "--embed-lr", "0.3", "--adam-beta1", "0.9"],
+            ["--optimizer", "adamw", "--adamw-lr", "0.01", "--embed-lr", "0.3"],
+            SMOKE + ["--optimizer", "normuon", "--matrix-lr", "0.02", "--momentum", "0.9", "--adam-eps", "1e-8"],
+            SMOKE + ["--pp-iterations", "3"], ["--warmup-steps", "5"],
+            SMOKE + ["--tst-frac", "0", "--tst-bag-size", "1"],
+            SMOKE + ["--save-every", "5", "--keep-checkpoints", "3"], ["--resume", "auto", "--resume-force"]]
+    for argv in read:
+        T.parse_config(argv)
+
+
+# A tiny model with every Adam group (embedding, value embedding, head, the x0 gates' scalars): 4 steps, momentum
+# ramping up over the first 2, so that every optimizer field a family reads changes the weights.
+TINY = dict(n_layer=2, model_dim=32, n_head=2, seq_len=16, batch_tokens=32, micro_batch_seqs=2, num_iterations=4,
+            val_tokens=64, value_embeds=1, x0_gates=True, momentum_warmup_steps=2)
+OTHER = dict(embed_lr=1.2, head_lr=0.02, scalar_lr=0.08, adam_beta1=0.5, adam_beta2=0.8, adamw_lr=0.01, adamw_wd=0.1,
+             matrix_lr=0.01, matrix_wd=0.5, momentum=0.9, momentum_start=0.5, momentum_warmup_steps=1,
+             momentum_cooldown_steps=2, nesterov=False, ns="quintic5", ns_dtype="bfloat16", pp_iterations=1,
+             pp_beta=0.9)
+
+
+def trained_weights(cfg):
+    """The weights after N steps of ``T.build_optimizers`` on fixed random gradients, each step's lr and momentum
+    from the stage table (``T.apply_schedule``), as the trainer's loop steps them."""
+    torch.manual_seed(0)
+    model = T.GPT(cfg)
+    opts, table, g = T.build_optimizers(model, cfg), T.Schedule(cfg), torch.Generator().manual_seed(1)
+    for step in range(cfg.num_iterations):
+        T.apply_schedule(opts, table[step])
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        for opt in opts:
+            opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("optimizer", sorted(H.OPTIMIZER_READS))
+def test_the_optimizer_fields_a_family_does_not_read_change_nothing_and_the_others_do(optimizer):
+    """The refusal's table (harness.OPTIMIZER_READS) against the optimizers: each field it calls unread leaves
+    the weights bit for bit; each field it calls read moves them (so neither list can be wrong unseen)."""
+    assert set(OTHER) == {f for names, _ in H._UNREAD_WHY for f in names}
+    base = T.Config(**TINY, optimizer=optimizer)
+    H.validate_config(base)
+    ref = trained_weights(base)
+    unread = {f for f in H.unread_fields(base) if f in OTHER}
+    assert unread == set(OTHER) - set(H.OPTIMIZER_READS[optimizer])
+    for name, value in OTHER.items():
+        assert getattr(base, name) != value, name
+        same = torch.equal(trained_weights(dataclasses.replace(base, **{name: value})), ref)
+        assert same == (name in unread), (name, "unread" if name in unread else "read")
+
+
+def test_warmup_steps_under_the_stage_table_and_tst_flags_without_tst_change_no_step():
+    base, _ = T.parse_config(SMOKE + ["--tst-frac", "0"])
+    for kw in (dict(warmup_steps=5), dict(tst_bag_size=8), dict(tst_mode="input")):
+        assert set(kw) <= set(H.unread_fields(base))
+        assert T.Schedule(dataclasses.replace(base, **kw)).rows == T.Schedule(base).rows, kw
+    flags, _ = T.parse_config(["--warmup-steps", "5"])  # --stages flags: the warm-up is the lr's first rows
+    assert T.Schedule(flags).rows[0].lr_scale == 0.2 and "warmup_steps" not in H.unread_fields(flags)
+
+
+def test_resume_of_a_folder_names_a_checkpoint_file_in_it(tmp_path, capsys):
+    run = tmp_path / "ckpt" / "r"
+    run.mkdir(parents=True)
+    argv = SMOKE + [*sample_args(), "--log-dir", str(tmp_path / "logs"), "--resume", str(run)]
+    assert T.main(argv) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert f"--resume {run}: a folder; give one of its checkpoint files (it holds no step_N.pt)" in err, err
+    assert "--resume auto" in err and not (tmp_path / "logs").exists()
+    for step in (2, 10):
+        (run / f"step_{step:06d}.pt").write_bytes(b"")
+    assert T.main(argv) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert f"(the newest: {run / 'step_000010.pt'})" in err, err

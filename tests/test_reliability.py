@@ -18,7 +18,7 @@ import pytest
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, TORCHRUN, loss_lines, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, TORCHRUN, drop_flags, loss_lines, read_log, subprocess_env, tiny_args, write_shard
 
 
 def error_lines(stderr):
@@ -501,14 +501,15 @@ def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_p
 
 @pytest.mark.parametrize("form", ["--preset baseline_h200", "--preset=baseline_h200"])
 def test_run_sh_start_line_names_the_preset_passed(tmp_path, form):
-    args = tiny_args(tmp_path)  # the preset in `form`, not run.sh's CPU default (cpu_smoke)
-    assert "--preset" not in args
+    args = drop_flags(tiny_args(tmp_path), "--embed-lr", "--head-lr")  # the preset in `form`, not run.sh's CPU
+    assert "--preset" not in args                                        # default; its CautiousAdam: no Adam lrs
     env = dict(subprocess_env(), NPROC="3", OMP_NUM_THREADS="1")  # 3 processes cannot split the batch: refused
     res = subprocess.run(["bash", os.path.join(REPO, "run.sh"), *form.split(" "), *args], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr
     [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
     assert line.startswith("run.sh: preset baseline_h200, 3 processes on CPU"), line
+    assert "has no effect" not in res.stderr, res.stderr  # refused for the 3 processes, not a flag
 
 
 def test_preflight_refuses_more_processes_than_gpus_in_one_line(tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SMALL_FLAGS, read_log, run_torchrun, subprocess_env, tiny_args
+from conftest import REPO, SMALL_FLAGS, drop_flags, read_log, run_torchrun, subprocess_env, tiny_args
 
 N_SCHED, N_EXT = 1270, 15
 TOTAL = N_SCHED + N_EXT
@@ -150,9 +150,10 @@ def test_record89_needs_thirds_of_the_batch():
 def recipe_args(tmp_path, run_id, *extra):
     """8 steps of the record #89 table at a tiny shape: stages [0, 2), [2, 4), [4, 6) of 4, 8, 12
     packed sequences of 32 positions, extension [6, 8); no TST."""
-    return tiny_args(tmp_path, "--stages", "record89", "--batch-tokens", "384", "--micro-batch-seqs", "2",
+    args = tiny_args(tmp_path, "--stages", "record89", "--batch-tokens", "384", "--micro-batch-seqs", "2",
                      "--num-iterations", "8", "--extension-steps", "2", "--window", "0",
                      "--window-block", "8", "--tst-frac", "0", "--val-every", "0", "--run-id", run_id, *extra)
+    return drop_flags(args, "--embed-lr", "--head-lr") if {"normuon", "aurora_normuon"} & set(extra) else args
 
 
 def summary(tmp_path, run_id):
