@@ -1267,6 +1267,23 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def final_status(res):
+    """Set ``res``'s errors, ``exit_code`` and ``status`` from what the sections found: 1 for a disagreement
+    (a kernel or the training runs), 2 for any other error (a run cut short by the budget among them), else 0."""
+    if STOP["reason"]:
+        res["errors"].append(STOP["reason"])
+    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if c["passed"] is False]
+    res["errors"] += [f"kernel agreement: {n} failed" for n in kernels_failed]
+    if not (res["correctness"] and res["correctness"]["passed"]):
+        res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]
+                          else ["agreement: did not run"])
+    # a run stopped by the budget did not disagree: that is exit status 2, not 1
+    failed = kernels_failed or (res["correctness"] and not res["correctness"]["passed"]
+                                and not res["correctness"].get("cut_short"))
+    res["exit_code"] = 1 if failed else (2 if res["errors"] else 0)
+    res["status"] = "ok" if res["exit_code"] == 0 else "failed"
+
+
 def main(argv=None):
     args = parse_args(argv)
     # SIGTERM/SIGHUP (a job runner's timeout) unwind like Ctrl-C: the trainer runs, which live in
@@ -1331,18 +1348,7 @@ def main(argv=None):
         for run in list(TrainerRun.running):
             run.stop()
 
-    if STOP["reason"]:
-        res["errors"].append(STOP["reason"])
-    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if c["passed"] is False]
-    res["errors"] += [f"kernel agreement: {n} failed" for n in kernels_failed]
-    if not (res["correctness"] and res["correctness"]["passed"]):
-        res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]
-                          else ["agreement: did not run"])
-    # a run stopped by the budget did not disagree: that is exit status 2, not 1
-    failed = kernels_failed or (res["correctness"] and not res["correctness"]["passed"]
-                                and not res["correctness"].get("cut_short"))
-    res["exit_code"] = 1 if failed else (2 if res["errors"] else 0)
-    res["status"] = "ok" if res["exit_code"] == 0 else "failed"
+    final_status(res)
     res["wall_s"] = round(time.monotonic() - t_start, 1)
     report(res, out_dir, work)
     if args.keep_data:

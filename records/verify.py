@@ -970,6 +970,23 @@ def path_problem(args):
     return None
 
 
+def extract_to(folder, sources):
+    """Write the snapshot's ``sources`` into ``folder`` (--extract) and say so; the error line instead (a
+    file there with other content, a folder that cannot be written), with nothing overwritten."""
+    clash = [n for n in sources if os.path.lexists(os.path.join(folder, n))
+             and not same_text(os.path.join(folder, n), sources[n])]
+    if clash:
+        return f"--extract {folder}: would overwrite {', '.join(clash)} there (different content); pass an empty or new folder"
+    try:
+        write_sources(sources, folder)
+    except OSError as e:
+        return (f"--extract {folder}: cannot write there ({e.strerror or e}); pass a folder you can write "
+                "(created if missing)")
+    print(f"extracted {', '.join(sources)} to {folder}" if sources else
+          f"extracted nothing: the snapshot holds no complete file (nothing written to {folder})")
+    return None
+
+
 def main(argv=None):
     """Command line; returns the exit status (0 only if every check passed)."""
     args = parse_args(argv)
@@ -1009,18 +1026,8 @@ def main(argv=None):
         print(f"FAIL log: {c}")
     failed = bool(problems or conflicts)
     if args.extract:
-        clash = [n for n in sources if os.path.lexists(os.path.join(args.extract, n))
-                 and not same_text(os.path.join(args.extract, n), sources[n])]
-        if clash:
-            return error(f"--extract {args.extract}: would overwrite {', '.join(clash)} there (different content); "
-                         "pass an empty or new folder")
-        try:
-            write_sources(sources, args.extract)
-        except OSError as e:
-            return error(f"--extract {args.extract}: cannot write there ({e.strerror or e}); pass a folder "
-                         "you can write (created if missing)")
-        print(f"extracted {', '.join(sources)} to {args.extract}" if sources else
-              f"extracted nothing: the snapshot holds no complete file (nothing written to {args.extract})")
+        if (problem := extract_to(args.extract, sources)):
+            return error(problem)
     else:
         diffs = compare_with_tree(sources, os.path.abspath(args.repo))
         # a rerun asks "does this log reproduce?", which the log's own code answers: code that has moved on
