@@ -79,18 +79,25 @@ if [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ] && [ "$n_gpus" -
          "for the repository's sample" >&2
     exit 2
 elif [ ${#train_shards[@]} -eq 0 ] && [ ${#val_shards[@]} -eq 0 ]; then
+    # the train shards the run reads (0 for --help and --describe, which the trainer answers without data)
     need=$("$PYTHON" - "$preset" "$@" <<'PY'
 import sys
 import train_gpt as T
+argv = ["--preset", sys.argv[1]] + sys.argv[2:]
+if any(a in ("-h", "--help", "--describe") for a in argv):
+    sys.exit(print(0))
 try:
-    cfg, _ = T.parse_config(["--preset", sys.argv[1]] + sys.argv[2:])
+    cfg, _ = T.parse_config(argv)
 except T.ConfigError as e:
-    sys.exit(f"train_gpt.py: error: {e}")
+    print(f"train_gpt.py: error: {e}", file=sys.stderr)
+    sys.exit(2)
 print(-(-T.train_tokens_needed(cfg) // 100_000_000))  # FineWeb shards hold 100M tokens
 PY
-)
-    echo "run.sh: no shards in $DATA_DIR; downloading FineWeb val + $need train shard(s)" >&2
-    "$PYTHON" data/cached_fineweb10B.py "$need" --local-dir "$DATA_DIR"
+) || exit $?
+    if [ "$need" -gt 0 ]; then
+        echo "run.sh: no shards in $DATA_DIR; downloading FineWeb val + $need train shard(s)" >&2
+        "$PYTHON" data/cached_fineweb10B.py "$need" --local-dir "$DATA_DIR"
+    fi
 elif [ ${#train_shards[@]} -eq 0 ] || [ ${#val_shards[@]} -eq 0 ]; then
     missing=$([ ${#train_shards[@]} -eq 0 ] && echo "*_train_*.bin" || echo "*_val_*.bin")
     echo "run.sh: $DATA_DIR has no $missing shard; add it (data/cached_fineweb10B.py, data/tokenize_text.py) or point DATA_DIR elsewhere" >&2

@@ -1320,3 +1320,23 @@ def test_run_sh_starts_baseline_h200_on_gpus_and_record_h200_one_flag_away(tmp_p
         [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("run.sh: preset ")]
         assert line.startswith(f"run.sh: preset {preset}, {processes} on GPU"), line
         assert f"describe: preset {preset};" in res.stdout, res.stdout[:500]
+
+
+@pytest.mark.parametrize("ask, code, says", [("--help", 0, "usage: train_gpt.py"),
+                                             ("--describe", 0, "describe: preset baseline_h200;"),
+                                             ("--embed-lr 1", 2, "train_gpt.py: error: --embed-lr has no effect")])
+def test_run_sh_on_a_gpu_without_shards_answers_or_refuses_before_any_download(tmp_path, ask, code, says):
+    """A first run on a GPU finds no shards and downloads FineWeb; --help and --describe need no data (answered,
+    exit 0, nothing downloaded), and a refused flag is its one line, exit 2, before the download."""
+    calls, fake = tmp_path / "calls", tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\n'
+                    f'if [[ "$*" == *device_count* ]]; then echo 1; exit 0; fi\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    (tmp_path / "empty").mkdir()
+    res = _run_sh(tmp_path, {"PYTHON": str(fake), "DATA_DIR": str(tmp_path / "empty")}, *ask.split())
+    assert res.returncode == code, res.stderr
+    assert says in (res.stdout if code == 0 else res.stderr), res.stdout[-500:] + res.stderr
+    assert "downloading" not in res.stderr and "cached_fineweb10B" not in calls.read_text()
+    assert os.listdir(tmp_path / "empty") == []
+    if code:
+        assert [ln for ln in res.stderr.splitlines() if ln.strip()] == [res.stderr.strip()], res.stderr
