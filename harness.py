@@ -1877,6 +1877,21 @@ def check_gpu_count(cfg, world):
                           f"{n}, or unset it to use every GPU")
 
 
+def check_forced_log(path, step):
+    """Refuse a --resume-force past differences from step ``step`` into the log ``path`` of its own run when
+    that log already holds later steps: they would be logged again under other settings, and the log and
+    its JSON would then describe a run that no checkpoint of it made (ConfigError)."""
+    last = step
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = re.match(r"step:(\d+)/\d+ ", line)
+            last = max(last, int(m[1])) if m else last
+    if last > step:
+        raise ConfigError(f"--resume-force: {path} already logs steps {step + 1}..{last} of this run, which a "
+                          f"continuation past differences from step {step} would log again under other settings; "
+                          "give it a new --run-id (its own log)")
+
+
 def check_run_files(cfg, run_id, resume, lock=None):
     """What rank 0 refuses at start for the files of run ``run_id`` (``preflight`` and ``start``): its lock (a
     run of that id going now, an unwritable --log-dir; ``RunLock``), a log of that id that a new run would not
@@ -1904,6 +1919,8 @@ def check_run_files(cfg, run_id, resume, lock=None):
             raise ConfigError(f"--run-id {run_id}: {path} is the log of another run (the checkpoint is run "
                               f"{resumed_run_id}'s); choose a new --run-id, or leave --run-id out to continue "
                               f"{resumed_run_id}")
+        if resume and resume[2] and resumed_run_id == run_id and os.path.exists(path):
+            check_forced_log(path, resume[0]["step"])
         check_checkpoint_dir(cfg, run_id, resume)
     except BaseException:
         lock.release()

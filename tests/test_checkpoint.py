@@ -380,8 +380,9 @@ def test_resume_force_from_an_older_checkpoint_never_overwrites_the_later_ones(t
     assert sorted(before) == ["step_000002.pt", "step_000004.pt"]
     older, lr = str(folder / "step_000002.pt"), str(T.parse_config(tiny_args(tmp_path))[0].matrix_lr * 2)
     capsys.readouterr()
+    # its log elsewhere (the log's own later steps are refused first, test below): the checkpoints alone
     assert run(tmp_path, "--run-id", "o", "--resume", older, "--max-steps", "2", "--save-every", "2",
-               "--resume-force", "--matrix-lr", lr) == 2
+               "--resume-force", "--matrix-lr", lr, "--log-dir", str(tmp_path / "logs2")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--resume-force:" in err[0] and "after step 2 (step_000004.pt)" in err[0], err
     assert "give it a new --run-id" in err[0]
@@ -391,3 +392,17 @@ def test_resume_force_from_an_older_checkpoint_never_overwrites_the_later_ones(t
                "--resume-force", "--matrix-lr", lr) == 0
     assert sorted(os.listdir(tmp_path / "ckpt" / "o2")) == ["step_000004.pt"]
     assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == before
+
+
+def test_resume_force_into_its_own_log_with_later_steps_is_refused_whatever_it_saves(tmp_path, capsys):
+    # without --save-*: no checkpoint is in the way, but the log already holds steps 3-4 of the first trajectory
+    assert run(tmp_path, "--run-id", "f", "--max-steps", "4", "--save-every", "2") == 0
+    log = tmp_path / "logs" / "f.txt"
+    before = log.read_bytes()
+    older = str(tmp_path / "ckpt" / "f" / "step_000002.pt")
+    capsys.readouterr()
+    assert run(tmp_path, "--run-id", "f", "--resume", older, "--max-steps", "2", "--resume-force", "--seed", "7") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume-force:" in err[0] and "already logs steps 3..4 of this run" in err[0], err
+    assert log.read_bytes() == before
+    assert run(tmp_path, "--run-id", "f", "--resume", "auto", "--max-steps", "1", "--resume-force", "--seed", "7") == 0
