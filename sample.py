@@ -26,14 +26,19 @@ import math
 import os
 import sys
 
-import torch
+INTERRUPTED = "sample.py: interrupted: nothing printed (the text is printed once every token is drawn)"
+try:  # importing torch takes a second or more: a Ctrl-C during it is the same one line
+    import torch
 
-# Everything taken from the trainer, in one place: the model, its config, the checkpoint reader.
-from harness import ConfigError, load_checkpoint
-from train_gpt import EOT_TOKEN, GPT, Config, Schedule, split_step
+    # Everything taken from the trainer, in one place: the model, its config, the checkpoint reader.
+    from harness import ConfigError, load_checkpoint
+    from train_gpt import EOT_TOKEN, GPT, Config, Schedule, split_step
 
-import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
-from tokenize_text import TokenizeError, load_encoder  # noqa: E402
+    import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
+    from tokenize_text import TokenizeError, load_encoder  # noqa: E402
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
 
 GPT2_VOCAB = EOT_TOKEN + 1  # ids 0..50256 are GPT-2's; rows above are padding to a multiple of 128
 
@@ -186,8 +191,7 @@ def main(argv=None):
     try:
         return _sample(argv)
     except KeyboardInterrupt:  # one line, not a traceback out of torch
-        print("sample.py: interrupted: nothing printed (the text is printed once every token is drawn)",
-              file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
 
 

@@ -281,13 +281,18 @@ def logged_config(lines, rest, sources):
                 raise ValueError(f"line {number}: the config line has {', '.join(unknown)}, which the logged code's "
                                  f"Config lacks (a rerun would ignore {'it' if len(unknown) == 1 else 'them'}); "
                                  f"{RESTORE}")
+            null = [f for f, nullable in fields.items() if config[f] is None and not nullable]
+            if null:  # config_to_argv leaves a None out: the rerun would take the default in silence
+                raise ValueError(f"line {number}: the config line holds null for {', '.join(null)}, which the logged "
+                                 f"code never writes (a rerun would take {'its' if len(null) == 1 else 'their'} "
+                                 f"default); {RESTORE}")
         return config
     return None
 
 
 def config_fields(sources):
-    """The field names of the logged code's ``Config`` dataclass (``train_gpt.py``, else ``harness.py``, read with
-    ``ast``, never run), in order; None when neither defines a ``class Config``."""
+    """``{field name: whether its default is None}`` of the logged code's ``Config`` dataclass (``train_gpt.py``,
+    else ``harness.py``, read with ``ast``, never run), in order; None when neither defines a ``class Config``."""
     for holder in SOURCE_LIST_HOLDERS:
         try:
             body = ast.parse(sources.get(holder, "")).body
@@ -295,10 +300,21 @@ def config_fields(sources):
             continue
         for node in body:
             if isinstance(node, ast.ClassDef) and node.name == "Config":
-                return [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)
+                return {n.target.id: default_is_none(n.value) for n in node.body if isinstance(n, ast.AnnAssign)
                         and isinstance(n.target, ast.Name)
-                        and "ClassVar" not in ast.unparse(n.annotation)]  # a ClassVar is no dataclass field
+                        and "ClassVar" not in ast.unparse(n.annotation)}  # a ClassVar is no dataclass field
     return None
+
+
+def default_is_none(value):
+    """Whether a Config field's default (its AnnAssign value: ``None``, ``_f(None, "help")``, ``field(default=None)``)
+    is None: such a field may be logged as null (unset: decided at run time)."""
+    if isinstance(value, ast.Constant):
+        return value.value is None
+    if isinstance(value, ast.Call):
+        first = value.args[0] if value.args else next((k.value for k in value.keywords if k.arg == "default"), None)
+        return isinstance(first, ast.Constant) and first.value is None
+    return False
 
 
 def data_fingerprints(lines, rest=0):

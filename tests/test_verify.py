@@ -530,6 +530,8 @@ def config_line_number(path):
      "the config line lacks n_layer, which the logged code's Config has (a rerun would take its default)"),
     ("unknown.txt", (r"^config: \{", 'config: {"zeta": 1, "alpha": 2, '),
      "the config line has alpha, zeta, which the logged code's Config lacks (a rerun would ignore them)"),
+    ("null.txt", (r'^(config: \{.*"n_layer": )\d+', r"\1null"),
+     "the config line holds null for n_layer, which the logged code never writes (a rerun would take its default)"),
 ])
 def test_a_damaged_config_line_is_one_error_line_naming_the_log_line_and_what_is_wrong(tiny, tmp_path, name, sub,
                                                                                       says):
