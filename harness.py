@@ -465,6 +465,13 @@ def unread_fields(cfg):
                 users = ", ".join(users[:-1]) + " or " * (len(users) > 1) + users[-1]
                 out[name] = (f"has no effect with --optimizer {cfg.optimizer} ({why}); drop it, or use "
                              f"--optimizer {users}")
+    reads = OPTIMIZER_READS[cfg.optimizer]
+    if "pp_beta" in reads and cfg.pp_iterations <= 1:
+        out["pp_beta"] = (f"has no effect with --pp-iterations {cfg.pp_iterations} (beta rescales the rows between "
+                          "rounds: K >= 2); drop it, or use --pp-iterations 2")
+    if "momentum_start" in reads and not (cfg.momentum_warmup_steps or cfg.momentum_cooldown_steps):
+        out["momentum_start"] = ("has no effect without --momentum-warmup-steps or --momentum-cooldown-steps "
+                                 "(momentum is --momentum throughout); add one, or drop it")
     if cfg.stages == "record89":
         out["warmup_steps"] = ("has no effect with --stages record89 (its stage table sets the lr); drop it, "
                                "or use --stages flags")
@@ -1842,6 +1849,9 @@ def answer_describe(argv, trainer, cfg, preset):
         ConfigError: an unreadable --gpu-check report (``describe``).
     """
     known = build_parser(trainer).parse_known_args(argv)[0]
+    if known.gpu_check is not None and not known.describe:
+        raise ConfigError(f"--gpu-check {known.gpu_check}: it applies to --describe only (a run would ignore it); "
+                          "add --describe, or drop it")
     if known.describe:
         print("\n".join(describe(cfg, preset, trainer, known.gpu_check)))
     return known.describe

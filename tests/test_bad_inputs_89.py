@@ -163,6 +163,8 @@ UNREAD = [
     (SMOKE + ["--tst-frac", "0", "--tst-mode", "input"], "--tst-mode", "--tst-frac 0"),
     (SMOKE + ["--resume-force"], "--resume-force", "add --resume"),
     (SMOKE + ["--keep-checkpoints", "3"], "--keep-checkpoints", "add --save-every"),
+    (["--optimizer", "aurora", "--pp-iterations", "1", "--pp-beta", "0.3"], "--pp-beta", "--pp-iterations 1"),
+    (["--momentum-warmup-steps", "0", "--momentum-start", "0.5"], "--momentum-start", "momentum is --momentum"),
 ]
 
 
@@ -270,3 +272,11 @@ def test_resume_of_a_folder_names_a_checkpoint_file_in_it(tmp_path, capsys):
     assert T.main(argv) == 2
     [err] = capsys.readouterr().err.strip().splitlines()
     assert f"(the newest: {run / 'step_000010.pt'})" in err, err
+
+
+def test_gpu_check_without_describe_is_refused_in_one_line(tmp_path, capsys):
+    # the report only projects --describe's times: a run would ignore it
+    assert T.main(SMOKE + ["--gpu-check", str(tmp_path / "r.json"), "--log-dir", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-check " in err[0] and "applies to --describe only" in err[0], err
+    assert not (tmp_path / "logs").exists()
