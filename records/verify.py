@@ -506,8 +506,24 @@ def starts(lines, rest):
 
 
 def forced_starts(lines, rest):
-    """The starts (``starts``) that continued under ``--resume-force``, in order."""
-    return [s for s in starts(lines, rest) if s["forced"]]
+    """The starts (``starts``) that continued under ``--resume-force``, in order, each with ``own``: whether an
+    earlier start of this log logged steps (False: the log begins at another run's checkpoint, forced)."""
+    history = starts(lines, rest)
+    forced = [s for s in history if s["forced"]]
+    for s in forced:
+        s["own"] = any(h["steps"] for h in history[:history.index(s)])
+    return forced
+
+
+def borrowed_start(forced):
+    """The report line of a log that begins with a ``--resume-force`` from another checkpoint (``forced_starts``):
+    its logged config made none of its steps from step 0, so a rerun from scratch has nothing to check; else None."""
+    first = min(forced, key=lambda s: s["step"], default=None)
+    if first is None or first["own"]:
+        return None
+    return (f"rerun: skipped: the log begins at the checkpoint of step {first['step']} under --resume-force (line "
+            f"{first['forced'][0]}: {first['forced'][1]}), so no step in it was made by its logged config from step "
+            f"0; verify the log of the run that wrote that checkpoint (steps 0..{first['step']})")
 
 
 def conflicting_continuations(forced):
@@ -1058,6 +1074,9 @@ def main(argv=None):
     missing = [n for n in snapshot_names(sources, [f.name for f in split_snapshot(lines)[0]]) if n not in sources]
     if args.rerun and missing:
         print(f"rerun: skipped: the log holds no complete {' / '.join(missing)} to run")
+        failed = True
+    elif args.rerun and borrowed_start(forced):
+        print(borrowed_start(forced))
         failed = True
     elif args.rerun:
         try:

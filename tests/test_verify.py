@@ -571,10 +571,13 @@ def test_every_committed_log_holds_exactly_its_logged_codes_config_fields():
 # ----------------------------------------------------------------------------------------------
 # --resume-force continuations: the logged config made the steps before them only
 
-def test_resume_force_continuations_limit_the_rerun_and_two_of_them_fail(tmp_path):
+def test_resume_force_continuations_limit_the_rerun_and_two_of_them_fail(tmp_path, monkeypatch):
     """A run resumed from step 2 with another lr (--resume-force) into its own log, then once more with a
     third lr: the log holds two histories of steps 3..8. verify fails it, naming both; the log cut
-    before the second continuation passes, its rerun judging steps 0..2 only (what its config made)."""
+    before the second continuation passes, its rerun judging steps 0..2 only (what its config made).
+    Today's trainer refuses such continuations (harness.check_forced_log); earlier code wrote them."""
+    monkeypatch.setattr(H, "check_forced_log", lambda path, step: None)
+
     def run(*extra):
         return T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "c", *extra))
     assert run("--max-steps", "4", "--save-every", "2") == 0
@@ -604,3 +607,17 @@ def test_a_rerun_shorter_than_the_logs_train_loss_interval_names_the_k_that_work
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no train_loss line of steps 1..2 in both logs to compare; the log's first is at step 5: pass --rerun 5 " \
            "or more" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_log_that_begins_at_another_runs_checkpoint_under_resume_force_is_not_rerun(tmp_path):
+    """Run d starts from run c's step-2 checkpoint with another lr: its config line is d's, steps 1..2 are c's;
+    a rerun from step 0 under d's config would check nothing of d's, and says so (exit 1), naming c's log."""
+    assert T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "c", "--max-steps", "2", "--save-final")) == 0
+    ckpt = str(tmp_path / "ckpt" / "c" / "step_000002.pt")
+    assert T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "d", "--resume", ckpt, "--max-steps", "2",
+                            "--resume-force", "--matrix-lr", "0.1")) == 0
+    proc = run_verify(dict(tree=REPO), tmp_path / "logs" / "d.txt", "--rerun", 4)
+    assert proc.returncode == 1 and proc.stdout.strip().endswith("FAILED"), proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("rerun: ")]
+    assert line.startswith("rerun: skipped: the log begins at the checkpoint of step 2 under --resume-force"), line
+    assert "verify the log of the run that wrote that checkpoint (steps 0..2)" in line
