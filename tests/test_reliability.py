@@ -89,7 +89,8 @@ def test_resume_refuses_other_data_unless_forced(tmp_path, capsys):
     shutil.copytree(shard_dir, moved)
     assert T.main(tiny_args(tmp_path, "--train-files", str(moved / "t_train_*.bin"), "--val-files",
                             str(moved / "t_val_*.bin"), "--tst-frac", "0", "--resume", "auto", "--run-id", "d",
-                            "--max-steps", "1")) == 0
+                            "--max-steps", "1", "--save-final")) == 0  # saved: the forced resume below starts at
+    # its newest step (one from an older checkpoint into this log, which holds later steps, is refused)
     assert T.main(tiny_args(tmp_path, *base, "--train-files", str(other / "o_train_*.bin"), "--resume", "auto",
                             "--run-id", "d", "--resume-force", "--max-steps", "1")) == 0
     assert "resume_force: continuing despite differences: train data" in read_log(tmp_path / "logs", "d")
