@@ -152,7 +152,8 @@ drop_signal_traceback() {
          { print; fflush() }
          END { if (held) printf "%s", block }'
 }
-setsid "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+# torchrun's own log folder goes with the exit codes (its default is a new /tmp/torchelastic_* each launch)
+setsid "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" --log-dir "$TRAIN_GPT_EXIT_CODE_DIR/torchrun" \
     --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" train_gpt.py "${args[@]}" 2> >(trap "" INT TERM; drop_signal_traceback >&2) &
 launcher=$!
 forward() { signalled=$1; kill -s "$1" "$launcher" 2>/dev/null || true; }

@@ -3,6 +3,7 @@
 Everything the tests read is inside the repository: the real text is data/sample/ (English
 Wikipedia in GPT-2 token shards, see data/sample/README.md).
 """
+import atexit
 import functools
 import glob
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -77,7 +79,12 @@ def subprocess_env():
     return env
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# torchrun's log folder: one per test process, removed at its exit (torchrun's default is a new
+# /tmp/torchelastic_* folder at every launch, never removed); none in a rank torchrun started
+TORCHRUN_LOGS = "" if "TORCHELASTIC_RUN_ID" in os.environ else tempfile.mkdtemp(prefix="tests_torchrun_")
+if TORCHRUN_LOGS:
+    atexit.register(shutil.rmtree, TORCHRUN_LOGS, ignore_errors=True)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--log-dir", TORCHRUN_LOGS]
 
 
 def ranks_output(stderr):
