@@ -581,19 +581,13 @@ def judgement(logged, here, tol=None, compiled=False, measured=None):
         text = (f"{how}same CPU model ({here['cpu']}), thread count ({here['threads']}) and process count "
                 f"({here['world']}): exact match expected (tol {PRINT_TOL:g} = print rounding)")
         return text + given, Tolerance(PRINT_TOL if tol is None else tol)
-    if compiled:
-        if measured is None:  # only with --tol: no second rerun was made
-            return f"{how}different {', '.join(differs)}" + given, Tolerance(tol)
-        after = measured.last_train_step
-        text = (f"{how}different {', '.join(differs)}: inductor's kernels sum in another order; drift measured on "
-                f"this machine by an eager rerun of the same log: {measured}"
-                + (f"; train losses after step {after} shown, not judged" if after is not None else "")
-                + " (docs/VERIFY.md)")
-        return text + given, (measured if tol is None else Tolerance(tol))
+    if compiled and measured is None:  # only with --tol: no second rerun was made
+        return f"{how}different {', '.join(differs)}" + given, Tolerance(tol)
     if measured is not None:
+        why, by = (("inductor's kernels sum in another order", "an eager rerun of the same log") if compiled else
+                   ("float32 sums in another order, the runs drift apart with the step", "a rerun at another thread count"))
         after = measured.last_train_step
-        text = (f"different {', '.join(differs)}: float32 sums in another order, the runs drift apart with the "
-                f"step; drift measured on this machine by a rerun at another thread count: {measured}"
+        text = (f"{how}different {', '.join(differs)}: {why}; drift measured on this machine by {by}: {measured}"
                 + (f"; train losses after step {after} shown, not judged" if after is not None else "")
                 + " (docs/VERIFY.md)")
         return text + given, (measured if tol is None else Tolerance(tol))
