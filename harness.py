@@ -457,15 +457,14 @@ _UNREAD_WHY = [(_ADAM, "record #89's CautiousAdam sets its lrs and betas per rol
 def unread_fields(cfg):
     """``{field: why it has no effect, and the fix}`` for the fields ``cfg`` does not read: flags that, typed,
     would silently change nothing (``parse_config`` refuses them; ``config_to_argv`` leaves them out)."""
-    out = {}
+    out, reads = {}, OPTIMIZER_READS[cfg.optimizer]
     for names, why in _UNREAD_WHY:
         for name in names:
-            if name not in OPTIMIZER_READS[cfg.optimizer]:
+            if name not in reads:
                 users = [k for k, v in OPTIMIZER_READS.items() if name in v]
                 users = ", ".join(users[:-1]) + " or " * (len(users) > 1) + users[-1]
                 out[name] = (f"has no effect with --optimizer {cfg.optimizer} ({why}); drop it, or use "
                              f"--optimizer {users}")
-    reads = OPTIMIZER_READS[cfg.optimizer]
     if "pp_beta" in reads and cfg.pp_iterations <= 1:
         out["pp_beta"] = (f"has no effect with --pp-iterations {cfg.pp_iterations} (beta rescales the rows between "
                           "rounds: K >= 2); drop it, or use --pp-iterations 2")
@@ -1136,9 +1135,10 @@ def load_checkpoint(path, header_only=False):
             (checksum mismatch); the message names the file and what to do.
     """
     if os.path.isdir(path):
-        newest = sorted(glob.glob(os.path.join(path, "step_*.pt")))  # step_NNNNNN.pt: by name is by step
+        newest = max(((s, p) for p in glob.glob(os.path.join(glob.escape(path), "step_*.pt"))
+                      if (s := checkpoint_step(p)) is not None), default=None)
         raise ConfigError(f"--resume {path}: a folder; give one of its checkpoint files"
-                          + (f" (the newest: {newest[-1]})" if newest else " (it holds no step_N.pt)")
+                          + (f" (the newest: {newest[1]})" if newest else " (it holds no step_N.pt)")
                           + ", or --resume auto (the newest under --checkpoint-dir)")
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path}: no such checkpoint file")
@@ -1162,6 +1162,12 @@ def load_checkpoint(path, header_only=False):
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
+def checkpoint_step(path):
+    """The step of a checkpoint file named as ``checkpoint_path`` names them (``step_<N>.pt``), else None."""
+    m = re.fullmatch(r"step_(\d+)\.pt", os.path.basename(path))
+    return int(m[1]) if m else None
+
+
 def find_latest_checkpoint(checkpoint_dir, run_id=""):
     """The highest-step ``step_NNNNNN.pt`` of a run under ``checkpoint_dir`` (``<dir>/<run_id>/`` if named).
 
@@ -1171,8 +1177,8 @@ def find_latest_checkpoint(checkpoint_dir, run_id=""):
         ConfigError: no checkpoint there, or checkpoints of several runs and no --run-id.
     """
     where = os.path.join(checkpoint_dir, run_id) if run_id else checkpoint_dir
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
-             if (m := re.fullmatch(r"step_(\d+)\.pt", os.path.basename(p)))]
+    found = [(s, p) for p in glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
+             if (s := checkpoint_step(p)) is not None]
     if not found:
         raise ConfigError(f"--resume auto: no checkpoint under {where!r} (--checkpoint-dir"
                           + (", --run-id)" if run_id else ")"))
@@ -1394,8 +1400,7 @@ def check_checkpoint_dir(cfg, run_id, resume=None):
         raise ConfigError(f"--run-id {run_id}: {where} already holds checkpoints of a run under that id "
                           f"({', '.join(found[:2])}{' ...' if len(found) > 2 else ''}); choose another --run-id, "
                           f"continue that run with --resume auto --run-id {run_id}, or move them away")
-    steps = {f: re.fullmatch(r"step_(\d+)\.pt", f) for f in found}
-    later = [f for f, m in steps.items() if resume and resume[2] and m and int(m[1]) > resume[0]["step"]]
+    later = [f for f in found if resume and resume[2] and (checkpoint_step(f) or 0) > resume[0]["step"]]
     if later:  # the same steps again under other settings: those files would be overwritten with other weights
         raise ConfigError(f"--resume-force: {where} holds checkpoints after step {resume[0]['step']} "
                           f"({', '.join(later[:2])}{' ...' if len(later) > 2 else ''}) that this run, continuing "

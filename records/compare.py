@@ -461,6 +461,7 @@ def run_defining(config, operational):
 
 
 DATA_KINDS = ("train data", "val data")
+CODE = "code "  # a split's entry for a source file: "code <file name>"
 FORCED = "resume_force: continuing despite differences: "  # the trainer's line at a --resume-force start
 
 
@@ -468,7 +469,6 @@ def forced_label(run):
     """``no``, or 8 hex digits naming what the run's --resume-force starts continued past: such a run
     trained part of its steps under settings or data that its config line does not show."""
     return hashlib.sha256("\n".join(run.forced).encode()).hexdigest()[:8] if run.forced else "no"
-CODE = "code "  # a split's entry for a source file: "code <file name>"
 
 
 def data_identity(run):

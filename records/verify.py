@@ -91,7 +91,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from compare import (SEPARATOR, has_line_end, parse_lines, parse_step_line, read_log_lines,  # noqa: E402
+from compare import (FORCED, SEPARATOR, has_line_end, parse_lines, parse_step_line, read_log_lines,  # noqa: E402
                      split_snapshot)
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says
@@ -485,7 +485,6 @@ def machine_differences(logged, here):
 
 
 RESUME_RE = re.compile(r"^resume: from .* at step (\d+) ")
-FORCED = "resume_force: continuing despite differences: "
 
 
 def starts(lines, rest):
@@ -808,7 +807,8 @@ def second_rerun(config, sources, last, run_dir, threads, tmp, compiled, here, f
     compiled log: eager, same threads; an eager one: 2 threads, or 1 where the first had more), to measure how
     fast this run amplifies a reordering on this machine (``first``: the first rerun's ``compare.Run``)."""
     n = here.get("threads") or 1
-    other, between = (threads, "compiled - eager") if compiled else (2 if n == 1 else 1, f"{n} - {2 if n == 1 else 1} threads")
+    other = threads if compiled else (2 if n == 1 else 1)
+    between = "compiled - eager" if compiled else f"{n} - {other} threads"
     label = "eager" if compiled else f"{other} thread{'s' if other > 1 else ''}"
     more, lines = launch(config, sources, last, run_dir, other, tmp, False, "verify_eager" if compiled else "verify_threads")
     more = [ln.replace("rerun: ", f"rerun ({label}, to measure the drift): ", 1) for ln in more]
