@@ -181,10 +181,6 @@ class Runtime:
     def distributed(self):
         return self.world > 1
 
-    def autocast(self):
-        """bf16 autocast (default on CUDA), else plain float32 (exactly repeatable on CPU)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
     def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -1992,14 +1988,16 @@ def setup_runtime(cfg, kind, accum):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
+    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
     if kind == "cuda":
         torch.cuda.set_device(device)
+        if use_bf16:  # the float32 matmuls left in a bf16 run are DC's scores, TF32 in modded-nanogpt's kernel; a
+            torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 run (a reference) keeps IEEE float32
     else:
         tune_cpu_allocator()
     if world > 1:
         join_process_group("nccl" if kind == "cuda" else "gloo", device, cfg.dist_timeout)
     use_compile = (kind == "cuda") if cfg.compile is None else cfg.compile
-    use_bf16 = (kind == "cuda") if cfg.bf16 is None else cfg.bf16
     return Runtime(rank, world, device, use_compile, use_bf16, accum)
 
 

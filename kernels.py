@@ -84,6 +84,11 @@ def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
     return (upcast(t) / scale).clamp(-limit, limit).to(dtype)
 
 
+# The FP8 head's weight gradient [V, d]: "gx" computes g^T x (M = V), "xg" (x^T g)^T (M = d, modded-nanogpt's).
+# Same math; which is faster is cuBLASLt's business: bench/gpu_check.py times both (its head_grad_layout row).
+HEAD_GRAD_LAYOUT = "gx"
+
+
 def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
     """``(a a_scale) @ (b b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` -> ``[M, N]`` by ``torch._scaled_mm``;
     ``emulate``: the same product in ``out_dtype`` from the fp8 values (the CPU tests' path)."""
@@ -124,7 +129,10 @@ class _FP8Linear(torch.autograd.Function):
         out = upcast(grad).dtype if ctx.emulate else torch.bfloat16
         grad_x = fp8_mm(g_f8, g_s, w_f8.t(), w_s, out, emulate=ctx.emulate)                   # [M, in]
         out_w = upcast(grad).dtype if ctx.emulate else torch.float32                           # record: fp32 dW
-        grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)             # [out, in]
+        if HEAD_GRAD_LAYOUT == "xg":  # (x^T g)^T: M = in (modded-nanogpt's choice for its head)
+            grad_w = fp8_mm(x_f8.t(), x_s, g_f8.t(), g_s, out_w, emulate=ctx.emulate).t()
+        else:                         # g^T x: M = out
+            grad_w = fp8_mm(g_f8.t(), g_s, x_f8.t(), x_s, out_w, emulate=ctx.emulate)         # [out, in]
         return grad_x.to(x_dtype), grad_w.to(w_dtype), None, None, None
 
 
@@ -493,19 +501,19 @@ def dc_attention(q, k, v, w1, w2, doc_ids, scale, window=DC_WINDOW, block=128):
     C, n = block, -(-T // block)
     assert 0 < window <= C, (window, C)
     pad = n * C - T
-    with torch.autocast("cuda" if q.is_cuda else "cpu", enabled=False):  # float32 scores, as HEAD (tf32 dots)
-        def blocks(x, two=False, front=0.0):  # [B, T, ...] -> [B, n, C (2C: the block before, then it), ...]
-            x = F.pad(upcast(x), (0, 0) * (x.ndim - 2) + (0, pad), value=-1.0).view(B, n, C, *x.shape[2:])
-            return torch.cat((F.pad(x[:, :-1], (0, 0) * (x.ndim - 2) + (1, 0), value=front), x), 2) if two else x
-        # ids -1 pad T up to n C (padded queries see padded keys: no empty softmax row), -2 before position 0
-        docs_q, docs_k = blocks(doc_ids[..., None])[..., 0], blocks(doc_ids[..., None], True, -2.0)[..., 0]
-        rel = C + torch.arange(C, device=q.device)[:, None] - torch.arange(2 * C, device=q.device)  # [C, 2C]: q - k
-        ok = (rel >= 0) & (rel < window) & (docs_q[..., :, None] == docs_k[..., None, :])          # [B, n, C, 2C]
-        scores = torch.einsum("bnqhd,bnkhd->bnhqk", blocks(q), blocks(k, True)) * scale
-        P = torch.softmax(scores.masked_fill(~ok[:, :, None], -math.inf), dim=-1)                  # [B, n, H, C, 2C]
-        mix = F.rms_norm(upcast(w1), (H,), eps=1e-6)
-        a = torch.einsum("bnhqk,bnqh->bnqk", P, blocks(mix))
-        out = torch.einsum("bnqk,bnkhd->bnqhd", a, blocks(v, True)) * blocks(w2)[..., None]
+    # float32 scores and mixing, as modded-nanogpt's kernel (its dots in TF32: harness.setup_runtime on CUDA)
+    def blocks(x, two=False, front=0.0):  # [B, T, ...] -> [B, n, C (2C: the block before, then it), ...]
+        x = F.pad(upcast(x), (0, 0) * (x.ndim - 2) + (0, pad), value=-1.0).view(B, n, C, *x.shape[2:])
+        return torch.cat((F.pad(x[:, :-1], (0, 0) * (x.ndim - 2) + (1, 0), value=front), x), 2) if two else x
+    # ids -1 pad T up to n C (padded queries see padded keys: no empty softmax row), -2 before position 0
+    docs_q, docs_k = blocks(doc_ids[..., None])[..., 0], blocks(doc_ids[..., None], True, -2.0)[..., 0]
+    rel = C + torch.arange(C, device=q.device)[:, None] - torch.arange(2 * C, device=q.device)  # [C, 2C]: q - k
+    ok = (rel >= 0) & (rel < window) & (docs_q[..., :, None] == docs_k[..., None, :])          # [B, n, C, 2C]
+    scores = torch.einsum("bnqhd,bnkhd->bnhqk", blocks(q), blocks(k, True)) * scale
+    P = torch.softmax(scores.masked_fill(~ok[:, :, None], -math.inf), dim=-1)                  # [B, n, H, C, 2C]
+    mix = F.rms_norm(upcast(w1), (H,), eps=1e-6)
+    a = torch.einsum("bnhqk,bnqh->bnqk", P, blocks(mix))
+    out = torch.einsum("bnqk,bnkhd->bnqhd", a, blocks(v, True)) * blocks(w2)[..., None]
     return out.reshape(B, n * C, H, D)[:, :T]
 
 

@@ -19,6 +19,9 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
+if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    # why: the micro-batch grows 16,384 -> 32,768 -> 49,152 positions; growable segments reuse what it freed
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA first allocates
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -149,7 +152,8 @@ class Config:
     seed: int = _f(0, "seed of the weight init")
     device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     compile: bool = _f(None, "torch.compile the model and Aurora; unset: on with CUDA, off on CPU")
-    bf16: bool = _f(None, "bfloat16 autocast; unset: on with CUDA, off on CPU (float32)")
+    bf16: bool = _f(None, "bfloat16 activations, weights cast per matmul (no autocast); unset: on with CUDA, off "
+                          "on CPU (float32)")
     fp8: bool = _f(False, "LM head and MLP matmuls in float8 (records #19, #84, #89); sm_89+ GPUs")
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)")
     # checkpoints
@@ -409,8 +413,14 @@ def flag_windows(cfg):
 # elements behind flags (MODEL89; docs/METHODS.md §5)
 
 def rms_norm(x):
-    """Parameter-free RMSNorm over the last dim."""
+    """Parameter-free RMSNorm over the last dim (x's dtype out; the statistics in float32 inside the op)."""
     return F.rms_norm(x, (x.size(-1),))
+
+
+def linear(x, w):
+    """``x @ w.T`` in x's dtype: float32 master weights cast per matmul (modded-nanogpt's CastedLinear), so a bf16
+    run needs no autocast and its stream stays bf16 (CUDA's autocast would return float32 from norms and sums)."""
+    return F.linear(x, w.type_as(x))
 
 
 class Rotary(nn.Module):
@@ -422,13 +432,13 @@ class Rotary(nn.Module):
         super().__init__()
         self.rot = head_dim // 2 if half else head_dim
         if half:
-            self.freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64, device="cpu")
-            freq = self.freq0.to(torch.get_default_device())  # freq0 stays on the CPU for set_history
-            angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq).float()
+            freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64)
+            angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq0).float()
         else:
-            self.freq0 = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+            freq0 = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
             inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
             angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [L, head_dim/2]
+        self.register_buffer("freq0", freq0, persistent=False)  # float64 on the device: set_history copies nothing
         self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
         self.scale0 = scale
@@ -443,8 +453,9 @@ class Rotary(nn.Module):
         if paired:
             pos = 2 * torch.arange(L, device=x.device)[:, None] + torch.arange(x.size(2), device=x.device) % 2
             cos, sin = self.cos[0, pos, 0][None], self.sin[0, pos, 0][None]  # [1, L, H, r/2]
-        x1, x2 = upcast(x[..., :r]).chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, upcast(x[..., r:])), dim=-1).type_as(x)
+        cos, sin = cos.type_as(x), sin.type_as(x)  # bf16 tables in a bf16 run, as modded-nanogpt's
+        x1, x2 = x[..., :r].chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, x[..., r:]), dim=-1)
 
     @torch.no_grad()
     def set_history(self, windows):
@@ -456,7 +467,8 @@ class Rotary(nn.Module):
             s = old / new
             freq *= s + ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1) * (1 - s)
             scale *= 0.2 * math.log(new / old) + 1
-        angles = torch.outer(torch.arange(self.cos.size(1), dtype=torch.float64, device="cpu"), freq)[None, :, None, :]
+        positions = torch.arange(self.cos.size(1), dtype=torch.float64, device=freq.device)
+        angles = torch.outer(positions, freq)[None, :, None, :]  # built where the tables live: no host copy
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
         if scale is not None:
@@ -556,8 +568,10 @@ class CausalSelfAttention(nn.Module):
         self.lambdas = route(nn.Parameter(torch.tensor([0.5, 1.0])), "scalar") if cfg.attn_lambdas else None
         self.dc_window = DC_WINDOW if layer in layer_set(cfg.dc_layers) and not self.paired else 0  # record #85
 
-    def weight(self, w, j):
-        """Weight ``w`` times ``lambdas[j]`` with --attn-lambdas (as HEAD: the weight, not the output)."""
+    def weight(self, w, j, x):
+        """Weight ``w`` in x's dtype times ``lambdas[j]`` with --attn-lambdas (modded-nanogpt scales the weight, not
+        the output); cast first, so the product's backward keeps the bf16 copy, not the float32 master."""
+        w = w.type_as(x)
         return w if self.lambdas is None else self.lambdas[j] * w
 
     def forward(self, x, mask=None, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None, dc=None):
@@ -567,7 +581,7 @@ class CausalSelfAttention(nn.Module):
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
-        qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0))  # one matmul
+        qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0, x))  # one matmul
         q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         if ve is not None:
             ve = ve.view(shape).type_as(v)
@@ -593,10 +607,10 @@ class CausalSelfAttention(nn.Module):
             alpha = torch.tanh(a).type_as(y).reshape(*a.shape[:-1], H, 1)
             y = y - alpha * (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8) * v
         if attn_gate is None and self.gate is not None:  # record #28: a per-head gate from 12 input channels
-            attn_gate = torch.sigmoid(self.gate(x[..., :12]))
+            attn_gate = torch.sigmoid(linear(x[..., :12], self.gate.weight))
         if attn_gate is not None:
             y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
-        return F.linear(y.reshape(B, L, -1), self.weight(self.proj.weight, 1))
+        return F.linear(y.reshape(B, L, -1), self.weight(self.proj.weight, 1, y))
 
 
 class MLP(nn.Module):
@@ -619,7 +633,7 @@ class MLP(nn.Module):
             y = fp8_linear(h, self.proj.weight, scales=self.down_scales[:2])
             delay_input_scale_(self.down_scales, h)  # the next forward's input scale (HEAD: per forward)
             return y
-        return self.proj(F.relu(self.fc(x)).square())
+        return linear(F.relu(linear(x, self.fc.weight)).square(), self.proj.weight)
 
 
 def fp8_refresh(model, step):
@@ -662,7 +676,7 @@ class Block(nn.Module):
             h = rms_norm(x if attn_in is None else attn_in)
             if self.ve_gate is not None:  # 2 sigmoid(W [h[:6], ve[:6]]) per head: 1 at init (records #55, #70)
                 gin = torch.cat((h[..., :VE_GATE_IN], ve[..., :VE_GATE_IN].type_as(h)), dim=-1)
-                gv = 2 * torch.sigmoid(F.linear(gin, self.ve_gate.type_as(h))).unsqueeze(-1)
+                gv = 2 * torch.sigmoid(linear(gin, self.ve_gate)).unsqueeze(-1)
             x = _residual(x, self.attn(h, mask, ve, gv, g.get("xsa"), g.get("attn"), (g.get("dc1"), g.get("dc2"))),
                           ra, pa)
             if gx is not None:
@@ -717,11 +731,13 @@ class GPT(nn.Module):
     """Decoder-only Transformer whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
     ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded as its
     mean), targets int64 ``[B, L, j]`` (-100 = ignore) -> float32 logits ``[B, L, V]``, or with targets the float32
-    loss *sum* over valid labels. One mask per window (``masks_for``), windows from the ``windows`` buffer."""
+    loss *sum* over valid labels. One mask per window (``masks_for``), windows from the ``windows`` buffer.
+    ``dtype``: the activations' (bf16 on CUDA: the stream, q/k/v, MLP hidden and head input, as modded-nanogpt;
+    float32 on a CPU, exactly repeatable); weights stay as stored and are cast per matmul (``linear``)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, dtype=torch.float32):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
         n, k, d = cfg.n_layer, cfg.value_embeds, cfg.model_dim
         self.ve_of_layer = {layer: i % k for i, layer in enumerate(harness.ve_layer_list(cfg))}
         self.short = layer_set(cfg.short_window_layers)
@@ -830,9 +846,9 @@ class GPT(nn.Module):
     def forward(self, inputs, targets=None, weights=None):
         masks = self.masks_for(inputs)
         table = functools.partial(F.embedding, weight=self.lm_head.weight) if self.tied else self.embed
-        x = embed_tokens(table, inputs)
+        x = embed_tokens(table, inputs).to(self.dtype)  # the stream's dtype from here on
         x = x0 = rms_norm(x if self.smear_w is None else self.smeared(x))
-        ves = [embed_tokens(table, inputs) for table in self.value_embeds]
+        ves = [embed_tokens(table, inputs).to(self.dtype) for table in self.value_embeds]
         bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
         gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
@@ -860,11 +876,11 @@ class GPT(nn.Module):
             x = x + sum(m * src for m, src in zip(mu, srcs))
         x, head = rms_norm(x), self.lm_head.weight
         if targets is not None and not self.training:  # the metric: the logits of a long val chunk in pieces
-            return sum(loss_sum(self.lm_head(xp), tp, None, self.cfg) for xp, tp in head_pieces(x, targets))
+            return sum(loss_sum(linear(xp, head), tp, None, self.cfg) for xp, tp in head_pieces(x, targets))
         if fp8_active(self.cfg.fp8, x, head):  # record #19's FP8 head
             logits = fp8_linear(x, head, fp8_grad=True, scales=self.head_scales)
         else:
-            logits = self.lm_head(x)
+            logits = linear(x, head)
         c = self.cfg.logit_softcap
         if targets is not None:  # the cap is applied inside the fused loss; eval mode: the metric alone
             loss = loss_sum(logits, targets, weights if self.training else None, self.cfg)
@@ -880,7 +896,7 @@ class GPT(nn.Module):
         """Record #34 (HEAD) on embeddings x ``[B, L, d]``: ``x[t] += lam sigmoid(w . x[t, :12]) x[t-1]`` for t >= 1.
 
         The gate is computed at every position (one unused) so the matmul count is 12 per position."""
-        g = (self.smear_lambda * torch.sigmoid(F.linear(x[..., :12], self.smear_w.type_as(x))))[:, 1:]
+        g = (self.smear_lambda * torch.sigmoid(linear(x[..., :12], self.smear_w)))[:, 1:]
         return torch.cat((x[:, :1], x[:, 1:] + g * x[:, :-1]), dim=1)
 
     def bigram_embedding(self, inputs):
@@ -895,21 +911,21 @@ class GPT(nn.Module):
         term = (27191 * torch.where(pos == 1, V, prev) + 2 ** 31) % 2 ** 32 - 2 ** 31
         rows = torch.where(pos == 0, V, ((36313 * cur) ^ term) % V)  # int64, else as HEAD's int32 ops
         signs = self.bigram_signs[torch.where(pos == 0, 0, (prev ^ cur) % BIGRAM_SIGN_ROWS)]
-        e = (self.bigram(rows) * signs).view(B, L, k, -1)
+        e = (self.bigram(rows).to(self.dtype) * signs.to(self.dtype)).view(B, L, k, -1)  # +-1: exact in bf16
         return bag_mean(e) if k > 1 else e.squeeze(2)
 
     def mudd_coefs(self, x, j, m):
         """MUDD block j's m per-token coefficients, each ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * 0.1`` (#81, HEAD)."""
-        h = F.gelu(F.linear(x, self.mudd_w1[j].type_as(x)))
-        return ((F.linear(h, self.mudd_w2[j, :m].type_as(h)) + self.mudd_b2[j, :m]) * MUDD_SCALE).split(1, dim=-1)
+        h = F.gelu(linear(x, self.mudd_w1[j]))
+        return ((linear(h, self.mudd_w2[j, :m]) + self.mudd_b2[j, :m].type_as(h)) * MUDD_SCALE).split(1, dim=-1)
 
     def gate_coefs(self, x, j):
         """Record #85's gate MLP j of x ``[B, L, d]``: ``{layer: {kind: [B, L, w]}}`` over ``gate_lanes(cfg)[j]`` and
         (j = 1) the skip's factor ``[B, L, 1]``: ``(W2 gelu(W1 x) + b) * scale``, one lane per coefficient."""
         lanes = self.gate_lanes[j]
         m = sum(w for _, _, w in lanes)
-        h = F.gelu(F.linear(x, self.gate_w1[j].type_as(x)))
-        c = (F.linear(h, self.gate_w2[j, :m].type_as(h)) + self.gate_b2[j, :m]) * self.gate_scale
+        h = F.gelu(linear(x, self.gate_w1[j]))
+        c = (linear(h, self.gate_w2[j, :m]) + self.gate_b2[j, :m].type_as(h)) * self.gate_scale
         out, skip = {}, None
         for (layer, kind, w), piece in zip(lanes, c.split([w for _, _, w in lanes], dim=-1)):
             if kind == "skip":
@@ -1318,8 +1334,7 @@ def accumulate_gradients(model, micro_batches, rt, weights=None, stop=None, divi
     total = torch.zeros((), device=rt.device)
     buckets = grad_buckets(model) if rt.distributed else None
     for m, (inputs, targets) in enumerate(micro_batches):
-        with rt.autocast():
-            loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
+        loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
         handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
         try:
             (loss_sum / divisor).backward()
@@ -1418,8 +1433,7 @@ def evaluate(model, val, mode, bag_size, cfg, rt, stop=None):
             if harness.should_stop(stop):  # every rank still meets the all-reduces below
                 break
             inputs, targets = rt.to_device(inputs), rt.to_device(targets)
-            with rt.autocast():
-                total += model(inputs, targets).double()
+            total += model(inputs, targets).double()
             count += (targets != IGNORE_INDEX).sum()
     all_reduce_sum(total, rt)
     all_reduce_sum(count, rt)
@@ -1525,7 +1539,7 @@ def warm_up(run):
     for (in_shape, t_shape, _, tied, train), (inputs, targets, weights, _, _) in batches.items():
         t1, g1, run.model.tied = time.perf_counter(), compiled_graphs(), tied
         inputs, targets = (inputs, targets) if train else (rt.to_device(inputs), rt.to_device(targets))
-        with (nullcontext() if train else eval_mode(run.net)), rt.autocast():
+        with nullcontext() if train else eval_mode(run.net):
             loss = run.net(inputs, targets) if weights is None else run.net(inputs, targets, weights)
         if train:
             loss.backward()
@@ -1590,8 +1604,8 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
         log.line(f"fp8: off ({why}); the matmuls run in {'bf16' if rt.bf16 else 'float32'}")
         cfg = dataclasses.replace(cfg, fp8=False)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg).to(rt.device)
-    if cfg.adam_bf16 and rt.bf16:  # with autocast only: a float32 CPU run keeps float32 parameters
+    model = GPT(cfg, torch.bfloat16 if rt.bf16 else torch.float32).to(rt.device)
+    if cfg.adam_bf16 and rt.bf16:  # bf16 runs only: a float32 CPU run keeps float32 parameters
         adam_bf16_(model)
     schedule = Schedule(cfg)
     run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
