@@ -733,9 +733,9 @@ class GPT(nn.Module):
     mean), targets int64 ``[B, L, j]`` (-100 = ignore) -> float32 logits ``[B, L, V]``, or with targets the float32
     loss *sum* over valid labels. One mask per window (``masks_for``), windows from the ``windows`` buffer.
     ``dtype``: the activations' (bf16 on CUDA: the stream, q/k/v, MLP hidden and head input, as modded-nanogpt;
-    float32 on a CPU, exactly repeatable); weights stay as stored and are cast per matmul (``linear``)."""
+    None, on a CPU: the weights' own, float32 and exactly repeatable); weights are cast per matmul (``linear``)."""
 
-    def __init__(self, cfg, dtype=torch.float32):
+    def __init__(self, cfg, dtype=None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         n, k, d = cfg.n_layer, cfg.value_embeds, cfg.model_dim
@@ -846,9 +846,9 @@ class GPT(nn.Module):
     def forward(self, inputs, targets=None, weights=None):
         masks = self.masks_for(inputs)
         table = functools.partial(F.embedding, weight=self.lm_head.weight) if self.tied else self.embed
-        x = embed_tokens(table, inputs).to(self.dtype)  # the stream's dtype from here on
+        x = self.act(embed_tokens(table, inputs))  # the stream's dtype from here on
         x = x0 = rms_norm(x if self.smear_w is None else self.smeared(x))
-        ves = [embed_tokens(table, inputs).to(self.dtype) for table in self.value_embeds]
+        ves = [self.act(embed_tokens(table, inputs)) for table in self.value_embeds]
         bigram = self.bigram_embedding(inputs) if self.bigram is not None else None
         gates, skip_factor = self.gate_coefs(x0, 0) if self.gate_w1 is not None else ({}, 1.0)
         if bigram is not None:  # layer 0's gate: the bigram enters the stream before the first layer (HEAD)
@@ -892,6 +892,10 @@ class GPT(nn.Module):
             return A * torch.sigmoid((logits + B) / C)
         return c * torch.tanh(logits / c) if c > 0 else logits
 
+    def act(self, x):
+        """``x`` in the activations' dtype (``dtype``; None: as it is)."""
+        return x if self.dtype is None else x.to(self.dtype)
+
     def smeared(self, x):
         """Record #34 (HEAD) on embeddings x ``[B, L, d]``: ``x[t] += lam sigmoid(w . x[t, :12]) x[t-1]`` for t >= 1.
 
@@ -911,7 +915,8 @@ class GPT(nn.Module):
         term = (27191 * torch.where(pos == 1, V, prev) + 2 ** 31) % 2 ** 32 - 2 ** 31
         rows = torch.where(pos == 0, V, ((36313 * cur) ^ term) % V)  # int64, else as HEAD's int32 ops
         signs = self.bigram_signs[torch.where(pos == 0, 0, (prev ^ cur) % BIGRAM_SIGN_ROWS)]
-        e = (self.bigram(rows).to(self.dtype) * signs.to(self.dtype)).view(B, L, k, -1)  # +-1: exact in bf16
+        e = self.act(self.bigram(rows))
+        e = (e * signs.type_as(e)).view(B, L, k, -1)  # +-1: exact in bf16
         return bag_mean(e) if k > 1 else e.squeeze(2)
 
     def mudd_coefs(self, x, j, m):
@@ -1604,7 +1609,7 @@ def train(cfg, rt, log, data, preset=None, resume=None, stop=None):
         log.line(f"fp8: off ({why}); the matmuls run in {'bf16' if rt.bf16 else 'float32'}")
         cfg = dataclasses.replace(cfg, fp8=False)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg, torch.bfloat16 if rt.bf16 else torch.float32).to(rt.device)
+    model = GPT(cfg, torch.bfloat16 if rt.bf16 else None).to(rt.device)
     if cfg.adam_bf16 and rt.bf16:  # bf16 runs only: a float32 CPU run keeps float32 parameters
         adam_bf16_(model)
     schedule = Schedule(cfg)

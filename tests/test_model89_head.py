@@ -59,11 +59,11 @@ def test_dc_attention_gradients_equal_finite_differences():
 
 
 def test_dc_attention_float32_matches_float64():
-    """The training dtype (float32 inside, whatever autocast says) against the float64 result."""
+    """A bf16 run's inputs (bf16 q, k, v and lanes): float32 inside and out, against float64 of the same values."""
     q, k, v, w1, w2, docs = dc_inputs(1, 300, 6, 16, seed=8, p_doc=0.01)
-    want = kernels.dc_attention(q, k, v, w1, w2, docs, 0.12)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = kernels.dc_attention(*(t.float() for t in (q, k, v, w1, w2)), docs, 0.12)
+    inputs = [t.bfloat16() for t in (q, k, v, w1, w2)]
+    want = kernels.dc_attention(*(t.double() for t in inputs), docs, 0.12)
+    got = kernels.dc_attention(*inputs, docs, 0.12)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
@@ -175,7 +175,7 @@ def test_adam_bf16_stores_heads_bf16_parameters():
             *(f"blocks.{i}.ve_gate" for i in (1, 2, 8, 9))}
     assert bf16 == want
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n not in want)
-    assert cfg.adam_bf16  # every record preset; a run stores them so only under bf16 autocast (not a CPU's float32)
+    assert cfg.adam_bf16  # every record preset; a run stores them so only in bf16 runs (not a CPU's float32)
 
 
 def test_dc_layers_need_the_gate_mlps():
