@@ -462,7 +462,7 @@ def warm_step(opt):
 
 
 # Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of HEAD's param table.
-RECORD89_ADAM = {
+ADAM_ROLES = {
     "embed": ((0.5, 0.95), 1.0, 150.0),          # token embedding (tied to the head until stage 3)
     "lm_head": ((0.5, 0.95), 1.0, 150.0),
     "value_embeds": ((0.75, 0.95), 75.0, 5.0),
@@ -479,21 +479,21 @@ RECORD89_ADAM = {
 }
 
 
-def record89_adam_groups(roles, lr=0.008, weight_decay=0.005):
+def adam_groups(roles, lr=0.008, weight_decay=0.005):
     """``CautiousAdam`` groups from ``{role: [params]}`` with record #89's per-role betas and lr, wd multipliers
-    (``RECORD89_ADAM``; docs/METHODS.md §3); empty roles are skipped, an unknown one is a ValueError."""
+    (``ADAM_ROLES``; docs/METHODS.md §3); empty roles are skipped, an unknown one is a ValueError."""
     groups = []
     for role, params in roles.items():
-        if role not in RECORD89_ADAM:
-            raise ValueError(f"unknown Adam role {role!r}; choose from {sorted(RECORD89_ADAM)}")
-        betas, lr_mul, wd_mul = RECORD89_ADAM[role]
+        if role not in ADAM_ROLES:
+            raise ValueError(f"unknown Adam role {role!r}; choose from {sorted(ADAM_ROLES)}")
+        betas, lr_mul, wd_mul = ADAM_ROLES[role]
         if params:
             groups.append(dict(params=list(params), betas=betas, lr=lr * lr_mul, weight_decay=weight_decay * wd_mul,
                                role=role))
     return groups
 
 
-def record89_matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations=DEFAULTS["pp_iterations"]):
+def matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations=DEFAULTS["pp_iterations"]):
     """``NorMuon`` groups of record #89 from ``[(name, W [out, in])]``: Q and K cut into head pairs (record #80),
     V and the attention output whole, the MLP input and output (with ``aurora``, Aurora's polar on them).
 
