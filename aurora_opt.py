@@ -379,6 +379,13 @@ class CautiousAdam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.calls = state_dict.pop("calls", 0)
         super().load_state_dict(state_dict)
+        # why: torch casts loaded state to its parameter's dtype, so an --adam-bf16 run resumed with its float32
+        # moments and gradient sum rounded to bf16; put the saved tensors back in their own dtype
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for i, p in zip(ids, [p for group in self.param_groups for p in group["params"]]):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure=None):

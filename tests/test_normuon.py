@@ -409,3 +409,18 @@ def test_compiled_cautious_adam_matches_eager():
             opt.step()
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cautious_adam_resume_keeps_the_float32_state_of_bf16_parameters():
+    """--adam-bf16: torch's load_state_dict casts state to the parameter's dtype; the moments must stay float32."""
+    p = torch.randn(4, 3).bfloat16().requires_grad_()
+    opt = A.CautiousAdam([p], every=2)
+    for _ in range(3):
+        p.grad = torch.randn(4, 3).bfloat16()
+        opt.step()
+    saved = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    resumed = A.CautiousAdam([p], every=2)
+    resumed.load_state_dict(opt.state_dict())
+    assert set(saved) == {"grad_sum", "exp_avg", "exp_avg_sq"}
+    for key, value in saved.items():
+        assert resumed.state[p][key].dtype == torch.float32 and torch.equal(resumed.state[p][key], value), key
