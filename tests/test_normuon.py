@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aurora_opt as A
+import optim_reference as R
 from conftest import REPO, run_torchrun, subprocess_env
 
 
@@ -340,6 +341,8 @@ def test_two_processes_match_one(tmp_path):
     # blocks per shape: 4 head-pair blocks of (8, 32) from q and k, 2 x (32, 32), 1 x (64, 32), 1 x (32, 64)
     assert b["shares"] == {0: [4, 1, 1, 1] * 3, 1: [4, 1, 1, 1] * 3}
     assert a["shares"] == {0: [8, 2, 1, 1] * 3}
+    for saved in (a, b):  # 1 process and 2: as the per-matrix step of e6fff65 (issue 44's batching changes no bit)
+        R.assert_equals_the_per_matrix_reference(saved)
 
 
 # ---------------------------------------------------------------------------------------------
