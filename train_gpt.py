@@ -1537,7 +1537,8 @@ def warm_up(run):
     if not rt.compile:
         return 0.0
     # why: each variant is compiled here on purpose (stage shapes x tie x train/eval; one optimizer graph per
-    # parameter shape and group); torch's default of 8 per function would run the rest uncompiled all run
+    # NorMuon bucket of same-shape blocks and per Adam group); torch's default of 8 per function would run the
+    # rest uncompiled all run
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     t0, graphs0, tied0 = time.perf_counter(), compiled_graphs(), run.model.tied
     batches = graph_batches(run)
