@@ -182,21 +182,29 @@ class Aurora(torch.optim.Optimizer):
             lr, wd = group["lr"], group["weight_decay"]
             for index in by_shape.values():
                 params = [group["params"][i] for i in index]
-                U = torch.stack([self._momentum_update(p, group) for p in params])  # [k, m, n]
-                for p, o in zip(params, self._sharded_direction(U, group, world, rank)):
-                    p.mul_(1 - lr * wd)
-                    p.add_(o.to(p.dtype), alpha=-lr)
+                O = self._sharded_direction(torch.stack(self._momenta(params, group)), group, world, rank)
+                torch._foreach_mul_(params, 1 - lr * wd)  # one multi-tensor kernel per op on CUDA
+                torch._foreach_add_(params, [o.to(p.dtype) for p, o in zip(params, O)], alpha=-lr)
         return loss
 
-    def _momentum_update(self, p, group):
-        """``M <- mu M + (1 - mu) G``; returns ``(1 - mu) G + mu M`` (Nesterov) or ``M``."""
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf = state["momentum_buffer"]
-        buf.lerp_(g, 1 - group["momentum"])
-        return g.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    def _momenta(self, params, group):
+        """``M <- mu M + (1 - mu) G`` for each of ``params``; the list of ``(1 - mu) G + mu M`` (Nesterov) or ``M``.
+
+        Per-parameter buffers (``state_dict`` as before) updated by foreach ops: one multi-tensor kernel per op
+        on CUDA for the whole list, on a CPU a loop of the same ATen lerp (the same bits as one by one). Eager, not
+        compiled: inductor's lerp rounds differently from ATen's (it skips the fma), so compiling it would change
+        every compiled step's result.
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(state["momentum_buffer"])
+        mu = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        return torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
 
     def _sharded_direction(self, U, group, world, rank):
         """Directions of ``U`` ``[k, m, n]``: this rank computes its equal chunk, then all ranks all-gather."""
@@ -241,14 +249,23 @@ def cautious_update_(p, update, lr, wd):
     p.copy_(P)
 
 
-def normuon_finish_(p, O, second_moment, beta2, lr_eff, wd_lr):
-    """``normuon_normalize`` (unless ``second_moment`` is None), then ``cautious_update_`` of ``p`` ``[b, rows, cols]``.
+def normuon_finish_(params, O, second_moments, beta2, lr_eff, wd_lr):
+    """One bucket of same-shape blocks: ``normuon_normalize`` of ``O`` ``[B, rows, cols]`` (unless ``second_moments``
+    is None), then ``cautious_update_`` of each of ``params`` ``[b_i rows, cols]`` with its ``b_i`` blocks of ``O``.
 
+    ``second_moments``: each matrix's ``[b_i, rows, 1]`` or ``[b_i, 1, cols]`` state, updated in place (sum b_i = B).
     ``lr_eff``, ``wd_lr``: floats, or 0-D float64 CPU tensors when compiled (no new graph per lr, record #48).
+    Compiled, one call (graph) per bucket, not per matrix: the host cost of a call is paid once per shape.
     """
-    if second_moment is not None:
-        O = normuon_normalize(O, second_moment, beta2)
-    cautious_update_(p, O, lr_eff, wd_lr)
+    rows, cols = O.shape[-2:]
+    blocks = [p.size(0) // rows for p in params]
+    if second_moments is not None:
+        S = torch.cat(second_moments)  # the bucket's statistics stacked: one reduction over all its blocks
+        O = normuon_normalize(O, S, beta2)
+        for s, new in zip(second_moments, S.split(blocks)):
+            s.copy_(new)
+    for p, o in zip(params, O.split(blocks)):
+        cautious_update_(p.view(-1, rows, cols), o, lr_eff, wd_lr)
 
 
 class NorMuon(Aurora):
@@ -309,25 +326,26 @@ class NorMuon(Aurora):
         for group, by_shape in zip(self.param_groups, self._by_shape):
             for (rows, cols), index in by_shape.items():
                 params = [group["params"][i] for i in index]
-                U = torch.cat([self._momentum_update(p, group).view(-1, rows, cols) for p in params])
-                O = self._sharded_direction(U, group, world, rank)  # [k, rows, cols] float32
-                start = 0
-                for p in params:
-                    blocks = p.size(0) // rows
-                    self._apply(p, O[start:start + blocks], group)
-                    start += blocks
+                # why per-matrix state, stacked each step: stacked persistent buffers would spare only this cat (the
+                # grads and weights are the model's separate tensors anyway) and would need their own state_dict;
+                # foreach ops read a list in one CUDA launch, and U is allocated each step as the polar needs it
+                U = torch.cat(self._momenta(params, group)).view(-1, rows, cols)  # [sum b_i, rows, cols], one view
+                self._apply(params, self._sharded_direction(U, group, world, rank), group)
         return loss
 
-    def _apply(self, p, O, group):
-        """Normalize one matrix's block directions ``O`` ``[b, rows, cols]`` and take the cautious step."""
+    def _apply(self, params, O, group):
+        """Normalize the bucket's block directions ``O`` ``[B, rows, cols]`` and take the cautious steps (one call)."""
         rows, cols = O.shape[-2:]
-        second_moment = None
+        second_moments = None
         if group["normalize"]:
-            state = self.state[p]
-            if "second_moment" not in state:
-                shape = (O.size(0), rows, 1) if rows >= cols else (O.size(0), 1, cols)
-                state["second_moment"] = torch.zeros(shape, device=O.device, dtype=O.dtype)
-            second_moment = state["second_moment"]
+            second_moments = []
+            for p in params:
+                state = self.state[p]
+                if "second_moment" not in state:  # per matrix, as before: state_dict and checkpoints unchanged
+                    b = p.size(0) // rows
+                    shape = (b, rows, 1) if rows >= cols else (b, 1, cols)
+                    state["second_moment"] = torch.zeros(shape, device=O.device, dtype=O.dtype)
+                second_moments.append(state["second_moment"])
         lr = group["lr"]
         lr_eff = lr * group["lr_mul"] * math.sqrt(max(1.0, rows / cols))  # record #42's shape factor
         scalars = (lr_eff, group["weight_decay"] * lr)
@@ -335,7 +353,7 @@ class NorMuon(Aurora):
             for t, value in zip(self._scalars, scalars):
                 t.fill_(value)
             scalars = self._scalars
-        self._finish(p.view(-1, rows, cols), O, second_moment, group["beta2"], *scalars)
+        self._finish(params, O, second_moments, group["beta2"], *scalars)
 
 
 class CautiousAdam(torch.optim.Optimizer):
@@ -362,6 +380,7 @@ class CautiousAdam(torch.optim.Optimizer):
         self.every = every
         self.calls = 0  # step() calls so far; saved in state_dict
         self._finish = torch.compile(adam_finish_, dynamic=False) if compile else adam_finish_
+        self._accumulate = torch.compile(grad_sum_, dynamic=False) if compile else grad_sum_
         # compiled: the step size and lr^2 wd reach the graph as 0-D CPU tensors (no recompile, no sync)
         self._scalars = (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)) if compile else None
 
@@ -379,64 +398,110 @@ class CautiousAdam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.calls = state_dict.pop("calls", 0)
         super().load_state_dict(state_dict)
+        # why: torch casts loaded state to its parameter's dtype, so an --adam-bf16 run resumed with its float32
+        # moments and gradient sum rounded to bf16; put the saved tensors back in their own dtype
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for i, p in zip(ids, [p for group in self.param_groups for p in group["params"]]):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Accumulate this step's gradients (None counts as zero); update on every ``every``-th call."""
+        """Accumulate this step's gradients (None counts as zero); update on every ``every``-th call.
+
+        Compiled calls: one for every parameter on a step that only accumulates (the sum has no hyperparameter),
+        one per group on an update step (which adds its own gradients in that call).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         update, first = self.updates_next, self.calls % self.every == 0
         self.calls += 1
+        if not update:
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._accumulate(self._grad_sums(params), _grads(params), first)
+            return loss
         for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                state = self.state[p]
-                if self.every > 1:
-                    if "grad_sum" not in state:
-                        state["grad_sum"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
-                    buf = state["grad_sum"]
-                    if first:  # the sum restarts after each update
-                        buf.copy_(g)
-                    else:
-                        buf.add_(g)
-                    g = buf
-                if update:
-                    self._update(p, g.to(torch.promote_types(g.dtype, torch.float32)), group, state)
+            self._update(group, first)
         return loss
 
-    def _update(self, p, g, group, state):
-        """One Adam update of ``p`` with the float32 (float64) gradient ``g``."""
-        if "exp_avg" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(g)  # float32 (float64 for a float64 p)
-            state["exp_avg_sq"] = torch.zeros_like(g)
-        state["step"] += 1
-        t, (b1, b2), lr = state["step"], group["betas"], group["lr"]
-        scalars = (lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t), lr * lr * group["weight_decay"])
-        if self._scalars is not None:
-            for s, value in zip(self._scalars, scalars):
-                s.fill_(value)
-            scalars = self._scalars
-        self._finish(p, g, state["exp_avg"], state["exp_avg_sq"], b1, b2, group["eps"], *scalars)
+    def _grad_sums(self, params):
+        """Each parameter's float32 (float64) gradient sum of the every-k steps, made at zero on first use."""
+        sums = []
+        for p in params:
+            state = self.state[p]
+            if "grad_sum" not in state:
+                state["grad_sum"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+            sums.append(state["grad_sum"])
+        return sums
+
+    def _update(self, group, first):
+        """One Adam update of ``group``'s parameters: one ``adam_finish_`` call per Adam step count (normally one)."""
+        params = group["params"]
+        sums = self._grad_sums(params) if self.every > 1 else [None] * len(params)
+        by_step = {}  # {t: [(p, grad, sum, exp_avg, exp_avg_sq)]}: t differs only if parameters joined late
+        for p, g, s in zip(params, _grads(params), sums):
+            state = self.state[p]
+            if "exp_avg" not in state:  # per parameter, as before: state_dict and checkpoints unchanged
+                dtype = torch.promote_types(p.dtype, torch.float32)  # float32 (float64 for a float64 p)
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+            state["step"] += 1
+            by_step.setdefault(state["step"], []).append((p, g, s, state["exp_avg"], state["exp_avg_sq"]))
+        (b1, b2), lr = group["betas"], group["lr"]
+        for t, entries in by_step.items():
+            ps, gs, ss, ms, vs = map(list, zip(*entries))
+            scalars = (lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t), lr * lr * group["weight_decay"])
+            if self._scalars is not None:
+                for s, value in zip(self._scalars, scalars):
+                    s.fill_(value)
+                scalars = self._scalars
+            self._finish(ps, gs, None if self.every == 1 else ss, ms, vs, first, b1, b2, group["eps"], *scalars)
 
 
-def adam_finish_(p, g, exp_avg, exp_avg_sq, b1, b2, eps, step_size, wd_lr2):
-    """One cautious Adam update of ``p`` and its float32 (float64) moments in place; ``step_size`` and ``wd_lr2``
-    (lr^2 wd) are floats, or 0-D float64 CPU tensors when compiled."""
-    exp_avg.lerp_(g, 1 - b1)
-    exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-    u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
-    P = p.to(g.dtype)
-    u = u + wd_lr2 * (((u * P) > 0) * P)  # cautious decay (HEAD's Adam: strict > 0, scaled by lr^2)
-    p.copy_(P - u)
+def _grads(params):
+    """Each parameter's gradient, zeros where it has none."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def grad_sum_(sums, grads, first):
+    """The every-k gradient sums in place: ``sums = grads`` on the first call after an update, else ``+= grads``.
+
+    Float32 (float64) sums of bf16 or float32 grads. Foreach ops: compiled, one call for the whole list.
+    """
+    if first:
+        torch._foreach_copy_(sums, grads)
+    else:
+        torch._foreach_add_(sums, grads)
+
+
+def adam_finish_(params, grads, sums, exp_avgs, exp_avg_sqs, first, b1, b2, eps, step_size, wd_lr2):
+    """Cautious Adam updates of ``params`` (any shapes, bf16 or float32) and their float32 (float64) moments in place.
+
+    One group's hyperparameters and step count. ``sums``: the every-k gradient sums, finished here with ``grads``
+    (``grad_sum_``) and used as the gradients; None: ``grads`` are. ``step_size`` and ``wd_lr2`` (lr^2 wd): floats,
+    or 0-D float64 CPU tensors when compiled. Compiled, one call (graph) per group, not one per parameter.
+    """
+    if sums is not None:
+        grad_sum_(sums, grads, first)
+        grads = sums
+    for p, g, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        exp_avg.lerp_(g, 1 - b1)
+        exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+        u = exp_avg / (exp_avg_sq.sqrt() + eps) * step_size
+        P = p.to(g.dtype)
+        u = u + wd_lr2 * (((u * P) > 0) * P)  # cautious decay (record #89's Adam: strict > 0, scaled by lr^2)
+        p.copy_(P - u)
 
 
 @torch.no_grad()
 def warm_step(opt):
-    """Run ``opt.step()`` through every compiled graph it will use (each parameter shape, group
-    hyperparameters, the update call of an every-k optimizer) and leave ``opt`` and the parameters as they were.
+    """Run ``opt.step()`` through every compiled graph it will use (one per bucket of same-shape matrices or per
+    Adam group; the sum-only and update calls of an every-k optimizer); leave ``opt`` and the parameters as they were.
 
     The steps run at lr 0 with no gradients, which changes no parameter (every update here is
     ``p - lr * (...)`` or ``p (1 - lr wd)``); the state the steps create or move is put back

@@ -1300,8 +1300,8 @@ def warm_up(run, stop):
     (``warm_step``: every parameter variant); logs each one's time, returns the total ms."""
     if not run.rt.compile:
         return 0.0
-    # why: each variant is compiled here on purpose (stage shapes x tie x train/eval; optimizer graphs per shape);
-    # torch's default of 8 per function would run the rest uncompiled all run
+    # why: each variant is compiled here on purpose (stage shapes x tie x train/eval; an optimizer graph per NorMuon
+    # bucket of same-shape blocks and per Adam group); torch's default of 8 per function would run the rest uncompiled
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     t0, graphs0, tied0 = time.perf_counter(), harness.compiled_graphs(), run.model.tied
     fp8_state = {n: b.clone() for n, b in run.model.named_buffers() if n.endswith("down_scales")}

@@ -1,4 +1,5 @@
-"""Run 4 Aurora steps on fixed matrices and gradients; save the weights and each rank's share.
+"""Run 4 Aurora steps on fixed matrices and gradients; save the weights and each rank's share, and the weights and
+state of the per-matrix reference (tests/optim_reference.py) run beside it on the same gradients.
 
 Run as one process (``python dist_aurora_worker.py OUT``) or under torchrun; the test compares.
 All-reduce is disabled during the steps: the sharded update may only all-gather.
@@ -12,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
 import aurora_opt  # noqa: E402
+import optim_reference  # noqa: E402  (this script's folder, tests/, is on the path)
 
 
 def main(out):
@@ -23,6 +25,8 @@ def main(out):
     shapes = [(32, 32)] * 3 + [(64, 16)] + [(16, 64)] * 2
     params = [torch.randn(*s, requires_grad=True) for s in shapes]
     opt = aurora_opt.Aurora(params, lr=0.05, weight_decay=0.025)
+    old = [p.detach().clone().requires_grad_() for p in params]
+    old_opt = optim_reference.OldAurora(old, lr=0.05, weight_decay=0.025)
     shares = []
     direction = opt._direction
 
@@ -38,7 +42,10 @@ def main(out):
         g = torch.Generator().manual_seed(100 + step)  # same gradients on every rank
         for p in params:
             p.grad = torch.randn(p.shape, generator=g) * torch.logspace(0, 1, p.size(0))[:, None]
+        for p, r in zip(params, old):
+            r.grad = p.grad.clone()
         opt.step()
+        old_opt.step()
     dist.all_reduce = real_all_reduce
     all_shares = [None] * world
     if world > 1:
@@ -46,8 +53,9 @@ def main(out):
     else:
         all_shares = [shares]
     if rank == 0:
-        torch.save(dict(world=world, weights=[p.detach() for p in params],
-                        shares=dict(enumerate(all_shares))), out)
+        torch.save(dict(world=world, weights=[p.detach() for p in params], shares=dict(enumerate(all_shares)),
+                        state=[opt.state[p] for p in params], old_weights=[p.detach() for p in old],
+                        old_state=[old_opt.state[p] for p in old]), out)
     if world > 1:
         harness.leave_process_group()  # tear down together, as the trainer does
 

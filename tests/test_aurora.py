@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aurora_opt as A
+import optim_reference as R
 from conftest import REPO, run_torchrun, subprocess_env
 
 SHAPES = [(64, 64), (256, 64), (64, 256), (192, 48), (48, 192)]  # last two: 3072x768-like 4:1
@@ -278,3 +279,5 @@ def test_two_process_update_equals_single_process(tmp_path):
     # shapes: 3 x (32,32), 1 x (64,16), 2 x (16,64): per rank ceil(k/2) of each, padded
     assert b["shares"] == {0: [2, 1, 1] * 4, 1: [2, 1, 1] * 4}
     assert a["shares"] == {0: [3, 1, 2] * 4}
+    for saved in (a, b):  # 1 process and 2: as the per-matrix step of e6fff65 (issue 44's batching changes no bit)
+        R.assert_equals_the_per_matrix_reference(saved)

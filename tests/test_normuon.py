@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aurora_opt as A
+import optim_reference as R
 from conftest import REPO, run_torchrun, subprocess_env
 
 
@@ -340,6 +341,8 @@ def test_two_processes_match_one(tmp_path):
     # blocks per shape: 4 head-pair blocks of (8, 32) from q and k, 2 x (32, 32), 1 x (64, 32), 1 x (32, 64)
     assert b["shares"] == {0: [4, 1, 1, 1] * 3, 1: [4, 1, 1, 1] * 3}
     assert a["shares"] == {0: [8, 2, 1, 1] * 3}
+    for saved in (a, b):  # 1 process and 2: as the per-matrix step of e6fff65 (issue 44's batching changes no bit)
+        R.assert_equals_the_per_matrix_reference(saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,3 +412,18 @@ def test_compiled_cautious_adam_matches_eager():
             opt.step()
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cautious_adam_resume_keeps_the_float32_state_of_bf16_parameters():
+    """--adam-bf16: torch's load_state_dict casts state to the parameter's dtype; the moments must stay float32."""
+    p = torch.randn(4, 3).bfloat16().requires_grad_()
+    opt = A.CautiousAdam([p], every=2)
+    for _ in range(3):
+        p.grad = torch.randn(4, 3).bfloat16()
+        opt.step()
+    saved = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    resumed = A.CautiousAdam([p], every=2)
+    resumed.load_state_dict(opt.state_dict())
+    assert set(saved) == {"grad_sum", "exp_avg", "exp_avg_sq"}
+    for key, value in saved.items():
+        assert resumed.state[p][key].dtype == torch.float32 and torch.equal(resumed.state[p][key], value), key
