@@ -29,15 +29,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# Flags that turn every architecture element of the presets off: the plain GPT (causal attention, no
-# value embeddings), for tests whose reference is that model. The values are Config's defaults.
-PLAIN_ARCHITECTURE = dict(doc_mask=False, window=0, short_window_layers="", no_attn_layers="", value_embeds=0,
-                          attn_scale=0.0, logit_softcap=30.0, lr_floor=0.0)
-# The tests' one-stage (--stages flags) model: document masks, a window with a short layer, a value
-# embedding, the attention scale and softcap of the record history, at the tiny shape of tiny_args.
-SMALL_FLAGS = ["--doc-mask", "--value-embeds", "1", "--window", "128", "--short-window-layers", "1",
-               "--attn-scale", "0.12", "--logit-softcap", "15", "--lr-floor", "0.1", "--momentum-warmup-steps", "0",
-               "--embed-lr", "0.3", "--head-lr", "0.02", "--val-tokens", "16384", "--val-every", "50"]
+import train_gpt as T  # noqa: E402
+
+# The tests' model: the record's layer roles at the smallest shape that keeps them (half-truncated RoPE needs a
+# head_dim divisible by 4, paired heads an even head count). train_gpt.MODELS holds the product's two shapes; the
+# tests register this third one, by name, in every process that runs the trainer (tests/dist_*_worker.py too).
+TINY = T.ModelSpec(n_layer=4, n_head=2, model_dim=32, no_attn=(), short_window=(0, 1, 2), paired_heads=(0, 2),
+                   xsa=(1,), attn_gate=(3,), dc=(3,), ve_layers=(1, 3), value_embeds=2, skip=(1, 2),
+                   attn_state_layer=2, bigram_vocab=1024, mudd_gates=2, window_block=8)
+T.MODELS.setdefault("tiny", TINY)
 
 
 def sample_args():
@@ -47,23 +47,12 @@ def sample_args():
 
 
 def tiny_args(tmp_path, *extra):
-    """Flags of a 2-layer, 64-wide model on real text: 256 positions a step, val on 512 tokens."""
-    return [*SMALL_FLAGS, *sample_args(), "--n-layer", "2", "--model-dim", "64",
-            "--n-head", "2", "--seq-len", "32", "--batch-tokens", "256", "--micro-batch-seqs", "8",
-            "--val-tokens", "512", "--num-iterations", "8", "--val-every", "4",
+    """Flags of a run of the tiny model on real text: 8 steps of 64 -> 128 -> 192 positions (one packed sequence a
+    step, stage k of k x 64), val on 512 tokens every 4 steps, float32, no compile, logs and checkpoints in tmp."""
+    return ["--model", "tiny", *sample_args(), "--seq-len", "64", "--batch-tokens", "192", "--num-iterations", "8",
+            "--extension-steps", "1", "--val-tokens", "512", "--val-seq-len", "0", "--val-every", "4", "--log-every",
+            "1", "--momentum-warmup-steps", "2", "--momentum-cooldown-steps", "1", "--no-fp8", "--device", "cpu",
             "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
-
-
-def drop_flags(argv, *flags):
-    """``argv`` without each of ``flags`` and the value after it (the trainer refuses a typed flag its config
-    does not read: tiny_args's --embed-lr, --head-lr under record #89's CautiousAdam)."""
-    out, words = [], iter(argv)
-    for w in words:
-        if w in flags:
-            next(words)
-        else:
-            out.append(w)
-    return out
 
 
 def random_tokens(shape, seed, p_eot):
