@@ -1168,6 +1168,20 @@ def short_summary(res):
     lines += [f"error: {e[:160]}" for e in res["errors"][:4]]
     lines.append(f"status {res.get('status')} (exit {res.get('exit_code')}); wall {res.get('wall_s')} s of "
                  f"{res['args'].get('budget_s'):.0f} s; files: gpu_check.json, gpu_check_summary.txt, {ARCHIVE}")
+    return fit_summary(lines)
+
+
+def fit_summary(lines):
+    """``lines`` joined into at most ``SUMMARY_CHARS`` characters: stage lines dropped from the last up (a note before
+    CHECKS says how many; the JSON has them all), then, if still too long, the middle cut (the status line kept)."""
+    stages = [i for i, line in enumerate(lines) if line.startswith("  phase ")]
+    dropped = 0
+    note = lambda: f"  ({dropped} stage lines left out for length: gpu_check.json has every stage)"  # noqa: E731
+    while stages and len("\n".join(lines)) + (len(note()) + 1 if dropped else 0) > SUMMARY_CHARS:
+        del lines[stages.pop()]
+        dropped += 1
+    if dropped and "CHECKS" in lines:
+        lines.insert(lines.index("CHECKS"), note())
     text = "\n".join(lines)
     if len(text) > SUMMARY_CHARS:  # keep the head (timing) and the status line
         text = text[:SUMMARY_CHARS - len(lines[-1]) - 5] + "\n...\n" + lines[-1]

@@ -253,6 +253,17 @@ def test_a_timing_run_rewrites_the_json_as_each_graph_compiles_and_a_cut_one_say
     assert gpu_check.warm_up_text(dict(done, compile_time_ms=0.0, compile_graphs=[])) == "no compile"
 
 
+def test_a_long_summary_loses_stage_lines_before_the_checks_and_what_was_cut():
+    stages = [f"  phase 2 s=1: {i} positions: " + "9" * 150 for i in range(30)]
+    lines = ["TIMING (...)", "baseline_h200: 40 steps timed", *stages, "CHECKS", "  FAIL fp8_head_fixed_scales",
+             "CUT SHORT: timing record_h200 stopped at the budget (in its warm-up)", "status failed (exit 1)"]
+    text = gpu_check.fit_summary(list(lines))
+    kept = [line for line in stages if line in text]
+    assert len(text) <= gpu_check.SUMMARY_CHARS and 0 < len(kept) < 30 and kept == stages[:len(kept)]
+    assert text.endswith("\n".join(lines[-4:])) and f"({30 - len(kept)} stage lines left out for length" in text
+    assert gpu_check.fit_summary(lines[:2] + lines[-4:]) == "\n".join(lines[:2] + lines[-4:])  # short: as it is
+
+
 def test_projection_of_a_flags_preset_weights_each_phase_by_its_flops():
     # a one-stage table from the flags (TST for 30% of 1,770 steps): each phase at its own measured rate
     base = ["--doc-mask", "--window", "1792", "--num-iterations", "1770"]
