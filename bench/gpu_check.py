@@ -27,6 +27,7 @@ Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, 
 Details (what to read, tolerances, the projection, where the time goes): docs/GPU_CHECK.md.
 """
 import argparse
+import collections
 import datetime
 import getpass
 import json
@@ -1096,9 +1097,7 @@ def warm_up_text(tm):
     stop = (tm.get("run") or {}).get("stop_at_s")
     if not graphs:
         return "stopped before any graph compiled or step ran" + (f" ({stop:.0f} s into the run)" if stop else "")
-    kinds = {}
-    for g in graphs:
-        kinds[g["what"].split()[0]] = kinds.get(g["what"].split()[0], 0) + 1
+    kinds = collections.Counter(g["what"].split()[0] for g in graphs)  # train, val, optimizer
     last = graphs[-1].get("at_s")
     busy = f"; the next item had run {stop - last:.0f} s when stopped" if stop is not None and last is not None else ""
     return (f"warm-up cut after {count} (" + ", ".join(f"{k} {n}" for k, n in kinds.items())

@@ -1,4 +1,5 @@
 """bench/gpu_check.py --dry-run: the one-shot GPU check runs end to end on CPU and reports sane numbers."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -503,6 +504,13 @@ FP8_BUGS = {
 }
 kernels_mm, kernels_q, kernels_linear = kernels.fp8_mm, kernels.fp8_quantize, kernels.fp8_linear
 kernels_delay, kernels_refresh = kernels.delay_input_scale_, kernels.refresh_down_scales_
+
+
+def test_a_model_without_fixed_head_scales_fails_the_head_row(model_check_config):
+    """A model that gives its head no fixed scales (here: a flags recipe) leaves the op its current scales."""
+    cfg = dataclasses.replace(model_check_config, stages="flags")
+    head = gpu_kernels.fp8_head_fixed_check(T, torch.device("cpu"), cfg, FP8_SMALL, divisor=8)
+    assert head["scales_used"] is None and not head["passed"] and head["max_scale_diff"] > 0.5
 
 
 @pytest.mark.parametrize("bug", list(FP8_BUGS))
