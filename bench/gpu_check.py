@@ -3,25 +3,31 @@
     OUT=<folder> python bench/gpu_check.py    # on the GPU box: --budget-s 530 (fits a 570 s slot, cold cache)
     OUT=<folder> python bench/gpu_check.py --dry-run   # the same plan on CPU at a tiny shape (CI runs it)
 
-Sections, in this order (each starts only while the budget leaves it room):
-1. environment and micro-benchmarks (matmul TFLOP/s, copy GB/s, SDPA backends);
-2. the timing runs: baseline_h200 (record #89 as HEAD runs it), then record_h200 only if the time the
-   first one took (its measured compile of each graph, its steps) is left; compiled, N = --steps steps
-   covering every stage of the stage table and both TST phases; per stage the median ms/step without
-   its first two steps, tokens/s, MFU, memory, the full run's time projected stage by stage;
-3. kernel agreement (float32 or FP8, random inputs): fp8_linear vs float64 (record shapes on CUDA),
-   FlexAttention vs masked SDPA, the fused loss vs float64, and on the check model (record #89's model
-   at a tiny shape, every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
+Sections, in this order (each starts only while the budget leaves it room; everything stops RESERVE_S,
+45 s, before the budget's end: the report's):
+1. environment and micro-benchmarks (matmul TFLOP/s, copy GB/s, SDPA backends: seconds);
+2. the timing runs, which may use the whole budget but the reserve: baseline_h200 (record #89 as
+   modded-nanogpt runs it), then record_h200 only if the time the first one took is left; compiled, N =
+   --steps steps covering every stage of the stage table, both TST phases and both sides of the head's
+   untie, a 262,144-token val chunk at the start and the end; per stage the median ms/step without its
+   first two steps, tokens/s, MFU, memory, the full run's time projected stage by stage; each warm-up
+   item's compile time goes into the JSON as the trainer logs it (a run cut short says how far it got);
+3. kernel agreement (float32 or FP8, random inputs): fp8_linear vs float64 at current scales and at the
+   presets' fixed head and delayed down-projection scales (record shapes on CUDA), FlexAttention vs
+   masked SDPA, the fused loss vs float64, and on the check model (record #89's model at a tiny shape,
+   every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
 4. a one-step torch.profiler breakdown and max_memory_reserved;
 5. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
    vs bf16 where the GPU has FP8 (compute capability 8.9+; else said skipped);
 6. report: three files in $OUT (else --out), the JSON and the logs' archive rewritten after every
-   section (a kill keeps what was measured): gpu_check.json, gpu_check_summary.txt,
-   gpu_check_logs.tar.gz; the summary (<= 3,000 characters: timing, PASS/FAIL, what was cut) printed last.
+   section and while a run is waited for (a kill keeps what was measured): gpu_check.json,
+   gpu_check_summary.txt, gpu_check_logs.tar.gz; the summary (<= 3,000 characters: timing, PASS/FAIL,
+   what was cut) printed last.
 Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
 Details (what to read, tolerances, the projection, where the time goes): docs/GPU_CHECK.md.
 """
 import argparse
+import collections
 import datetime
 import getpass
 import json
@@ -102,9 +108,18 @@ def child_env():
     return {**CHILD_THREADS, **env}
 
 
-SAVE = {"fn": None}  # main's: rewrite the JSON and the logs' archive in $OUT (called while a run is waited for)
+# main's: SAVE["fn"](archive) rewrites the JSON (and with archive the logs' archive) in $OUT; "dirty": a running
+# trainer logged something the JSON should hold (a warm-up item's compile time, a step), rewritten within a second
+SAVE = {"fn": None, "dirty": False}
 POLL_GPU = {"on": False}  # on CUDA (main): trainer runs sample nvidia-smi's memory in use
 STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, no new section starts
+
+
+# --dry-run's compiled timing run: the trainer under torch.compile(backend="eager"), Dynamo's graphs, guards and
+# recompiles as on CUDA (the warm-up's compile lines, graphs_compiled_during_training) without code generation
+EAGER_BACKEND = ("import functools, runpy, sys, torch; "
+                 "torch.compile = functools.partial(torch.compile, backend='eager'); "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 class TrainerRun:
@@ -112,15 +127,19 @@ class TrainerRun:
 
     ``wait(deadline)`` stops it at ``deadline`` (``time.monotonic()`` seconds): SIGTERM to its
     group (the trainer then closes its log as incomplete), SIGKILL 20 s later if needed.
+    ``on_line(line)``: called with each console line as it comes (from the reader thread).
+    ``eager_backend``: compiled by Dynamo alone (``EAGER_BACKEND``), for --dry-run.
     """
 
     running = []  # runs not yet waited for, stopped on Ctrl-C
+    STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL this long after
 
-    def __init__(self, name, argv, out_dir, echo=True):
-        self.name, self.argv, self.echo = name, list(argv), echo
+    def __init__(self, name, argv, out_dir, echo=True, on_line=None, eager_backend=False):
+        self.name, self.argv, self.echo, self.on_line = name, list(argv), echo, on_line
+        self.eager_backend = eager_backend
         self.log_dir = os.path.join(out_dir, "logs")
         self.console_path = os.path.join(self.log_dir, f"{name}.console.txt")
-        self.proc, self.rc, self.timed_out, self.wall_s = None, None, False, 0.0
+        self.proc, self.rc, self.timed_out, self.wall_s, self.stop_at_s = None, None, False, 0.0, None
         self.gpu_mem_mib = None  # the most GPU memory nvidia-smi saw in use during the run (POLL_GPU)
 
     def start(self):
@@ -129,7 +148,7 @@ class TrainerRun:
             path = os.path.join(self.log_dir, self.name + ext)
             if os.path.exists(path):
                 os.remove(path)
-        cmd = [sys.executable, "-u", TRAINER, *self.argv]
+        cmd = [sys.executable, "-u", *(["-c", EAGER_BACKEND] if self.eager_backend else []), TRAINER, *self.argv]
         print(f"[{self.name}] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
         self.t0 = time.monotonic()
         self.console = open(self.console_path, "w", encoding="utf-8")
@@ -148,6 +167,8 @@ class TrainerRun:
             for line in iter(self.proc.stdout.readline, ""):
                 self.console.write(line)
                 self.console.flush()
+                if self.on_line:
+                    self.on_line(line.rstrip("\n"))
                 if self.echo:
                     print(f"[{self.name} {time.monotonic() - self.t0:6.1f}s] {line.rstrip()}", flush=True)
         except (ValueError, OSError):  # console closed by wait() while a straggler still held the pipe
@@ -171,7 +192,7 @@ class TrainerRun:
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=self.STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()
@@ -180,16 +201,16 @@ class TrainerRun:
         try:
             if STOP["reason"]:
                 raise KeyboardInterrupt(STOP["reason"])
-            while self.proc.poll() is None:  # the logs' archive refreshed every 20 s: a hard kill keeps them
+            archived = time.monotonic()
+            while self.proc.poll() is None:  # the results rewritten as they come: a hard kill keeps them
                 if time.monotonic() >= deadline:
                     raise subprocess.TimeoutExpired(self.name, deadline)
                 try:
-                    self.proc.wait(timeout=min(20.0, max(0.1, deadline - time.monotonic())))
+                    self.proc.wait(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
                 except subprocess.TimeoutExpired:
-                    if SAVE["fn"]:
-                        SAVE["fn"]()
+                    archived = refresh_results(archived)
         except subprocess.TimeoutExpired:
-            self.timed_out = True
+            self.timed_out, self.stop_at_s = True, round(time.monotonic() - self.t0, 1)
             print(f"[{self.name}] time budget reached: stopping it and reporting what its log holds",
                   flush=True)
             self.stop()
@@ -218,15 +239,32 @@ class TrainerRun:
             with open(json_path, encoding="utf-8") as f:
                 summary = json.load(f)
         out = dict(name=self.name, argv=self.argv, rc=self.rc, timed_out=self.timed_out,
-                   wall_s=round(self.wall_s, 1), log=log_path, console=self.console_path,
+                   wall_s=round(self.wall_s, 1), stop_at_s=self.stop_at_s, log=log_path, console=self.console_path,
                    summary=summary, gpu_memory_used_max_mib=self.gpu_mem_mib)
         out.update(parse_log(text))
         return out
 
 
+def refresh_results(archived, every_s=20.0):
+    """While a subprocess is waited for: the JSON rewritten when a run logged something new (``SAVE["dirty"]``), the
+    JSON and the logs' archive every ``every_s``; ``archived``: ``time.monotonic()`` of the last archive (returned,
+    updated)."""
+    now = time.monotonic()
+    archive = now - archived >= every_s
+    if SAVE["fn"] and (archive or SAVE["dirty"]):
+        SAVE["dirty"] = False
+        SAVE["fn"](archive)
+    return now if archive else archived
+
+
 COMPILE_RE = re.compile(r"^compile: warm-up of (\d+) phase graph\(s\) took (\d+)ms")
 GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+) graph")  # one per warm-up item
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
+
+
+def graph_item(m):
+    """A warm-up item of the trainer log (``GRAPH_RE``'s match): {what, ms, graphs}."""
+    return dict(what=f"{m.group(1)} {m.group(2)}", ms=int(m.group(3)), graphs=int(m.group(4)))
 
 
 def parse_log(text):
@@ -255,7 +293,7 @@ def parse_log(text):
             continue
         m = GRAPH_RE.match(line)
         if m:
-            graphs.append(dict(what=f"{m.group(1)} {m.group(2)}", ms=int(m.group(3)), graphs=int(m.group(4))))
+            graphs.append(graph_item(m))
         m = COMPILE_RE.match(line)
         if m:
             n_phases, compile_ms = int(m.group(1)), float(m.group(2))
@@ -738,24 +776,30 @@ def stage_key(stage):
     return f"phase {stage.phase} s={stage.bag_size}: {stage.batch_tokens} positions{blocks}{cap}"
 
 
+def eager_backend(args, preset):
+    """Whether ``preset``'s timing run is compiled by Dynamo alone (``EAGER_BACKEND``): --dry-run's first preset,
+    unless --compile/--no-compile says otherwise (its warm-up logs each graph's compile time, as on CUDA)."""
+    return args.dry_run and args.compile is None and preset == args.presets[0]
+
+
 def timing_argv(args, preset, data, device_kind, out_dir):
     """``(base, argv)``: the preset (+ --dry-run's small shape) + data + --trainer-args, then the timing flags.
 
     The timing run is the preset with N = --steps and its extension steps scaled to N (at least 1
-    when it has some): the same stage table, TST phases and window blocks, compressed; untied head.
+    when it has some): the same stage table, TST phases, window blocks and tied head (untied at the split step
+    inside the run, so both sides run and the warm-up compiles both), compressed; validation at the start and the
+    end, one chunk of --val-tokens each (CUDA: 262,144, the record's chunk).
     """
     shape = CHECK_SHAPE if args.dry_run else []
     base = ["--preset", preset] + shape + data + shlex.split(args.trainer_args)
     cfg, _ = T.parse_config(base)
-    window = ["--num-iterations", str(args.steps), "--max-steps", "0",
-              "--val-every", "0", "--val-tokens", str(args.val_tokens), "--log-every", "1",
+    window = ["--num-iterations", str(args.steps), "--max-steps", "0", "--val-every", "0",
+              "--val-tokens", str(args.val_tokens), "--val-seq-len", str(args.val_tokens), "--log-every", "1",
               "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", f"timing_{preset}"]
     if cfg.extension_steps:
         window += ["--extension-steps", str(max(1, round(cfg.extension_steps * args.steps / cfg.num_iterations)))]
-    if cfg.tied_embed:  # why: the tie changes which table the embedding reads, not a step's work; untied
-        window.append("--no-tied-embed")  # the run compiles one train and one val graph fewer (cold: minutes)
-    if args.compile is not None:
-        window.append("--compile" if args.compile else "--no-compile")
+    if args.compile is not None or eager_backend(args, preset):
+        window.append("--no-compile" if args.compile is False else "--compile")
     return base, base + window
 
 
@@ -821,15 +865,44 @@ def timing_problems(res, p1, p2, pj):
     return problems, warnings
 
 
-def timing(device, data, args, preset, out_dir, deadline, micro, env):
-    """``preset`` with N = --steps (every stage of its table, both TST phases); speed per phase and stage, projection."""
+def note_progress(live, line, t0):
+    """Update ``live`` (a running timing run's report entry) from one console line of its trainer: a warm-up item's
+    compile time (``at_s``: seconds into the run when it was logged), the warm-up's total, the last step logged;
+    each marks the JSON for rewriting (``SAVE["dirty"]``): a run cut short, or a killed check, says how far it got."""
+    m = GRAPH_RE.match(line)
+    if m:
+        live["compile_graphs"].append(dict(graph_item(m), at_s=round(time.monotonic() - t0, 1)))
+    elif COMPILE_RE.match(line):
+        live["compile_time_ms"] = float(COMPILE_RE.match(line).group(2))
+    else:
+        parsed = parse_step_line(line)
+        if not (parsed and "train_loss" in parsed[2]):
+            return
+        live["steps_logged"] = parsed[0]
+    SAVE["dirty"] = True
+
+
+def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
+    """``preset`` with N = --steps (every stage of its table, both TST phases); speed per phase and stage, projection.
+
+    ``end``: ``time.monotonic()`` at which the run is stopped. ``live``: its entry of the report, kept up to date
+    while it runs (``note_progress``) and completed in place with the results (returned). ``window``: its entry of
+    the report's timing window (``started_s`` given; ``stopped_s``, ``cut_short`` set here).
+    """
     base, argv = timing_argv(args, preset, data, device.type, out_dir)
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = T.parse_config(argv)
     table = T.Schedule(cfg)
-    run = TrainerRun(f"timing_{preset}", argv, out_dir)
-    res = run.start().wait(deadline - 25)  # leave time to stop it (SIGTERM, 20 s, SIGKILL) and summarize
+    run = TrainerRun(f"timing_{preset}", argv, out_dir, on_line=lambda line: note_progress(live, line, run.t0),
+                     eager_backend=eager_backend(args, preset))
+    res = run.start().wait(end)  # stopping it (SIGTERM, 20 s, SIGKILL) and the report fit in the reserve
+    window.update(stopped_s=round(window["started_s"] + res["wall_s"], 1), cut_short=res["timed_out"])
+    if len(res["compile_graphs"]) < len(live["compile_graphs"]):  # a killed trainer's log may miss its last lines
+        res["compile_graphs"] = live["compile_graphs"]
+    for g, seen in zip(res["compile_graphs"], live["compile_graphs"]):  # when each item's line came
+        if g["what"] == seen["what"]:
+            g["at_s"] = seen["at_s"]
     matmul = (micro or {}).get("matmul", {}).get("tflops")
     nominal = env.get("nominal_bf16_tflops") if env else None
     rows = step_times(res["train"], lambda i: table[i].flops_per_position * table[i].stage.batch_tokens)
@@ -839,7 +912,8 @@ def timing(device, data, args, preset, out_dir, deadline, micro, env):
     stages = {stage_key(st): group_stats([r for r in rows if r["stage"] == stage_key(st)], matmul, nominal)
               for st in table.stages}
     s = res["summary"] or {}
-    out = dict(run=dict((k, res[k]) for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")),
+    kept = ("name", "argv", "rc", "timed_out", "wall_s", "stop_at_s", "log", "status")
+    out = dict(run={k: res[k] for k in kept},
                preset=preset, steps_requested=args.steps, steps_logged=len(rows),
                switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
                compiled_phases=res["n_compiled_phases"], compile_graphs=res["compile_graphs"],
@@ -847,11 +921,13 @@ def timing(device, data, args, preset, out_dir, deadline, micro, env):
                graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
                peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
                flops_per_position_step0=table[0].flops_per_position, micro_batch_seqs=cfg.micro_batch_seqs,
-               phase1=p1, phase2=p2, stages=stages, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows])
+               phase1=p1, phase2=p2, stages=stages, per_step=[dict(r, ms=round(r["ms"], 3)) for r in rows],
+               status="stopped at the budget" if res["timed_out"] else res["status"] or f"exit status {res['rc']}")
     out["projection"] = projection(preset, base, stages)
     out["problems"], out["warnings"] = timing_problems(
         dict(res, graphs_compiled=out["graphs_compiled_during_training"]), p1, p2, out["projection"])
-    return out
+    live.update(out)
+    return live
 
 
 # ----------------------------------------------------------------------------------------------
@@ -889,6 +965,11 @@ def check_rows(res):
         grad = f", gradients {c['grad_tol']}" if c.get("grad_tol") else ""
         rows.append(("kernel", f"{c['name']} (max rel diff; tolerance {c['tol']}{grad})",
                      f"{'PASS' if c['passed'] else 'FAIL'} {fmt(c['max_rel_diff'])}", ""))
+        if c.get("scale_tol"):  # an FP8 op given its scales
+            rows += [("kernel", f"  scales used vs record #89's (tolerance {c['scale_tol']})",
+                      fmt(c["max_scale_diff"]), ""),
+                     ("kernel", f"  results vs the fp8 reference at them (tolerance {c['kernel_tol']})",
+                      fmt(c["max_kernel_diff"]), "")]
     if not res.get("kernels"):
         rows.append(("kernel", "kernel agreement checks", "did not run", ""))
     pf = res.get("profile") or {}
@@ -981,10 +1062,12 @@ def write_json(path, obj):
 ARCHIVE = "gpu_check_logs.tar.gz"  # the trainer logs and consoles (logs/) and kernels.json, one file
 
 
-def save(res, out_dir, work):
-    """The JSON and the logs' archive into ``out_dir``, each replaced whole: after every section, so a
-    kill keeps what was measured."""
+def save(res, out_dir, work, archive=True):
+    """The JSON and (``archive``) the logs' archive into ``out_dir``, each replaced whole: after every section and
+    while a run is waited for (``refresh_results``), so a kill keeps what was measured."""
     write_json(os.path.join(out_dir, "gpu_check.json"), res)
+    if not archive:
+        return
     tmp = os.path.join(out_dir, ARCHIVE + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for name in ("logs", "kernels.json"):
@@ -1000,17 +1083,44 @@ def _stage_line(key, p):
             f"MFU {mfu}%")
 
 
-def timing_summary(preset, tm, dry_run):
-    """Summary lines of one preset's timing run: compile, memory, each stage, the projection."""
+def warm_up_text(tm):
+    """The warm-up of a timing run (``timing``'s result, or its entry while it ran), in a few words: its compile time
+    over its items and graphs (the slowest named); cut short, how far it got; else "no compile"."""
     graphs = tm.get("compile_graphs") or []
-    slowest = max(graphs, key=lambda g: g["ms"], default=None)
-    head = f"{preset}: {tm.get('steps_logged')} steps timed; "
-    lines = [head + (f"compile {fmt((tm.get('compile_time_ms') or 0) / 1e3, 1)} s over {len(graphs)} items, "
-                     f"{sum(g['graphs'] for g in graphs)} graphs (slowest: {slowest['what']} {slowest['ms'] / 1e3:.1f} s)"
-                     if slowest else "no compile"),
-             f"  memory: peak allocated {fmt(tm.get('peak_memory_mib'), 0)} MiB, in use (nvidia-smi, reserved + "
-             f"context) {fmt(tm.get('gpu_memory_used_max_mib'), 0)} MiB; compiled in the timed window: "
-             f"{tm.get('graphs_compiled_during_training')}"]
+    count = f"{len(graphs)} items, {sum(g['graphs'] for g in graphs)} graphs"
+    if tm.get("compile_time_ms"):  # the warm-up's closing line came
+        slowest = max(graphs, key=lambda g: g["ms"], default=None)
+        return f"compile {tm['compile_time_ms'] / 1e3:.1f} s over {count}" + (
+            f" (slowest: {slowest['what']} {slowest['ms'] / 1e3:.1f} s)" if slowest else "")
+    if tm.get("steps_logged"):  # steps without a warm-up: not compiled
+        return "no compile"
+    stop = (tm.get("run") or {}).get("stop_at_s")
+    if not graphs:
+        return "stopped before any graph compiled or step ran" + (f" ({stop:.0f} s into the run)" if stop else "")
+    kinds = collections.Counter(g["what"].split()[0] for g in graphs)  # train, val, optimizer
+    last = graphs[-1].get("at_s")
+    busy = f"; the next item had run {stop - last:.0f} s when stopped" if stop is not None and last is not None else ""
+    return (f"warm-up cut after {count} (" + ", ".join(f"{k} {n}" for k, n in kinds.items())
+            + f") in {sum(g['ms'] for g in graphs) / 1e3:.1f} s{busy}")
+
+
+def timing_summary(preset, tm, dry_run, window=None):
+    """Summary lines of one preset's timing run: steps timed, the warm-up (or how far it got), memory, each stage,
+    the projection; ``window``: its ``timing_window.runs`` entry (when it stopped)."""
+    run = tm.get("run") or {}
+    cut = run.get("timed_out")
+    steps = f"{tm.get('steps_logged')} of {tm.get('steps_requested')}" if cut else f"{tm.get('steps_logged')}"
+    where = (f" (stopped at the budget, {window['stopped_s']:.0f} s after the start)"
+             if cut and window and window.get("stopped_s") is not None else "")
+    lines = [f"{preset}: {steps} steps timed{where}; {warm_up_text(tm)}"]
+    if not run:  # the section failed before the run ended: its entry as it was then
+        return lines + [f"  {tm.get('status')}"]
+    if not tm.get("steps_logged"):  # nothing timed: no stage, no projection
+        used = tm.get("gpu_memory_used_max_mib")
+        return lines + ([f"  memory in use (nvidia-smi) up to {fmt(used, 0)} MiB"] if used else [])
+    lines.append(f"  memory: peak allocated {fmt(tm.get('peak_memory_mib'), 0)} MiB, in use (nvidia-smi, reserved + "
+                 f"context) {fmt(tm.get('gpu_memory_used_max_mib'), 0)} MiB; compiled in the timed window: "
+                 f"{tm.get('graphs_compiled_during_training')}")
     lines += [_stage_line(k, p) for k, p in (tm.get("stages") or {}).items() if p]
     pj = tm.get("projection") or {}
     minutes = pj.get("projected_train_time_min")
@@ -1022,32 +1132,55 @@ def timing_summary(preset, tm, dry_run):
     return lines
 
 
+def check_line(c):
+    """One summary line of a kernel check or an agreement run: PASS/FAIL/skip, its largest difference, tolerance."""
+    if c.get("skipped"):
+        return f"  skip {c['name']}: {c['skipped'][:90]}"
+    diff = c.get("max_rel_diff", c.get("max_abs_diff"))
+    scales = (f"; scales {fmt(c['max_scale_diff'])} ({c['scale_tol']}), vs fp8 ref {fmt(c['max_kernel_diff'])} "
+              f"({c['kernel_tol']})" if c.get("scale_tol") else "")
+    return f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']} (max diff {fmt(diff)}, tolerance {c['tol']}{scales})"
+
+
 def short_summary(res):
     """At most ``SUMMARY_CHARS`` characters, printed last: timing first, then PASS/FAIL rows, then what was cut."""
     env, m = res.get("env") or {}, (res.get("microbench") or {}).get("matmul") or {}
+    tw = res["timing_window"]
     lines = [f"==== gpu_check summary: {res['mode']}, {env.get('gpu') or env.get('cpu')}, torch {env.get('torch')}, "
              f"compile {'on' if str(env.get('compile', '')).startswith('on') else 'off'}, inductor cache warm before: "
              f"{fmt(env.get('inductor_cache_warm'))} ====",
-             f"TIMING (ms/step: each stage's median without its first {DROP_FIRST_STEPS} steps; MFU vs the measured "
-             f"matmul {m.get('tflops')} TFLOP/s / the datasheet peak)"]
+             f"TIMING (until {tw['timing_until_s']:.0f} s of {tw['budget_s']:.0f}, the last {tw['reserve_s']:.0f} s "
+             f"the report's; ms/step: stage median without its first {DROP_FIRST_STEPS} steps; MFU vs matmul "
+             f"{m.get('tflops')} TFLOP/s / datasheet)"]
     for preset in res["args"]["presets"]:
         tm = (res.get("timing") or {}).get(preset)
-        lines += timing_summary(preset, tm, res["args"].get("dry_run")) if tm else [f"{preset}: not timed"]
+        lines += (timing_summary(preset, tm, res["args"].get("dry_run"), tw["runs"].get(preset)) if tm
+                  else [f"{preset}: not timed"])
     lines.append("CHECKS")
     agreement = ((res.get("correctness") or {}).get("checks") or {}).values()
-    for c in list((res.get("kernels") or {}).values()) + list(agreement):
-        if c.get("skipped"):
-            lines.append(f"  skip {c['name']}: {c['skipped'][:90]}")
-            continue
-        diff = c.get("max_rel_diff", c.get("max_abs_diff"))
-        lines.append(f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']} (max diff {fmt(diff)}, tolerance {c['tol']})")
+    lines += [check_line(c) for c in list((res.get("kernels") or {}).values()) + list(agreement)]
     cut = list(res.get("skipped") or [])
-    cut += [f"timing {p} stopped at the budget" for p, tm in (res.get("timing") or {}).items()
-            if tm and tm["run"]["timed_out"]]
+    cut += [f"timing {p} stopped at the budget ("
+            + ("in its warm-up" if not tm.get("steps_logged") else f"after {tm['steps_logged']} steps") + ")"
+            for p, tm in (res.get("timing") or {}).items() if tm and (tm.get("run") or {}).get("timed_out")]
     lines.append("CUT SHORT: " + ("; ".join(cut) if cut else "nothing"))
     lines += [f"error: {e[:160]}" for e in res["errors"][:4]]
     lines.append(f"status {res.get('status')} (exit {res.get('exit_code')}); wall {res.get('wall_s')} s of "
                  f"{res['args'].get('budget_s'):.0f} s; files: gpu_check.json, gpu_check_summary.txt, {ARCHIVE}")
+    return fit_summary(lines)
+
+
+def fit_summary(lines):
+    """``lines`` joined into at most ``SUMMARY_CHARS`` characters: stage lines dropped from the last up (a note before
+    CHECKS says how many; the JSON has them all), then, if still too long, the middle cut (the status line kept)."""
+    stages = [i for i, line in enumerate(lines) if line.startswith("  phase ")]
+    dropped = 0
+    note = lambda: f"  ({dropped} stage lines left out for length: gpu_check.json has every stage)"  # noqa: E731
+    while stages and len("\n".join(lines)) + (len(note()) + 1 if dropped else 0) > SUMMARY_CHARS:
+        del lines[stages.pop()]
+        dropped += 1
+    if dropped and "CHECKS" in lines:
+        lines.insert(lines.index("CHECKS"), note())
     text = "\n".join(lines)
     if len(text) > SUMMARY_CHARS:  # keep the head (timing) and the status line
         text = text[:SUMMARY_CHARS - len(lines[-1]) - 5] + "\n...\n" + lines[-1]
@@ -1074,19 +1207,21 @@ def report(res, out_dir, work):
     print(summary, flush=True)
 
 
+# The last seconds of the budget (dry run, CUDA), the report's: every run and check is stopped by then; a trainer
+# run stopped there gets SIGTERM, then SIGKILL 20 s later (TrainerRun.STOP_GRACE_S), and the report is written in
+# the rest (parsing the logs, the JSON, the archive: seconds). The timing runs may use everything before it.
+RESERVE_S = (30.0, 45.0)
 # Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
 # skipped and named in the report. The kernel checks and the profile run as one subprocess stopped
 # at the deadline, so no section outlives the budget. On CUDA they compile FlexAttention and the
-# check model (cold: ~1-2 min), which the timing run leaves them (TIMING_RESERVE_S).
+# check model (cold: ~1-2 min): they run only in what the timing runs left.
 MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
-TIMING_RESERVE_S = (45.0, 150.0)
-REPORT_S = 25.0  # the agreement runs stop this long before the deadline: the final report's time
 
 
 def min_budget_s(cuda):
     """Least --budget-s the plan needs (dry run, CUDA): the kernel checks' and agreement runs' least starts
-    and the final report's time; below it a section is skipped before anything ran."""
-    return MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda] + REPORT_S
+    and the report's reserve; below it a section is skipped before anything ran."""
+    return MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda] + RESERVE_S[cuda]
 KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
 
 
@@ -1120,14 +1255,14 @@ def kernels_and_profile(device, args, out_dir, deadline):
     proc = subprocess.Popen(cmd + (["--dry-run"] if args.dry_run else []), cwd=REPO, env=child_env(),
                             start_new_session=True)
     try:
+        archived = time.monotonic()
         while proc.poll() is None:  # the archive refreshed every 20 s (kernels.json grows check by check)
             if time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(cmd, deadline)
             try:
-                proc.wait(timeout=min(20.0, max(0.1, deadline - time.monotonic())))
+                proc.wait(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                if SAVE["fn"]:
-                    SAVE["fn"]()
+                archived = refresh_results(archived)
     except subprocess.TimeoutExpired:
         print("[kernels] time budget reached: stopping it, keeping the checks it finished", flush=True)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -1148,49 +1283,60 @@ def timing_need_s(prev):
 
 
 def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
-    """The timing run, kernel checks + profile, trainer agreement runs: in that order, each only if it fits.
+    """The timing runs, kernel checks + profile, trainer agreement runs: in that order, each only if it fits.
 
     Args:
         section: ``section(title, fn, *args)`` runs ``fn`` and records its time and errors (``main``).
-        res: the report dict, filled in (``timing``: ``{preset: timing result}``, ``kernels``, ``profile``, ``correctness``,
-            ``skipped``: the sections the budget left out, with the seconds that were left).
+        res: the report dict, filled in (``timing``: ``{preset: timing result}``, ``timing_window.runs``: when each
+            started and stopped, ``kernels``, ``profile``, ``correctness``, ``skipped``: the sections the budget left
+            out, with the seconds that were left).
         device, args, data, check_data, out_dir: the device, arguments, data flags of the timing
             run and of the checks, output folder.
-        deadline: ``time.monotonic()`` seconds at which the budget ends.
+        deadline: ``time.monotonic()`` seconds at which the budget ends; everything stops ``RESERVE_S`` before.
     """
     cuda = device.type == "cuda"
+    end, t0 = deadline - RESERVE_S[cuda], deadline - args.budget_s
+    since_start = lambda: round(time.monotonic() - t0, 1)  # noqa: E731
 
     def room(name):
-        left = deadline - time.monotonic()
+        left = end - time.monotonic()
         if STOP["reason"] or left < MIN_SECTION_S[name][cuda]:
             res["skipped"].append(f"{name} ({left:.0f} s of the budget left)")
             print(f"skipping {name}: {left:.0f} s of the budget left", flush=True)
             return False
         return True
     for i, preset in enumerate(args.presets):  # one after the other, each until the timing deadline
-        left = deadline - TIMING_RESERVE_S[cuda] - time.monotonic()
+        left = end - time.monotonic()
         need = timing_need_s(res["timing"].get(args.presets[i - 1])) if i else 0.0
         if i and (STOP["reason"] or left < need):  # a later preset only with the time the earlier one took
             res["skipped"].append(f"timing {preset} (needs ~{need:.0f} s by {args.presets[i - 1]}'s compile and "
                                   f"steps, {left:.0f} s left)")
             print(f"skipping the timing run of {preset}: ~{need:.0f} s needed, {left:.0f} s left", flush=True)
             continue
-        tm = res["timing"][preset] = section(f"timing run of {preset}", timing, device, data, args, preset, out_dir,
-                                             deadline - TIMING_RESERVE_S[cuda], res["microbench"], res["env"])
+        live = res["timing"][preset] = dict(preset=preset, status="running", steps_requested=args.steps,
+                                            steps_logged=0, compile_time_ms=None, compile_graphs=[])
+        window = res["timing_window"]["runs"][preset] = dict(started_s=since_start(), stopped_s=None,
+                                                             cut_short=None)
+        tm = section(f"timing run of {preset}", timing, device, data, args, preset, out_dir, end,
+                     res["microbench"], res["env"], live, window)
         if tm:
+            res["timing"][preset] = tm  # (``live``, completed)
             res["errors"] += [f"timing {preset}: {p}" for p in tm["problems"]]
             res["warnings"] += [f"timing {preset}: {w}" for w in tm["warnings"]]
+        else:
+            live["status"] = "failed (see errors)"
+            window["stopped_s"] = window["stopped_s"] or since_start()
     if room("kernels"):
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
-        end = deadline - MIN_SECTION_S["agreement"][cuda] if deadline - time.monotonic() >= need else deadline
-        both = section("kernel agreement (flex vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs "
-                       "eager), one-step profile",
-                       kernels_and_profile, device, args, out_dir, end)
+        kernels_end = end - MIN_SECTION_S["agreement"][cuda] if end - time.monotonic() >= need else end
+        both = section("kernel agreement (fp8 at current, fixed and delayed scales; flex vs sdpa, loss vs float64; "
+                       "check model: flex vs sdpa, compiled vs eager), one-step profile",
+                       kernels_and_profile, device, args, out_dir, kernels_end)
         res["kernels"], res["profile"] = both or (None, None)
     if room("agreement"):
         res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32; bf16 + fp8 vs bf16)",
-                                     correctness, device, check_data, args, out_dir, deadline - REPORT_S)
+                                     correctness, device, check_data, args, out_dir, end)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1212,12 +1358,16 @@ def parse_args(argv):
                         "schedule (default 40; 12 with --dry-run)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="hard wall-clock limit of the whole check, s (default 530: a 570 s slot less interpreter "
-                        "start-up and the final report; 240 with --dry-run)")
+                        "start-up; 240 with --dry-run); the timing runs may use all of it but its last 45 s (30 s "
+                        "with --dry-run), the report's")
     p.add_argument("--train-files", default=None, help="real train shards (glob); default: synthetic")
     p.add_argument("--val-files", default=None, help="real val shards (glob); default: synthetic")
-    p.add_argument("--val-tokens", type=int, default=None, help="val tokens of the timing run (default 65536; 256 dry)")
+    p.add_argument("--val-tokens", type=int, default=None,
+                   help="val tokens of the timing run, one chunk at its start and end (default 262144: the record's "
+                        "val chunk; 256 with --dry-run)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile in the timing run (default: the trainer's, on with CUDA; off with --dry-run)")
+                   help="torch.compile in the timing run (default: the trainer's, on with CUDA; with --dry-run the "
+                        "first preset's run under Dynamo alone, backend 'eager', the others off)")
     p.add_argument("--trainer-args", default="", help="extra train_gpt.py words for the timing run and projection")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size n of the n^3 benchmark")
     p.add_argument("--correct-steps", type=int, default=CHECK_STEPS, help="steps of the agreement checks' runs")
@@ -1235,9 +1385,7 @@ def parse_args(argv):
         p.error(f"--preset {args.preset!r}: give trainer presets, comma-separated, from {sorted(T.PRESETS) if T else []}")
     args.steps = args.steps or (12 if d else 40)
     args.budget_s = args.budget_s or (240.0 if d else 530.0)
-    args.val_tokens = args.val_tokens or (256 if d else 65536)
-    if d and args.compile is None:
-        args.compile = False
+    args.val_tokens = args.val_tokens or (256 if d else 262_144)
     if args.budget_s < min_budget_s(not d):
         p.error(f"--budget-s {args.budget_s:g}: the plan needs at least {min_budget_s(not d):g} s"
                 f"{' with --dry-run' if d else ''} (kernel checks, agreement runs, report); give at least that")
@@ -1300,12 +1448,15 @@ def main(argv=None):
         print(bad_out, file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="gpu_check_")  # logs, synthetic shards, kernels.json: archived into out_dir
-    SAVE["fn"] = lambda: save(res, out_dir, work)
+    SAVE["fn"] = lambda archive=True: save(res, out_dir, work, archive)
     res = dict(schema=SCHEMA, mode="dry-run (cpu)" if args.dry_run else "cuda",
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                args=vars(args), errors=[], warnings=[], section_wall_s={}, env=None, microbench=None,
                correctness=None, timing={}, kernels=None, profile=None, skipped=[])
+    reserve = RESERVE_S[not args.dry_run]  # seconds from the check's start, below: what a cut-short run reports
+    res["timing_window"] = dict(started=res["started"], budget_s=args.budget_s, reserve_s=reserve,
+                                timing_until_s=args.budget_s - reserve, runs={})
     if TRAINER_IMPORT_ERROR:
         res["errors"].append(TRAINER_IMPORT_ERROR)
 
@@ -1336,6 +1487,8 @@ def main(argv=None):
         if device is not None:
             print(f"gpu_check: {res['mode']}, budget {args.budget_s:.0f} s, out {out_dir}")
             res["env"] = section("environment", environment, device, use_compile)
+            if res["env"] and eager_backend(args, args.presets[0]):
+                res["env"]["compile"] += f"; the {args.presets[0]} timing run under Dynamo alone (backend 'eager')"
             if res["env"]:
                 print(json.dumps(res["env"], indent=1, default=str))
             res["microbench"] = section("micro-benchmarks", microbench, device, args)

@@ -8,7 +8,9 @@ injects one):
   under the materialized ``attention_mask``, of the sequence and of the doubled sequence of
   paired-head layers, forward and (CUDA) gradients, float32.
 * ``fp8_check``: ``kernels.fp8_linear`` forward and backward, each fp8 product vs its float64 emulation
-  with the scales the op chose, and the results vs the unquantized float64 products (record shapes on CUDA).
+  with the scales the op chose, and the results vs the unquantized float64 products (record shapes on CUDA);
+  ``fp8_head_fixed_check``, ``fp8_down_delayed_check``: the same at the scales the FP8 presets give the op (the
+  head's fixed ones, the down-projection's delayed ones), which must be record #89's to float32 rounding.
 * ``loss_check``: ``multi_target_loss`` under the tanh and the sigmoid cap vs a float64
   log-softmax reference, value and gradient.
 * ``model_checks``: the check model (record #89's model at a tiny shape, every element on) on a
@@ -112,6 +114,16 @@ def attention_check(T, device, length=384, window=48, tol=1e-4, seed=0):
 # element; measured on CPU: 2-6%). A dropped scale is off by the scale itself, a doubled one by 100%.
 FP8_KERNEL_TOL = 2e-2
 FP8_VALUE_TOL = 0.25
+# The scales the presets give the op (fixed head, delayed down-projection) vs the same rule computed here in float64:
+# float32 rounding is 2^-24 relative; a doubled or dropped (1) scale is 50% or more off.
+FP8_SCALE_TOL = 1e-5
+E4M3 = 448.0  # e4m3's largest value
+# The check's own copy of modded-nanogpt record #89's FP8 rules (2026-07-17): the reference must not be the value
+# under test (kernels.HEAD_SCALES, kernels.DOWN_*_HEADROOM). Head: CastedLinearT(x_s=100/448, w_s=1.6/448,
+# grad_s=0.75/448); down-projection: input at the previous forward's amax x 1.80, weight at its amax before the
+# last optimizer step x 1.12.
+RECORD89_HEAD_SCALES = (100 / E4M3, 1.6 / E4M3, 0.75 / E4M3)
+RECORD89_DOWN_HEADROOM = (1.80, 1.12)
 
 
 def _frob_rel(a, b):
@@ -136,8 +148,94 @@ def fp8_cases(gen, shapes):
                              False)}
 
 
+def _fp8_run(x, w, g, fp8_grad, emulate, scales=None):
+    """``kernels.fp8_linear(x, w)`` forward and backward (output gradient ``g``), each ``kernels.fp8_mm`` call kept.
+
+    Returns:
+        ``(y, dx, dw, calls)``: calls ``[(a, a_scale, b, b_scale, out)]``, the fp8 operands and a copy of the scales
+        the op passed (a delayed scale is rewritten in place after the forward).
+    """
+    import kernels
+    calls, real_mm = [], kernels.fp8_mm
+
+    def spy(a, a_scale, b, b_scale, *args, **kw):
+        out = real_mm(a, a_scale, b, b_scale, *args, **kw)
+        calls.append((a, a_scale.detach().clone(), b, b_scale.detach().clone(), out))
+        return out
+    kernels.fp8_mm = spy
+    try:
+        x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        y = kernels.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=emulate, scales=scales)
+        dx, dw = torch.autograd.grad(y, (x, w), g)
+    finally:
+        kernels.fp8_mm = real_mm
+    return y.detach(), dx, dw, calls
+
+
+def _fp8_diffs(name, x, w, g, run):
+    """``_fp8_run``'s ``run`` of ``x``, ``w``, ``g``: each product vs the float64 product of its fp8 operands times its
+    scales (``<name>_mm<i>``), the output and gradients vs the float64 products of the unquantized operands (``_out``,
+    ``_dx``, ``_dw``)."""
+    y, dx, dw, calls = run
+    diffs = {f"{name}_mm{i}": _frob_rel(out, (a.double() * a_s.double()) @ (b.double() * b_s.double()).t())
+             for i, (a, a_s, b, b_s, out) in enumerate(calls)}
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    diffs.update({f"{name}_out": _frob_rel(y, x64 @ w64.t()), f"{name}_dx": _frob_rel(dx, g64 @ w64),
+                  f"{name}_dw": _frob_rel(dw, g64.t() @ x64)})
+    return diffs
+
+
+def fp8_reference(x, w, g, scales, fp8_grad):
+    """float64 ``(y, dx, dw)`` of ``fp8_linear`` at given ``scales`` (x, w[, grad]): x and w in e4m3 at ``scales[0]``,
+    ``scales[1]`` (saturated, nearest); with ``fp8_grad`` (the head) g in e5m2 at ``scales[2]`` and both gradients from
+    the fp8 copies, else (the MLP's bf16 backward) the gradients of the unquantized operands."""
+    def dequant(t, s, dtype=torch.float8_e4m3fn):
+        limit = torch.finfo(dtype).max
+        return (t.double() / s).clamp(-limit, limit).float().to(dtype).double() * s
+    xq, wq = dequant(x, scales[0]), dequant(w, scales[1])
+    if not fp8_grad:
+        g64 = g.double()
+        return xq @ wq.t(), g64 @ w.detach().double(), g64.t() @ x.detach().double()
+    gq = dequant(g, scales[2], torch.float8_e5m2)
+    return xq @ wq.t(), gq @ wq, gq.t() @ xq
+
+
+def _given_scale_diffs(name, x, w, g, run, want, fp8_grad):
+    """The checks of an op given its scales (fixed or delayed) against the scales ``want`` (floats, computed here):
+    ``<name>_scale``, each scale a product used vs the nearest of ``want`` (relative; a doubled or dropped one is 50%
+    or more away), and ``_ref_out``, ``_ref_dx``, ``_ref_dw``, the op vs ``fp8_reference`` at ``want``."""
+    used = [float(s) for _, a_s, _, b_s, _ in run[3] for s in (a_s, b_s)]
+    diffs = {f"{name}_scale": max((min(abs(u / v - 1) for v in want) for u in used), default=float("inf"))}
+    for part, got, ref in zip(("out", "dx", "dw"), run[:3], fp8_reference(x, w, g, want, fp8_grad)):
+        diffs[f"{name}_ref_{part}"] = _frob_rel(got, ref)
+    return diffs
+
+
+def _fp8_result(name, diffs, **info):
+    """A check's dict from its diffs: products and references within ``FP8_KERNEL_TOL``, scales within
+    ``FP8_SCALE_TOL``, results vs the unquantized products within ``FP8_VALUE_TOL``."""
+    kind = lambda k: ("kernel" if "_mm" in k or "_ref_" in k else "scale" if k.endswith("_scale")  # noqa: E731
+                      else "value")
+    tols = dict(kernel=FP8_KERNEL_TOL, scale=FP8_SCALE_TOL, value=FP8_VALUE_TOL)
+    passed = all(v <= tols[kind(k)] for k, v in diffs.items())
+    return dict(name=name, passed=passed, tol=FP8_VALUE_TOL, kernel_tol=FP8_KERNEL_TOL, scale_tol=FP8_SCALE_TOL,
+                max_rel_diff=max(v for k, v in diffs.items() if kind(k) == "value"),
+                max_kernel_diff=max((v for k, v in diffs.items() if kind(k) == "kernel"), default=None),
+                max_scale_diff=max((v for k, v in diffs.items() if kind(k) == "scale"), default=None),
+                diffs={k: float(f"{v:.3g}") for k, v in diffs.items()}, **info)
+
+
+def _fp8_setup(device, seed):
+    """``(generator on device, emulate, dtype)``: the emulation path in float32 where the device has no FP8, else
+    ``torch._scaled_mm`` on bf16 inputs."""
+    import kernels
+    emulate = kernels.fp8_unavailable_reason(device) is not None
+    return torch.Generator(device).manual_seed(seed), emulate, torch.float32 if emulate else torch.bfloat16
+
+
 def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
-    """``kernels.fp8_linear`` forward and backward against float64, at ``shapes`` (positions, model_dim, hidden, vocab).
+    """``kernels.fp8_linear`` at current scales forward and backward against float64, at ``shapes`` (positions,
+    model_dim, hidden, vocab).
 
     On a GPU with FP8 the op runs ``torch._scaled_mm`` on bf16 inputs; elsewhere its ``emulate`` path (the
     same scaling and rounding, float32 products). Every ``kernels.fp8_mm`` call is recorded with the fp8
@@ -149,35 +247,12 @@ def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
         dict: name ``fp8_linear``, passed, tol, max_rel_diff, diffs (per case: ``<case>_mm<i>``, ``_out``,
         ``_dx``, ``_dw``), emulated, shapes.
     """
-    import kernels
-    gen = torch.Generator(device).manual_seed(seed)
-    emulate = kernels.fp8_unavailable_reason(device) is not None
-    dtype = torch.float32 if emulate else torch.bfloat16
-    diffs, calls, real_mm = {}, [], kernels.fp8_mm
-
-    def spy(a, a_scale, b, b_scale, *args, **kw):
-        out = real_mm(a, a_scale, b, b_scale, *args, **kw)
-        calls.append((a, a_scale, b, b_scale, out))
-        return out
-    kernels.fp8_mm = spy
-    try:
-        for name, (x, w, g, fp8_grad) in fp8_cases(gen, shapes).items():
-            calls.clear()
-            x, w = (t.to(device, dtype).requires_grad_(True) for t in (x, w))
-            g = g.to(device, dtype)
-            y = kernels.fp8_linear(x, w, fp8_grad=fp8_grad, emulate=emulate)
-            dx, dw = torch.autograd.grad(y, (x, w), g)
-            for i, (a, a_s, b, b_s, out) in enumerate(calls):
-                want = (a.double() * a_s.double()) @ (b.double() * b_s.double()).t()
-                diffs[f"{name}_mm{i}"] = _frob_rel(out, want)
-            x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
-            diffs[f"{name}_out"] = _frob_rel(y.detach(), x64 @ w64.t())
-            diffs[f"{name}_dx"] = _frob_rel(dx, g64 @ w64)
-            diffs[f"{name}_dw"] = _frob_rel(dw, g64.t() @ x64)
-            del x, w, g, y, dx, dw, x64, w64, g64, want
-            calls.clear()
-    finally:
-        kernels.fp8_mm = real_mm
+    gen, emulate, dtype = _fp8_setup(device, seed)
+    diffs = {}
+    for name, (x, w, g, fp8_grad) in fp8_cases(gen, shapes).items():
+        x, w, g = (t.to(device, dtype) for t in (x, w, g))
+        diffs.update(_fp8_diffs(name, x, w, g, _fp8_run(x, w, g, fp8_grad, emulate)))
+        del x, w, g
     worst_mm = max((v for k, v in diffs.items() if "_mm" in k), default=0.0)
     worst = max(v for k, v in diffs.items() if "_mm" not in k)
     passed = worst_mm <= FP8_KERNEL_TOL and worst <= FP8_VALUE_TOL
@@ -186,10 +261,87 @@ def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
                 emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
 
 
+def fp8_head_fixed_check(T, device, cfg, shapes=(256, 128, 512, 1024), divisor=8, seed=0):
+    """The LM head as the FP8 presets run it: ``fp8_linear(fp8_grad=True)`` at the model's fixed ``head_scales``
+    (``GPT(cfg)`` with --fp8, ``cfg`` with record #89's stages, after ``set_loss_divisor(divisor)``), on the head
+    operands of ``fp8_cases`` with the gradient of a loss sum divided by ``divisor`` (softmax minus one-hot / divisor).
+
+    The scales the products used must be record #89's (``RECORD89_HEAD_SCALES``, grad's / ``divisor``), the results
+    ``fp8_reference`` at those scales, and near the unquantized products (``_fp8_result``).
+
+    Returns:
+        dict: name ``fp8_head_fixed_scales``, passed, the tolerances, max_rel_diff, max_kernel_diff, max_scale_diff,
+        diffs (``head_fixed_mm<i>``, ``_out``, ``_dx``, ``_dw``, ``_scale``, ``_ref_out``, ``_ref_dx``, ``_ref_dw``),
+        scales_used, scales_expected, divisor, emulated, shapes.
+    """
+    gen, emulate, dtype = _fp8_setup(device, seed)
+    model = T.GPT(dataclasses.replace(cfg, fp8=True))
+    model.set_loss_divisor(divisor)
+    # a model without fixed scales leaves the op its current ones, which the check then finds off
+    scales = None if model.head_scales is None else model.head_scales.to(device)
+    x, w, g, _ = fp8_cases(gen, shapes)["fp8_head"]
+    x, w, g = x.to(device, dtype), w.to(device, dtype), (g * (shapes[0] / divisor)).to(device, dtype)
+    want = (*RECORD89_HEAD_SCALES[:2], RECORD89_HEAD_SCALES[2] / divisor)
+    run = _fp8_run(x, w, g, True, emulate, scales=scales)
+    diffs = {**_fp8_diffs("head_fixed", x, w, g, run), **_given_scale_diffs("head_fixed", x, w, g, run, want, True)}
+    used = None if scales is None else [float(s) for s in scales]
+    return _fp8_result("fp8_head_fixed_scales", diffs, scales_used=used, scales_expected=list(want), divisor=divisor,
+                       emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
+
+
+def fp8_down_delayed_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
+    """The MLP down-projection as the FP8 presets run it (``MLP.forward``, ``fp8_refresh``): ``fp8_linear`` at the
+    delayed scales of ``kernels.down_scales``, kept by ``refresh_down_scales_`` and ``delay_input_scale_``.
+
+    The state starts as the trainer's (a refresh at init, one earlier forward); then two forwards on relu^2
+    activations of ``shapes``: ``bootstrap`` (a step of the first 16: the weight's own amax / 448) and, after an
+    optimizer step and a refresh past them, ``delayed`` (the amax before the step x 1.12 / 448); each forward's
+    input scale is the previous forward's amax x 1.80 / 448. Expected scales are computed here in float64
+    from record #89's rule (``RECORD89_DOWN_HEADROOM``), results judged as ``fp8_head_fixed_check``'s.
+
+    Returns:
+        dict: name ``fp8_down_delayed_scales``, passed, the tolerances, diffs (``down_bootstrap_*``,
+        ``down_delayed_*``), scales_used, scales_expected (per forward), emulated, shapes.
+    """
+    import kernels
+    gen, emulate, dtype = _fp8_setup(device, seed)
+    M, d, hidden, _ = shapes
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=gen.device)  # noqa: E731
+    w_fc = randn(hidden, d) / d ** 0.5
+    acts = [torch.relu(randn(M, d) @ w_fc.t()).square().to(dtype) for _ in range(3)]  # 3 forwards' relu^2
+    w0 = (0.5 * randn(d, hidden) / hidden ** 0.5).to(dtype)
+    w1 = (w0.float() + 0.1 * randn(d, hidden) / hidden ** 0.5).to(dtype)  # after an optimizer step
+    g = (1e-3 * randn(M, d)).to(dtype)
+    amax = lambda t: float(t.detach().double().abs().max())  # noqa: E731
+    act_room, weight_room = RECORD89_DOWN_HEADROOM
+    state = kernels.down_scales(device)
+    kernels.refresh_down_scales_(state, w0, bootstrap=True)  # at init (fp8_refresh(model, -1))
+    kernels.delay_input_scale_(state, acts[0])  # an earlier training forward
+    diffs, used, expected = {}, {}, {}
+    for name, h, w, prev, want_w in (("down_bootstrap", acts[1], w0, acts[0], amax(w0) / E4M3),
+                                     ("down_delayed", acts[2], w1, acts[1], amax(w0) * weight_room / E4M3)):
+        if name == "down_delayed":
+            kernels.refresh_down_scales_(state, w1, bootstrap=False)  # after a step past the first 16
+        want = (amax(prev) * act_room / E4M3, want_w)
+        used[name] = [float(s) for s in state[:2]]
+        run = _fp8_run(h, w, g, False, emulate, scales=state[:2])
+        kernels.delay_input_scale_(state, h)  # MLP.forward: the next forward's input scale
+        diffs.update({**_fp8_diffs(name, h, w, g, run), **_given_scale_diffs(name, h, w, g, run, want, False)})
+        expected[name] = list(want)
+    return _fp8_result("fp8_down_delayed_scales", diffs, scales_used=used, scales_expected=expected,
+                       emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
+
+
 def fp8_record_shapes(T):
     """(positions of one micro-batch, model_dim, MLP hidden, vocab) of ``record_h200``."""
     cfg, _ = T.parse_config(["--preset", "record_h200"])
     return cfg.seq_len * cfg.micro_batch_seqs, cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
+
+
+def fp8_head_divisor(T):
+    """``grad_divisor`` of ``record_h200``'s last stage (its sequences per step, 8): the head's gradient scale's."""
+    cfg, _ = T.parse_config(["--preset", "record_h200"])
+    return T.grad_divisor(cfg, T.stages(cfg)[-1])
 
 
 def reference_loss(logits, targets, weights, softcap, sigmoid=None):
@@ -501,6 +653,9 @@ def print_check(c):
         print(f"{c['name']}: skipped ({c['skipped']})", flush=True)
         return
     grad = f", gradients {c['grad_tol']}" if c.get("grad_tol") else ""
+    if c.get("scale_tol"):  # an FP8 op given its scales: its products and scales are judged too
+        grad = (f"; products/references {c['max_kernel_diff']:.2e} vs {c['kernel_tol']}, scales "
+                f"{c['max_scale_diff']:.2e} vs {c['scale_tol']}")
     print(f"{c['name']}: {'PASS' if c['passed'] else 'FAIL'} (max relative diff {c['max_rel_diff']:.2e} "
           f"vs tolerance {c['tol']}{grad}; {c['diffs']})", flush=True)
 
@@ -513,14 +668,16 @@ def run_checks(T, device, check_cfg, report=None):
         report: called with the results so far after each check (None: not called).
 
     Returns:
-        dict name -> the check's dict: ``fp8_check`` (record_h200's shapes on CUDA), ``attention_check``,
-        ``loss_check``, then ``model_checks``
+        dict name -> the check's dict: ``fp8_check``, ``fp8_head_fixed_check``, ``fp8_down_delayed_check``
+        (record_h200's shapes on CUDA), ``attention_check``, ``loss_check``, then ``model_checks``
         of ``check_cfg`` (``flex_vs_sdpa_model``, ``compiled_vs_eager_fp32``).
     """
     results = {}
     fp8_shapes = fp8_record_shapes(T) if device.type == "cuda" else (256, 128, 512, 1024)
-    for step in (lambda: [fp8_check(T, device, fp8_shapes)], lambda: [attention_check(T, device)],
-                 lambda: [loss_check(T, device)],
+    for step in (lambda: [fp8_check(T, device, fp8_shapes)],
+                 lambda: [fp8_head_fixed_check(T, device, check_cfg, fp8_shapes, fp8_head_divisor(T))],
+                 lambda: [fp8_down_delayed_check(T, device, fp8_shapes)],
+                 lambda: [attention_check(T, device)], lambda: [loss_check(T, device)],
                  lambda: model_checks(T, check_cfg, device).values()):
         for c in step():
             results[c["name"]] = c

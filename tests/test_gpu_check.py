@@ -1,4 +1,5 @@
 """bench/gpu_check.py --dry-run: the one-shot GPU check runs end to end on CPU and reports sane numbers."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,6 +52,11 @@ def test_the_summary_comes_last_and_short_with_the_timing_first(dry_run):
         assert f"  {stage}: " in tail and "ms/step" in tail
     assert tail.count("projected full run (1285 steps)") == 2 and "record #89: 9.84 H100-min | goal: 8 min" in tail
     assert "PASS fp8_linear" in tail and "skip fp8_vs_bf16" in tail
+    assert "PASS fp8_head_fixed_scales" in tail and "PASS fp8_down_delayed_scales" in tail
+    tw = r["timing_window"]  # the window is said: until the budget less the reserve
+    until, budget, reserve = (f"{tw[k]:.0f}" for k in ("timing_until_s", "budget_s", "reserve_s"))
+    assert f"TIMING (until {until} s of {budget}, the last {reserve} s" in tail
+    assert "baseline_h200: 12 steps timed; compile " in tail and "record_h200: 12 steps timed; no compile" in tail
 
 
 def test_dry_run_exits_zero_and_prints_the_table(dry_run):
@@ -148,7 +154,8 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         assert t["problems"] == [] and t["steps_logged"] == 12, (preset, t["problems"])
         cfg, _ = T.parse_config(t["run"]["argv"])  # the preset at the check shape, N = 12, 1 extension step
         assert (cfg.stages, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("record89", 12, 1, 64)
-        assert not cfg.tied_embed  # untied: the tie changes no step's work, and would double the graphs
+        assert cfg.tied_embed and 0 < T.split_step(cfg) < 11  # tied, then untied inside the run: both sides run
+        assert cfg.val_tokens == cfg.val_seq_len == 256  # one val chunk (CUDA: the record's 262,144)
         table = T.Schedule(cfg)
         assert list(t["stages"]) == [gpu_check.stage_key(st) for st in table.stages]  # every stage was timed
         assert len(t["stages"]) == 4  # the three recipe stages and the extension
@@ -183,6 +190,79 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
     assert len(p2s1) == 1 and p2s1[0]["timed_as"].startswith("phase 1 s=4: 64 positions, blocks (1, 3)")
     assert any("was not in the timing run" in w for w in r["warnings"]) and base["projection"]["untimed"] == []
     assert sorted(os.listdir(out)) == ["kernels.json", "logs"]  # the archive: logs, no synthetic shards
+
+
+def test_dry_run_json_holds_each_graphs_compile_time_and_the_timing_window(dry_run):
+    _, r, _ = dry_run
+    base, rec = r["timing"]["baseline_h200"], r["timing"]["record_h200"]
+    # the first preset's run compiled under Dynamo alone: the warm-up's items as the trainer logged them, each with
+    # the moment its line came; both sides of the untie (train and val), the optimizers; none in the timed window
+    graphs = base["compile_graphs"]
+    whats = [g["what"] for g in graphs]
+    assert {"train [1, 192, 1] -> [1, 192, 4] tied:1", "train [1, 192, 1] -> [1, 192, 4] tied:0",
+            "val [1, 256, 1] -> [1, 256, 1] tied:1", "val [1, 256, 1] -> [1, 256, 1] tied:0",
+            "optimizer CautiousAdam", "optimizer NorMuon"} <= set(whats), whats
+    assert all(g["ms"] > 0 and g["graphs"] >= 1 for g in graphs)
+    at = [g["at_s"] for g in graphs]
+    assert at == sorted(at) and 0 < at[0] and at[-1] < base["run"]["wall_s"]
+    assert base["compile_time_ms"] >= sum(g["ms"] for g in graphs) and base["graphs_compiled_during_training"] == 0
+    assert "--compile" in base["run"]["argv"] and "--no-compile" not in rec["run"]["argv"]
+    assert rec["compile_graphs"] == [] and base["status"] == rec["status"] == "complete"
+    split = T.split_step(T.parse_config(base["run"]["argv"])[0])  # steps on both sides of the untie, none compiled
+    assert base["steps_logged"] == 12 > split + 1 and base["graphs_compiled_during_training"] == 0
+    tw = r["timing_window"]
+    assert (tw["budget_s"], tw["reserve_s"]) == (600.0, gpu_check.RESERVE_S[0]) and tw["started"] == r["started"]
+    assert tw["timing_until_s"] == tw["budget_s"] - tw["reserve_s"]
+    runs = tw["runs"]
+    assert list(runs) == ["baseline_h200", "record_h200"] and not any(w["cut_short"] for w in runs.values())
+    base_run, rec_run = runs["baseline_h200"], runs["record_h200"]
+    assert 0 < base_run["started_s"] < base_run["stopped_s"] <= rec_run["started_s"]
+    assert runs["record_h200"]["stopped_s"] < r["wall_s"]
+
+
+def test_a_timing_run_rewrites_the_json_as_each_graph_compiles_and_a_cut_one_says_how_far(tmp_path, monkeypatch):
+    """A stand-in trainer logs two warm-up items 2 s apart, then compiles on past the deadline: the JSON is rewritten
+    with one item, then two, while it runs; stopped at the deadline, its summary says where the warm-up was."""
+    fake = tmp_path / "trainer.py"
+    fake.write_text("import time\n"
+                    "print('compile: train [1, 64, 1] -> [1, 64, 4] tied:1 took 1200ms, 1 graph(s)', flush=True)\n"
+                    "time.sleep(2)\n"
+                    "print('compile: val [1, 256, 1] -> [1, 256, 1] tied:1 took 800ms, 1 graph(s)', flush=True)\n"
+                    "time.sleep(60)\n")
+    monkeypatch.setattr(gpu_check, "TRAINER", str(fake))
+    live = dict(preset="p", status="running", steps_requested=40, steps_logged=0, compile_time_ms=None,
+                compile_graphs=[])
+    written = []
+    monkeypatch.setitem(gpu_check.SAVE, "fn", lambda archive=True: written.append(len(live["compile_graphs"])))
+    monkeypatch.setitem(gpu_check.SAVE, "dirty", False)
+    run = gpu_check.TrainerRun("t", [], str(tmp_path), echo=False,
+                               on_line=lambda line: gpu_check.note_progress(live, line, run.t0))
+    res = run.start().wait(gpu_check.time.monotonic() + 5)
+    assert res["timed_out"] and res["rc"] != 0 and 5 <= res["stop_at_s"] < 7
+    assert written[:2] == [1, 2]  # one rewrite per item, each within a second of its line
+    assert [g["what"].split()[0] for g in live["compile_graphs"]] == ["train", "val"]
+    assert live["compile_graphs"][1]["at_s"] - live["compile_graphs"][0]["at_s"] >= 2
+    tm = dict(live, run=dict(res, compile_graphs=None))
+    text = gpu_check.warm_up_text(tm)
+    assert text.startswith("warm-up cut after 2 items, 2 graphs (train 1, val 1) in 2.0 s; the next item had run ")
+    [head] = gpu_check.timing_summary("p", tm, False, dict(started_s=10.0, stopped_s=16.5, cut_short=True))
+    assert head == f"p: 0 of 40 steps timed (stopped at the budget, 16 s after the start); {text}"
+    assert gpu_check.warm_up_text(dict(tm, compile_graphs=[])).startswith("stopped before any graph compiled")
+    done = dict(tm, compile_time_ms=2500.0, steps_logged=3)
+    assert gpu_check.warm_up_text(done) == ("compile 2.5 s over 2 items, 2 graphs (slowest: train [1, 64, 1] -> "
+                                            "[1, 64, 4] tied:1 1.2 s)")
+    assert gpu_check.warm_up_text(dict(done, compile_time_ms=0.0, compile_graphs=[])) == "no compile"
+
+
+def test_a_long_summary_loses_stage_lines_before_the_checks_and_what_was_cut():
+    stages = [f"  phase 2 s=1: {i} positions: " + "9" * 150 for i in range(30)]
+    lines = ["TIMING (...)", "baseline_h200: 40 steps timed", *stages, "CHECKS", "  FAIL fp8_head_fixed_scales",
+             "CUT SHORT: timing record_h200 stopped at the budget (in its warm-up)", "status failed (exit 1)"]
+    text = gpu_check.fit_summary(list(lines))
+    kept = [line for line in stages if line in text]
+    assert len(text) <= gpu_check.SUMMARY_CHARS and 0 < len(kept) < 30 and kept == stages[:len(kept)]
+    assert text.endswith("\n".join(lines[-4:])) and f"({30 - len(kept)} stage lines left out for length" in text
+    assert gpu_check.fit_summary(lines[:2] + lines[-4:]) == "\n".join(lines[:2] + lines[-4:])  # short: as it is
 
 
 def test_projection_of_a_flags_preset_weights_each_phase_by_its_flops():
@@ -281,8 +361,17 @@ def test_a_failed_agreement_check_says_why():
 def test_dry_run_kernel_checks_and_profile(dry_run):
     _, r, _ = dry_run
     k = r["kernels"]
-    assert list(k) == ["fp8_linear", "flex_vs_sdpa", "loss_vs_float64", "flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
+    assert list(k) == ["fp8_linear", "fp8_head_fixed_scales", "fp8_down_delayed_scales", "flex_vs_sdpa",
+                       "loss_vs_float64", "flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
     assert k["fp8_linear"]["passed"] and k["fp8_linear"]["emulated"]
+    head, down = k["fp8_head_fixed_scales"], k["fp8_down_delayed_scales"]  # the scales the presets give the op
+    assert head["passed"] and down["passed"] and head["divisor"] == 8
+    assert head["scales_expected"] == pytest.approx([100 / 448, 1.6 / 448, 0.75 / 448 / 8], rel=1e-12)
+    assert head["scales_used"] == pytest.approx(head["scales_expected"], rel=1e-6)
+    assert {"head_fixed_scale", "head_fixed_ref_out", "head_fixed_ref_dx", "head_fixed_ref_dw"} <= set(head["diffs"])
+    assert set(down["scales_expected"]) == {"down_bootstrap", "down_delayed"}
+    for c in (head, down):
+        assert c["max_scale_diff"] <= c["scale_tol"] == 1e-5 and c["max_kernel_diff"] <= c["kernel_tol"]
     assert set(k["flex_vs_sdpa"]["diffs"]) == {"short_out", "paired_out", "long_out"}  # forward only on CPU
     assert set(k["loss_vs_float64"]["diffs"]) == {"value_tanh", "grad_tanh", "value_sigmoid", "grad_sigmoid"}
     assert set(k["flex_vs_sdpa_model"]["diffs"]) == {"logits"}
@@ -372,6 +461,70 @@ def test_gradient_comparison_of_the_cuda_checks(monkeypatch, model_check_config)
     assert not check["passed"] and check["diffs"]["grad"] > 100 * check["grad_tol"]
 
 
+FP8_SMALL = (64, 32, 128, 256)  # positions, model_dim, MLP hidden, vocab
+
+
+def _fp8_rows(cfg):
+    """The FP8 rows at the presets' scales on CPU (the emulation path), at a small shape."""
+    cpu = torch.device("cpu")
+    return (gpu_kernels.fp8_head_fixed_check(T, cpu, cfg, FP8_SMALL, divisor=8),
+            gpu_kernels.fp8_down_delayed_check(T, cpu, FP8_SMALL))
+
+
+def test_the_fp8_rows_at_the_presets_scales_pass_and_check_the_delayed_rule(model_check_config):
+    head, down = _fp8_rows(model_check_config)
+    assert head["passed"] and down["passed"] and head["emulated"] and down["emulated"]
+    assert max(v for k, v in {**head["diffs"], **down["diffs"]}.items() if "_mm" in k or "_ref_" in k) < 1e-5
+    assert 5e-3 < head["diffs"]["head_fixed_out"] < 0.1 and 5e-3 < down["diffs"]["down_delayed_out"] < 0.1
+    boot, late = down["scales_expected"]["down_bootstrap"], down["scales_expected"]["down_delayed"]
+    assert late[1] / boot[1] == pytest.approx(1.12, rel=1e-9)  # the same weight's amax: x 1 at bootstrap, x 1.12 later
+    assert down["scales_used"]["down_delayed"] == pytest.approx(late, rel=1e-6) and late[0] != boot[0]
+
+
+def _double_arg(fn, i):
+    return lambda *a, **k: fn(*[2 * v if j == i else v for j, v in enumerate(a)], **k)
+
+
+# each: what is broken -> which rows fail (head, down)
+FP8_BUGS = {
+    "head scales doubled": (lambda mp: mp.setattr(T, "HEAD_SCALES", tuple(2 * v for v in T.HEAD_SCALES)), (1, 0)),
+    "head input scale dropped": (lambda mp: mp.setattr(T, "HEAD_SCALES", (1.0, *T.HEAD_SCALES[1:])), (1, 0)),
+    "head grad scale not divided": (lambda mp: mp.setattr(T.GPT, "set_loss_divisor", lambda self, d: None), (1, 0)),
+    "product drops its scale": (lambda mp: mp.setattr(kernels, "fp8_mm", lambda a, s, b, t, *r, **k: kernels_mm(
+        a, torch.ones_like(s), b, t, *r, **k)), (1, 1)),
+    "quantized at twice the scale": (lambda mp: mp.setattr(kernels, "fp8_quantize", _double_arg(kernels_q, 1)), (1, 1)),
+    "given scales ignored": (lambda mp: mp.setattr(kernels, "fp8_linear", lambda x, w, fp8_grad=False, emulate=False,
+                                                   scales=None: kernels_linear(x, w, fp8_grad, emulate)), (1, 1)),
+    "input scale doubled": (lambda mp: mp.setattr(kernels, "delay_input_scale_", lambda st, h: (
+        kernels_delay(st, h), st[0].mul_(2))), (0, 1)),
+    "weight scale dropped": (lambda mp: mp.setattr(kernels, "refresh_down_scales_", lambda st, w, bootstrap: None),
+                             (0, 1)),
+    "weight scale never delayed": (lambda mp: mp.setattr(kernels, "refresh_down_scales_", lambda st, w, bootstrap:
+                                                         kernels_refresh(st, w, True)), (0, 1)),
+}
+kernels_mm, kernels_q, kernels_linear = kernels.fp8_mm, kernels.fp8_quantize, kernels.fp8_linear
+kernels_delay, kernels_refresh = kernels.delay_input_scale_, kernels.refresh_down_scales_
+
+
+def test_a_model_without_fixed_head_scales_fails_the_head_row(model_check_config):
+    """A model that gives its head no fixed scales (here: a flags recipe) leaves the op its current scales."""
+    cfg = dataclasses.replace(model_check_config, stages="flags")
+    head = gpu_kernels.fp8_head_fixed_check(T, torch.device("cpu"), cfg, FP8_SMALL, divisor=8)
+    assert head["scales_used"] is None and not head["passed"] and head["max_scale_diff"] > 0.5
+
+
+@pytest.mark.parametrize("bug", list(FP8_BUGS))
+def test_a_doubled_or_dropped_scale_fails_the_fp8_rows(monkeypatch, model_check_config, bug):
+    break_it, (head_fails, down_fails) = FP8_BUGS[bug]
+    break_it(monkeypatch)
+    for row, fails in zip(_fp8_rows(model_check_config), (head_fails, down_fails)):
+        if not fails:
+            assert row["passed"], (bug, row["name"])
+            continue
+        worst = max(row["max_scale_diff"] / row["scale_tol"], row["max_kernel_diff"] / row["kernel_tol"])
+        assert not row["passed"] and worst > 5, (bug, row["name"], row["diffs"])  # far outside, not at the edge
+
+
 def test_loss_check_fails_on_a_slightly_wrong_loss(monkeypatch):
     original = kernels.multi_target_loss
     monkeypatch.setattr(T, "multi_target_loss", lambda *a, **kw: original(*a, **kw) * (1 + 1e-4))
@@ -407,17 +560,20 @@ def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monk
     cpu = torch.device("cpu")
     need_k, need_a = gpu_check.MIN_SECTION_S["kernels"][0], gpu_check.MIN_SECTION_S["agreement"][0]
     assert need_k < need_a  # the cases below assume it
-    second = gpu_check.TIMING_RESERVE_S[0] + 1.25 * 100.0 + 5  # the first run's wall time x 1.25 is left
+    reserve = gpu_check.RESERVE_S[0]
+    assert gpu_check.RESERVE_S[1] <= 60  # the timing runs get all of the budget but a minute at most
+    second = reserve + 1.25 * 100.0 + 5  # the first run's wall time x 1.25 is left
     for left, ran in ((second, ["timing", "timing", "kernels", "agreement"]),
-                      (need_a + 5, ["timing", "kernels", "agreement"]),
-                      ((need_k + need_a) / 2, ["timing", "kernels"]),
-                      (need_k - 5, ["timing"])):
+                      (reserve + need_a + 5, ["timing", "kernels", "agreement"]),
+                      (reserve + (need_k + need_a) / 2, ["timing", "kernels"]),
+                      (reserve + need_k - 5, ["timing"]), (reserve - 5, ["timing"])):
         calls.clear()
         res = dict(microbench=None, env=None, errors=[], warnings=[], skipped=[], kernels=None, profile=None,
-                   correctness=None, timing={})
+                   correctness=None, timing={}, timing_window=dict(runs={}))
         gpu_check.run_sections(section, res, cpu, args, [], [], "", gpu_check.time.monotonic() + left)
         assert calls == ran, (left, calls)
         assert len(res["skipped"]) == 4 - len(ran)  # each skipped section (or timing run) is named in the report
+        assert res["timing_window"]["runs"]["baseline_h200"]["started_s"] == pytest.approx(args.budget_s - left, abs=1)
 
 
 # ----------------------------------------------------------------------------------------------
