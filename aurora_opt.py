@@ -363,9 +363,15 @@ class CautiousAdam(torch.optim.Optimizer):
     ``u = lr sqrt(1-b2^t)/(1-b1^t) m/(sqrt(v)+eps)``; ``p <- p - u - lr^2 wd [u p > 0] p`` (as HEAD).
     The sum lives in a buffer (HEAD keeps it in ``.grad``), so the loop zeroes grads every step;
     the call count is a Python int: no host sync. Defaults: HEAD's (lr 0.008, wd 0.005, eps 1e-10).
+
+    ``shard`` (several processes: ``kernels.GradBuckets``): each rank keeps the state of, and updates, only its shard
+    of each parameter (flat elements ``shard.shard_range(p)``), from ``shard.grad_shard(p)`` (reduce-scattered);
+    an update step then starts the parameters' all-gather, which ``wait_gather`` finishes (ZeRO-2, as
+    modded-nanogpt's Adam). ``state_dict`` holds whole tensors (a collective then), whatever the process count.
     """
 
-    def __init__(self, params, lr=0.008, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.005, every=2, compile=False):
+    def __init__(self, params, lr=0.008, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.005, every=2, compile=False,
+                 shard=None):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1 (got {every!r})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -377,7 +383,7 @@ class CautiousAdam(torch.optim.Optimizer):
                 raise ValueError(f"betas must be in [0, 1) (got {group['betas']!r})")
             if not group["eps"] > 0:
                 raise ValueError(f"eps must be > 0 (got {group['eps']!r})")
-        self.every = every
+        self.every, self.shard = every, shard
         self.calls = 0  # step() calls so far; saved in state_dict
         self._finish = torch.compile(adam_finish_, dynamic=False) if compile else adam_finish_
         self._accumulate = torch.compile(grad_sum_, dynamic=False) if compile else grad_sum_
@@ -390,21 +396,37 @@ class CautiousAdam(torch.optim.Optimizer):
         return (self.calls + 1) % self.every == 0
 
     def state_dict(self):
+        """The state with whole tensors: sharded, every rank all-gathers each shard (call it on every rank)."""
         state = super().state_dict()
         state["calls"] = self.calls
+        if self.shard is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            state["state"] = {i: {k: self._whole(p, v) if torch.is_tensor(v) and v.ndim else v for k, v in s.items()}
+                              for i, s in state["state"].items() for p in [params[i]]}
         return state
+
+    def _whole(self, p, piece):
+        """A parameter's whole state tensor from every rank's ``piece`` of its shard (an all-gather)."""
+        k, world = -(-p.numel() // self.shard.world), self.shard.world
+        out = piece.new_empty(world * k)
+        dist.all_gather_into_tensor(out, torch.cat([piece, piece.new_zeros(k - piece.numel())]))
+        return out[:p.numel()].view(p.shape)
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         self.calls = state_dict.pop("calls", 0)
         super().load_state_dict(state_dict)
         # why: torch casts loaded state to its parameter's dtype, so an --adam-bf16 run resumed with its float32
-        # moments and gradient sum rounded to bf16; put the saved tensors back in their own dtype
+        # moments and gradient sum rounded to bf16; put the saved tensors back in their own dtype (sharded: its piece)
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         for i, p in zip(ids, [p for group in self.param_groups for p in group["params"]]):
             for key, value in state_dict["state"].get(i, {}).items():
                 if torch.is_tensor(value):
-                    self.state[p][key] = value.to(device=p.device)
+                    value = value.to(device=p.device)
+                    if self.shard is not None:
+                        lo, hi = self.shard.shard_range(p)
+                        value = value.reshape(-1)[lo:hi].clone()
+                    self.state[p][key] = value
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -421,11 +443,29 @@ class CautiousAdam(torch.optim.Optimizer):
         self.calls += 1
         if not update:
             params = [p for group in self.param_groups for p in group["params"]]
-            self._accumulate(self._grad_sums(params), _grads(params), first)
+            self._accumulate(self._grad_sums(params), self._grads(params), first)
             return loss
         for group in self.param_groups:
             self._update(group, first)
+        if self.shard is not None:  # every rank's updated shards to every rank (overlaps what runs before the wait)
+            self.shard.gather()
         return loss
+
+    def wait_gather(self):
+        """Wait for the all-gather of the parameters an update step started (several processes; else nothing)."""
+        if self.shard is not None:
+            self.shard.wait_gather()
+
+    def _own(self, p):
+        """The elements of ``p`` this rank updates: ``p`` itself, or sharded its flat shard (a view)."""
+        if self.shard is None:
+            return p
+        lo, hi = self.shard.shard_range(p)
+        return p.detach().view(-1)[lo:hi]
+
+    def _grads(self, params):
+        """Each parameter's gradient (zeros where it has none), sharded the reduced gradient of its shard."""
+        return _grads(params) if self.shard is None else [self.shard.grad_shard(p) for p in params]
 
     def _grad_sums(self, params):
         """Each parameter's float32 (float64) gradient sum of the every-k steps, made at zero on first use."""
@@ -433,7 +473,7 @@ class CautiousAdam(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if "grad_sum" not in state:
-                state["grad_sum"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                state["grad_sum"] = torch.zeros_like(self._own(p), dtype=torch.promote_types(p.dtype, torch.float32))
             sums.append(state["grad_sum"])
         return sums
 
@@ -442,15 +482,15 @@ class CautiousAdam(torch.optim.Optimizer):
         params = group["params"]
         sums = self._grad_sums(params) if self.every > 1 else [None] * len(params)
         by_step = {}  # {t: [(p, grad, sum, exp_avg, exp_avg_sq)]}: t differs only if parameters joined late
-        for p, g, s in zip(params, _grads(params), sums):
-            state = self.state[p]
+        for p, g, s in zip(params, self._grads(params), sums):
+            state, own = self.state[p], self._own(p)
             if "exp_avg" not in state:  # per parameter, as before: state_dict and checkpoints unchanged
                 dtype = torch.promote_types(p.dtype, torch.float32)  # float32 (float64 for a float64 p)
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+                state["exp_avg"] = torch.zeros_like(own, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(own, dtype=dtype)
             state["step"] += 1
-            by_step.setdefault(state["step"], []).append((p, g, s, state["exp_avg"], state["exp_avg_sq"]))
+            by_step.setdefault(state["step"], []).append((own, g, s, state["exp_avg"], state["exp_avg_sq"]))
         (b1, b2), lr = group["betas"], group["lr"]
         for t, entries in by_step.items():
             ps, gs, ss, ms, vs = map(list, zip(*entries))
@@ -516,6 +556,8 @@ def warm_step(opt):
         g["lr"] = 0.0
     for _ in range(getattr(opt, "every", 1)):  # CautiousAdam updates on its every-th call only
         opt.step()
+    if hasattr(opt, "wait_gather"):  # a sharded update's all-gather (lr 0: the same parameters)
+        opt.wait_gather()
     opt.state.clear()
     opt.state.update(saved_state)
     for p, grad in zip(params, grads):

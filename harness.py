@@ -292,7 +292,12 @@ def parse_flags(config, presets, argv=None):
     preset = p.parse_known_args(argv)[0].preset
     if preset:
         p.set_defaults(**presets[preset])
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra and all(os.path.exists(a) for a in extra):
+        raise ConfigError(f"unexpected file arguments ({extra[0]} ...): the shell expanded a glob; quote it, e.g. "
+                          f"--train-files 'data/fineweb10B/fineweb_train_*.bin'")
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     for f in dataclasses.fields(config):
         value, low, high = getattr(args, f.name), f.metadata.get("low"), f.metadata.get("high")
         if isinstance(value, float) and not np.isfinite(value):
@@ -496,8 +501,9 @@ def save_checkpoint(state, model, opts, loader, rt, path, log):
     if rt.distributed and ranks[0]:  # every rank's own FP8 scales (a collective: every rank is here)
         ranks = [None] * rt.world
         dist.all_gather_object(ranks, rank_buffers(model))
+    optimizers = [o.state_dict() for o in opts]  # on every rank: a sharded optimizer gathers its state
     if rt.master:
-        state = dict(state, model=model.state_dict(), optimizers=[o.state_dict() for o in opts], rank_buffers=ranks,
+        state = dict(state, model=model.state_dict(), optimizers=optimizers, rank_buffers=ranks,
                      loader_position=loader.position, rng=dict(torch=torch.get_rng_state(), cuda=(
                          torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])))
         tmp = f"{path}.tmp.{os.getpid()}"

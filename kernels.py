@@ -329,33 +329,74 @@ GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's
 
 
 class GradBuckets:
-    """Gradient all-reduce in buckets of ``cap_bytes``, each started once its gradients are final (PyTorch DDP's
-    bucketing, arXiv 2006.15704): parameters in reverse order, one flat buffer per bucket allocated once.
-    Under torch.compile the backward is one node per graph: the buckets then start together.
+    """Gradient communication in buckets of ``cap_bytes``, each started once its gradients are final (PyTorch DDP's
+    bucketing, arXiv 2006.15704): parameters in reverse order, flat buffers allocated once. Under torch.compile the
+    backward is one node per graph: the buckets then start together, at its end.
+
+    ``sharded``: the parameters whose optimizer keeps 1/world of their state (ZeRO-1/2, arXiv 1910.02054; modded-
+    nanogpt's sharded Adam): their gradients are reduce-scattered, rank r receiving the sum of flat elements
+    [r k, (r + 1) k), k = ceil(n / world), of each (``grad_shard``); after the optimizer updated those shards in
+    place, ``gather`` / ``wait_gather`` all-gather the parameters. Every other gradient is all-reduced.
     """
 
-    def __init__(self, params, cap_bytes=GRAD_BUCKET_BYTES):
-        self.params = [p for p in params if p.requires_grad]
-        self.buckets, self.bucket_of = [], {}
+    def __init__(self, params, rank=0, world=1, sharded=(), cap_bytes=GRAD_BUCKET_BYTES):
+        self.params, self.rank, self.world = [p for p in params if p.requires_grad], rank, world
+        scatter = {id(p) for p in sharded}
+        self.buckets, self.bucket_of, self.shards, self.gathers = [], {}, {}, []
         for p in reversed(self.params):
-            last = self.buckets[-1] if self.buckets else None
+            kind, last = ("scatter" if id(p) in scatter else "reduce"), (self.buckets[-1] if self.buckets else None)
             if (last is None or last["bytes"] + p.numel() * p.element_size() > cap_bytes
-                    or (last["dtype"], last["device"]) != (p.dtype, p.device)):
-                last = dict(params=[], bytes=0, dtype=p.dtype, device=p.device)
+                    or (last["kind"], last["dtype"], last["device"]) != (kind, p.dtype, p.device)):
+                last = dict(params=[], bytes=0, kind=kind, dtype=p.dtype, device=p.device)
                 self.buckets.append(last)
             last["params"].append(p)
             last["bytes"] += p.numel() * p.element_size()
             self.bucket_of[p] = len(self.buckets) - 1
         for b in self.buckets:
-            b["flat"] = torch.empty(b["bytes"] // b["params"][0].element_size(), dtype=b["dtype"], device=b["device"])
+            if b["kind"] == "reduce":
+                b["flat"] = torch.empty(sum(p.numel() for p in b["params"]), dtype=b["dtype"], device=b["device"])
+                continue
+            b["ks"] = [-(-p.numel() // world) for p in b["params"]]  # each parameter's shard length, padded
+            b["send"] = torch.empty(world * sum(b["ks"]), dtype=b["dtype"], device=b["device"])  # also gather's out
+            b["shard"] = torch.zeros(sum(b["ks"]), dtype=b["dtype"], device=b["device"])  # also gather's input
         self.left, self.works = [], {}
+
+    def shard_range(self, p):
+        """``(lo, hi)``: the flat elements of ``p`` this rank's optimizer owns (maybe none: lo == hi)."""
+        k = -(-p.numel() // self.world)
+        return min(self.rank * k, p.numel()), min((self.rank + 1) * k, p.numel())
+
+    def grad_shard(self, p):
+        """The reduced gradient of this rank's shard of ``p``, a view (zeros before the first step)."""
+        if p not in self.shards:
+            lo, hi = self.shard_range(p)
+            return torch.zeros(hi - lo, dtype=p.dtype, device=p.device)
+        return self.shards[p]
+
+    def _pieces(self, b):
+        """``[(p, offset in the bucket's shard, k, this rank's length)]`` of a scatter bucket."""
+        out, off = [], 0
+        for p, k in zip(b["params"], b["ks"]):
+            lo, hi = self.shard_range(p)
+            out.append((p, off, k, hi - lo))
+            off += k
+        return out
 
     def _start(self, i):
         b = self.buckets[i]
-        grads = [p.grad for p in b["params"] if p.grad is not None]
-        flat = b["flat"][:sum(g.numel() for g in grads)]
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+        if b["kind"] == "reduce":
+            grads = [p.grad for p in b["params"] if p.grad is not None]
+            flat = b["flat"][:sum(g.numel() for g in grads)]
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+            self.works[i] = (dist.all_reduce(flat, async_op=True), grads, flat)
+            return
+        rows = []  # [world, k] per parameter: rank r's row is its shard (zeros where no gradient, or padding)
+        for p, _, k, _ in self._pieces(b):
+            g = p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+            rows.append((g if g.numel() == self.world * k else F.pad(g, (0, self.world * k - g.numel()))).view(
+                self.world, k))
+        torch.cat(rows, dim=1, out=b["send"].view(self.world, -1))
+        self.works[i] = (dist.reduce_scatter_tensor(b["shard"], b["send"], async_op=True), None, None)
 
     def _ready(self, p):
         i = self.bucket_of[p]
@@ -369,25 +410,39 @@ class GradBuckets:
         return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
     def finish(self):
-        """Start the buckets the backward did not fill (parameters without a gradient), wait for all, copy back."""
-        for i in range(len(self.buckets)):
-            if i not in self.works and any(p.grad is not None for p in self.buckets[i]["params"]):
+        """Start the buckets the backward did not fill (parameters without a gradient; a scatter bucket always, so
+        every rank calls the same collectives), wait for all, copy back the all-reduced gradients and point
+        ``grad_shard`` at the reduce-scattered ones."""
+        for i, b in enumerate(self.buckets):
+            if i not in self.works and (b["kind"] == "scatter" or any(p.grad is not None for p in b["params"])):
                 self._start(i)
-        for work, grads, flat in self.works.values():
+        for i, (work, grads, flat) in self.works.items():
             work.wait()
-            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+            if grads is not None:
+                torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]),
+                                                                          grads)])
+            else:
+                b = self.buckets[i]
+                self.shards.update({p: b["shard"][off:off + n] for p, off, _, n in self._pieces(b)})
 
+    def gather(self):
+        """Start all-gathering every sharded parameter from its owners' updated shards (async)."""
+        for b in self.buckets:
+            if b["kind"] == "scatter":
+                pieces = self._pieces(b)
+                for p, off, _, n in pieces:  # this rank's updated elements into the send buffer (p is the truth)
+                    lo, hi = self.shard_range(p)
+                    b["shard"][off:off + n].copy_(p.detach().view(-1)[lo:hi])
+                self.gathers.append((dist.all_gather_into_tensor(b["send"], b["shard"], async_op=True), b, pieces))
 
-_GRAD_BUCKETS = weakref.WeakKeyDictionary()  # model -> its GradBuckets: buffers allocated once per model
-
-
-def grad_buckets(model):
-    """The model's ``GradBuckets`` (built on first use, rebuilt if its parameters changed)."""
-    held = _GRAD_BUCKETS.get(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if held is None or len(held.params) != len(params) or any(a is not b for a, b in zip(held.params, params)):
-        held = _GRAD_BUCKETS[model] = GradBuckets(params, GRAD_BUCKET_BYTES)
-    return held
+    def wait_gather(self):
+        """Wait for ``gather`` and write each parameter whole from its ranks' shards."""
+        for work, b, pieces in self.gathers:
+            work.wait()
+            got = b["send"].view(self.world, -1)
+            for p, off, k, _ in pieces:
+                p.detach().view(-1).copy_(got[:, off:off + k].reshape(-1)[:p.numel()])
+        self.gathers = []
 
 
 # Attention masks (records #12, 2024-11-19: document masks and a sliding window in FlexAttention;

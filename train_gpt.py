@@ -33,7 +33,7 @@ from aurora_opt import CautiousAdam, NorMuon, adam_groups, matrix_groups, warm_s
 from harness import ConfigError, DataError
 from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks,
                      attend, dc_attention, delay_input_scale_, down_scales, fp8_active, fp8_linear,
-                     fp8_unavailable_reason, grad_buckets, layer_masks, multi_target_loss, refresh_down_scales_,
+                     fp8_unavailable_reason, GradBuckets, layer_masks, multi_target_loss, refresh_down_scales_,
                      upcast)
 
 # ----------------------------------------------------------------------------------------------
@@ -1095,9 +1095,9 @@ class ValData:
 # Optimizers (docs/METHODS.md §2, §3): NorMuon (or Aurora's polar on the MLP matrices) on the block matrices,
 # CautiousAdam by role on the rest, every other step; the stage table sets their lr and momentum per step
 
-def build_optimizers(model, cfg, compile=False):
-    """``[CautiousAdam, NorMuon]`` over ``model``'s parameters by their ``route`` tags; every group keeps its
-    ``initial_lr`` for the schedule."""
+def build_optimizers(model, cfg, compile=False, shard=None):
+    """``[CautiousAdam, NorMuon]`` over ``model``'s parameters by their ``route`` tags (``shard``: the GradBuckets of a
+    run on several processes: Adam keeps 1/world of its state); every group keeps its ``initial_lr``."""
     blocks = dict(model.blocks.named_parameters())
     pick = lambda *ends: [(f"blocks.{n}", p) for n, p in blocks.items() if n.endswith(ends)]  # noqa: E731
     groups = matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
@@ -1109,7 +1109,7 @@ def build_optimizers(model, cfg, compile=False):
     for p in model.parameters():
         if p.opt_group == "adam":
             roles.setdefault(p.adam_role, []).append(p)
-    adam = CautiousAdam(adam_groups(roles, lr=cfg.adam_lr), eps=1e-10, every=2, compile=compile)
+    adam = CautiousAdam(adam_groups(roles, lr=cfg.adam_lr), eps=1e-10, every=2, compile=compile, shard=shard)
     for opt in (adam, matrices):
         for g in opt.param_groups:
             g["initial_lr"] = g["lr"]
@@ -1161,15 +1161,14 @@ def grad_divisor(stage):
     return stage.batch_tokens // stage.seq_len * per_label
 
 
-def accumulate_gradients(model, micro_batches, rt, weights, divisor):
+def accumulate_gradients(model, micro_batches, rt, weights, divisor, buckets=None):
     """Forward/backward over this rank's ``[(inputs [b, L, k], targets [b, L, j])]``; returns the float32 loss (the
     global label sum, columns weighted by ``weights`` [J], over the next-token label count); the gradient of the
-    sum over ``divisor``, all-reduced in buckets in the last backward."""
+    sum over ``divisor``, communicated in ``buckets`` (several processes) from the last backward on."""
     n_valid = torch.zeros((), device=rt.device)
     for _, targets in micro_batches:
         n_valid += ((targets if weights is None else targets[..., :1]) != IGNORE_INDEX).sum()
     total = torch.zeros((), device=rt.device)
-    buckets = grad_buckets(model) if rt.distributed else None
     for m, (inputs, targets) in enumerate(micro_batches):
         loss_sum = model(inputs, targets) if weights is None else model(inputs, targets, weights)
         handles = buckets.hooks() if buckets is not None and m == len(micro_batches) - 1 else []
@@ -1234,6 +1233,7 @@ class Run:
     log: harness.RunLog
     model: GPT
     net: nn.Module
+    buckets: GradBuckets  # several processes: gradient all-reduce / reduce-scatter, Adam's all-gather; else None
     opts: list
     loader: PackedLoader
     val: ValData
@@ -1256,8 +1256,10 @@ def build_run(cfg, rt, log, data, resume):
     if rt.bf16:
         adam_bf16_(model)
     schedule = Schedule(cfg)
-    run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model,
-              build_optimizers(model, cfg, compile=rt.compile), PackedLoader(train_stream, rt.rank, rt.world),
+    adam_params = [p for p in model.parameters() if p.opt_group == "adam"]
+    buckets = GradBuckets(model.parameters(), rt.rank, rt.world, adam_params) if rt.distributed else None
+    run = Run(cfg, schedule, rt, log, model, torch.compile(model, dynamic=False) if rt.compile else model, buckets,
+              build_optimizers(model, cfg, rt.compile, buckets), PackedLoader(train_stream, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Objectives(schedule, model.spec.vocab_size, rt.device), data,
               split=split_step(cfg))
     if resume:
@@ -1417,9 +1419,10 @@ def train(run, stop):
         model.set_window(row.window, row.yarn)
         micro, weights = run.objectives.batches(micro, step, row.stage)
         model.set_loss_divisor(grad_divisor(row.stage))
-        loss = accumulate_gradients(run.net, micro, rt, weights, grad_divisor(row.stage))
-        for opt in run.opts:
+        loss = accumulate_gradients(run.net, micro, rt, weights, grad_divisor(row.stage), run.buckets)
+        for opt in run.opts:  # Adam first: on several processes its parameters' all-gather overlaps NorMuon's step
             opt.step()
+        run.opts[0].wait_gather()
         fp8_refresh(model, step)
         if step == run.split:
             untie(model, run.opts[0])
