@@ -4,8 +4,8 @@ attention masks (one mask definition for FlexAttention and SDPA).
 Each is exact math with a reference test (tests/test_objectives.py, test_fp8.py, test_grad_allreduce.py,
 test_attention.py, test_block_mask.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
 """
+import importlib.util
 import math
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -572,11 +572,33 @@ def dc_attention(q, k, v, w1, w2, doc_ids, scale, window=DC_WINDOW, block=128):
     return out.reshape(B, n * C, H, D)[:, :T]
 
 
+# FlexAttention's kernels on CUDA (--attention-backend): "TRITON" (its Triton templates) or "FLASH"
+# (FlashAttention-4 through FlexAttention: CuTe DSL kernels for Hopper and Blackwell, the same mask_mod and block
+# masks; experimental in torch 2.13). Read when a graph is traced: the trainer sets it before the warm-up.
+FLEX_BACKEND = ["TRITON"]
+
+
+def flash_unavailable_reason(device):
+    """Why FlexAttention's FLASH backend cannot run on ``device``, or None: it needs the flash-attn-4 package
+    (``flash_attn.cute``) and a Hopper or Blackwell GPU (sm_90, sm_100)."""
+    try:
+        found = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute")
+    except ImportError:
+        found = False
+    if not found:
+        return "the flash-attn-4 package is not installed (pip install -r requirements-gpu.txt)"
+    if torch.device(device).type != "cuda":
+        return "it needs a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if major in (9, 10) else f"it needs a Hopper or Blackwell GPU (sm_90, sm_100), not sm_{major}{minor}"
+
+
 def attend(q, k, v, mask=None, scale=None):
     """``softmax(scale q k^T) v``, q, k, v ``[B, H, T, head_dim]`` -> same in v's dtype; ``mask`` None: causal
-    SDPA, a ``BlockMask``: FlexAttention (q, k cast to v's dtype), a bool tensor: masked SDPA."""
+    SDPA, a ``BlockMask``: FlexAttention (q, k cast to v's dtype; ``FLEX_BACKEND``), a bool tensor: masked SDPA."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, BlockMask):
-        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale)
+        return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale,
+                              kernel_options={"BACKEND": FLEX_BACKEND[0]})
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,75 @@
+"""--attention-backend (issue 46): FlexAttention's FLASH backend (FlashAttention-4) where it can run, one line where
+it cannot, and auto's fallback to the Triton kernels when FLASH refuses a graph at warm-up (before the clock)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import harness as H
+import kernels
+import train_gpt as T
+from conftest import REPO, subprocess_env, tiny_args
+
+
+def test_flash_without_flash_attn_4_is_one_line_naming_it(tmp_path):
+    if kernels.flash_unavailable_reason("cuda") is None:
+        pytest.skip("flash-attn-4 is installed and a Hopper/Blackwell GPU is here: nothing refuses")
+    done = subprocess.run([sys.executable, "-c", "import conftest, train_gpt, sys; sys.exit(train_gpt.main(sys.argv[1:]))",
+                           *tiny_args(tmp_path, "--attention-backend", "flash")], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=f"{REPO}/tests", timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--attention-backend flash" in lines[0] and "flash-attn-4" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_auto_on_a_cpu_runs_sdpa_without_a_word(tmp_path):
+    cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))
+    assert cfg.attention_backend == "auto"
+    rt = H.Runtime(0, 1, torch.device("cpu"), compile=True)
+    assert T.attention_backend(cfg, rt) == "TRITON"  # (not used: a CPU model attends through SDPA)
+    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "auto")) == 0
+    log = (tmp_path / "logs" / "auto.txt").read_text().split(H.SEPARATOR)[-2]  # the run, not its source
+    assert "attention: SDPA" in log and "FLASH" not in log
+
+
+def test_auto_falls_back_to_triton_when_flash_refuses_a_graph(tmp_path, monkeypatch):
+    """A compiled warm-up where the (simulated) FLASH lowering refuses the first graph: one log line, the backend
+    becomes TRITON, every graph is compiled again, and the run goes on."""
+    cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path, "--run-id", "fallback"))
+    rt = H.Runtime(0, 1, torch.device("cpu"), compile=True)
+    log = H.RunLog(cfg, rt, None)  # (the run's own log: the warm-up writes its lines there)
+    run = T.build_run(cfg, rt, log, H.find_data(cfg.train_files, cfg.val_files), None)
+    model, calls = run.model, []
+
+    class Net(torch.nn.Module):  # what torch.compile raises when inductor's FLASH lowering refuses a mask
+        def forward(self, *args):
+            calls.append(kernels.FLEX_BACKEND[0])
+            if kernels.FLEX_BACKEND[0] == "FLASH":
+                raise RuntimeError("BACKEND='FLASH' but flash attention cannot be used: NYI (simulated)")
+            return model(*args)
+    run.net = Net()
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(T, "warm_step", lambda opt: None)
+    kernels.FLEX_BACKEND[0] = "FLASH"
+    try:
+        T.warm_up(run, H.StopFlag())
+    finally:
+        backend, kernels.FLEX_BACKEND[0] = kernels.FLEX_BACKEND[0], "TRITON"
+    log.close("complete")
+    text = (tmp_path / "logs" / "fallback.txt").read_text().split(H.SEPARATOR)[-1]  # the run, not its source
+    assert calls[:3] == ["FLASH", "reset", "TRITON"] and backend == "TRITON"
+    assert text.count("attention: FLASH refused a graph") == 1 and "falls back to TRITON" in text
+    assert "compile: train" in text
+
+
+def test_flash_is_not_caught_when_the_user_asked_for_it(tmp_path):
+    cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path, "--attention-backend", "flash"))
+    err = RuntimeError("BACKEND='FLASH' but flash attention cannot be used")
+    kernels.FLEX_BACKEND[0] = "FLASH"
+    try:
+        assert not T.flash_refused(cfg, err)  # --attention-backend flash: the error is the report
+        assert T.flash_refused(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0], err)
+    finally:
+        kernels.FLEX_BACKEND[0] = "TRITON"
