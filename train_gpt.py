@@ -1356,6 +1356,11 @@ def warm_up(run, stop):
                      f"{harness.compiled_graphs() - g1} graph(s)")
     ms = 1000 * (time.perf_counter() - t0)
     run.log.line(f"compile: warm-up took {ms:.0f}ms (not in train_time), {harness.compiled_graphs() - graphs0} graphs")
+    if run.rt.distributed:  # the ranks compile alone and meet at the first collective: their skew vs --dist-timeout
+        every = [None] * run.rt.world
+        dist.all_gather_object(every, ms)
+        run.log.line(f"compile: warm-up per rank {min(every):.0f}-{max(every):.0f}ms, skew {max(every) - min(every):.0f}"
+                     f"ms (--dist-timeout {run.cfg.dist_timeout}s)")
     return ms
 
 
