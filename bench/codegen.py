@@ -5,6 +5,7 @@ buffers and the bytes it moves.
     python bench/codegen.py                          # the loss at 16,384 x 1,024 and at 49,152 x 50,304 (record
                                                      # #89's stage 3), an eval piece, the cpu_smoke train step
     python bench/codegen.py --loss 4096x256 --no-eval --no-model --json out.json
+    python bench/codegen.py --no-loss --no-eval      # the model's train step alone
     python bench/codegen.py --dump DIR               # also each graph's generated code, one file a graph
 
 How: inductor's Triton backend for CPU tensors (``cpu_backend = "triton"``, ``TRITON_INTERPRET=1``) writes the
@@ -166,7 +167,8 @@ def model_case(preset):
 def cases(args):
     """``[(name, N x V, run)]`` the flags ask for."""
     cfg = record_config(args.cap)
-    out = [(f"loss {n}x{v} {args.cap}", n * v, lambda n=n, v=v: loss_case(n, v, cfg)) for n, v in args.loss]
+    out = [(f"loss {n}x{v} {args.cap}", n * v, lambda n=n, v=v: loss_case(n, v, cfg)) for n, v in args.loss
+           if args.losses]
     if args.eval:
         n, v = train_gpt.VAL_PIECE, RECORD_STAGE3[1]
         out.append((f"eval piece {n}x{v} {args.cap}", n * v, lambda: loss_case(n, v, cfg, train=False)))
@@ -201,6 +203,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loss", type=shape, action="append", help="a loss shape NxV (repeatable; default "
                    + ", ".join(f"{n}x{v}" for n, v in DEFAULT_LOSS) + ")")
+    p.add_argument("--no-loss", dest="losses", action="store_false", help="skip the training loss alone")
     p.add_argument("--cap", default="sigmoid", choices=("sigmoid", "tanh", "none"), help="the logits' cap")
     p.add_argument("--no-eval", dest="eval", action="store_false", help="skip the eval piece (no-grad forward)")
     p.add_argument("--model", default="cpu_smoke", help="the preset whose train step to compile (default "
