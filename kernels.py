@@ -176,14 +176,15 @@ def _cap_(x, cap, softcap):
     return x, 1.0
 
 
-def _slope_(u, cap):
-    """``dz/dx`` from ``u`` of ``_cap_``, overwriting ``u`` (None without a cap: the slope is 1)."""
+def _times_slope_(g, u, cap):
+    """``g * dz/dx`` in place, from ``u`` of ``_cap_`` (overwritten): no temporary, and no addcmul_ (compiled,
+    its decomposition's copy_ made the partitioner keep sigma for the backward: float32 [N, V])."""
     if cap == "tanh":
-        return u.mul_(u).neg_().add_(1.0)                      # 1 - tanh^2
-    if cap == "sigmoid":  # not addcmul_: compiled, its copy_ made the partitioner keep sigma (float32 [N, V])
+        return g.mul_(u.mul_(u).neg_().add_(1.0))              # 1 - tanh^2
+    if cap == "sigmoid":
         A, _, C = SIGMOID_CAP
-        return u.mul_(1.0 - u).mul_(A / C)                     # (A / C) sigma (1 - sigma)
-    return None
+        return g.mul_(u).mul_(u.neg_().add_(1.0)).mul_(A / C)  # (A / C) g sigma (1 - sigma)
+    return g
 
 
 def _lse_shift(cap, softcap):
@@ -206,14 +207,17 @@ def _row_lse(x, acc, cap, softcap):
 def _logit_grad(x, lse, index, w, w_soft, cap, softcap):
     """The loss's gradient at rows ``x`` ``[n, V]``, in x's dtype: ``dz/dx (W_n exp(z - lse_n) - sum_j w_nj
     [v == y_nj])``; ``lse``, ``w_soft`` (W_n) ``[n]`` and ``w`` ``[n, J]`` in float32 (float64), times the
-    incoming gradient. Elementwise (J compares, no scatter): compiled, one kernel, one exp a logit (+1: sigmoid)."""
+    incoming gradient. Compiled, elementwise (J compares, no scatter): one kernel, one exp a logit (+1: sigmoid)."""
     u, a = _cap_(x.to(lse.dtype, copy=True), cap, softcap)
     g = (u if cap == "none" else u * a).sub_(lse[:, None]).exp_().mul_(w_soft[:, None])
-    column = torch.arange(x.size(-1), device=x.device)
-    for j in range(index.size(-1)):                            # repeated labels add up
-        g.sub_(torch.where(column == index[:, j, None], w[:, j, None], 0.0))
-    slope = _slope_(u, cap)
-    return (g if slope is None else g.mul_(slope)).to(x.dtype)
+    if torch.compiler.is_compiling():  # J compares fuse into the one kernel (a scatter needs g in memory)
+        column = torch.arange(x.size(-1), device=x.device)
+        for j in range(index.size(-1)):                        # repeated labels add up
+            g.sub_(torch.where(column == index[:, j, None], w[:, j, None], 0.0))
+    else:  # eager: n J values put in place, not J passes over [n, V] (twice the loss's CPU time)
+        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
+        g.index_put_((rows, index), -w, accumulate=True)       # repeated labels add up
+    return _times_slope_(g, u, cap).to(x.dtype)
 
 
 class _LossSum(torch.autograd.Function):

@@ -37,6 +37,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 
 # Before torch is imported: triton's interpreter stands in for a GPU driver, and a fresh inductor cache means
 # every graph is generated here (a cached one would skip the code generation this reads).
@@ -44,8 +45,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 CACHE = tempfile.mkdtemp(prefix="codegen_inductor_")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = CACHE
 atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
-
-import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
@@ -121,9 +120,10 @@ def analyse(code, nbytes, nv):
         if dtype == "float32" and all(d.isdigit() for d in dims):  # static shapes only (compiled dynamic=False)
             f32.append(math.prod(int(d) for d in dims))
     big = [numel for numel in f32 if numel * 8 >= nv]
+    backward = "tangents_" in code.split("def call(", 1)[-1]  # the wrapper's inputs: a backward takes the tangents
     return dict(kernels=len(kernels), exp=max((len(EXP.findall(k)) for _, k in kernels), default=0),
                 where=max((where_depth(k) for _, k in kernels), default=0), f32_big=len(big),
-                f32_big_nv=sum(big) / nv, f32_all_nv=sum(f32) / nv, gb=nbytes / 1e9, backward="tangents_" in code.split("def call(", 1)[-1])
+                f32_big_nv=sum(big) / nv, f32_all_nv=sum(f32) / nv, gb=nbytes / 1e9, backward=backward)
 
 
 def record_config(cap):
@@ -215,6 +215,10 @@ def main(argv=None):
     args.loss = args.loss or list(DEFAULT_LOSS)
     if args.model and args.model not in train_gpt.PRESETS:
         p.error(f"--model {args.model}: no such preset; give one of {', '.join(train_gpt.PRESETS)}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: its folder does not exist; give a path in an existing folder")
+    if args.dump and os.path.exists(args.dump) and not os.path.isdir(args.dump):
+        p.error(f"--dump {args.dump}: a file, not a folder; give a folder (made if missing)")
     graphs, rows = generate_only(), []
     for name, nv, run in cases(args):
         torch._dynamo.reset()
