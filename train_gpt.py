@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import harness
 from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks,
                      attend, build_attention_mask, dc_attention, delay_input_scale_, down_scales, fp8_active,
-                     fp8_linear, fp8_unavailable_reason, grad_buckets, layer_masks, mce_loss, multi_target_loss,
+                     fp8_linear, fp8_unavailable_reason, grad_buckets, layer_masks, multi_target_loss,
                      refresh_down_scales_, upcast)
 from aurora_opt import (DEFAULTS as AURORA, NS_COEFFICIENTS, Aurora, CautiousAdam, NorMuon, record89_adam_groups,
                         record89_matrix_groups, warm_step)
@@ -974,16 +973,11 @@ def windowed(cfg):
 
 
 def loss_sum(logits, targets, weights, cfg):
-    """The loss sum of a forward with targets ``[..., J]``: the MCE (``mce_loss``, tanh cap) or, with
-    column ``weights`` ``[J]`` or ``--logit-cap sigmoid``, ``multi_target_loss`` (weights 1 when None)."""
-    if weights is None and cfg.logit_cap == "tanh":
-        return mce_loss(logits, targets, reduction="sum", softcap=cfg.logit_softcap)
-    if weights is None:  # the MCE under the sigmoid cap
+    """The loss sum of a forward with targets ``[..., J]``: ``multi_target_loss`` under the config's cap, column
+    ``weights`` ``[J]`` (1 when None: the MCE, or next-token CE with J = 1)."""
+    if weights is None:
         weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
-    cap = "tanh" if cfg.logit_cap == "tanh" and cfg.logit_softcap > 0 else cfg.logit_cap
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps every
-        # chunk's float32 capped logits for the backward (4 bytes a logit, eager 2): recompute them from the bf16 ones
-        return checkpoint(multi_target_loss, logits, targets, weights, cap, cfg.logit_softcap, use_reentrant=False)
+    cap = "none" if cfg.logit_cap == "tanh" and cfg.logit_softcap == 0 else cfg.logit_cap
     return multi_target_loss(logits, targets, weights, cap=cap, softcap=cfg.logit_softcap)
 
 
