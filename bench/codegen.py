@@ -54,6 +54,8 @@ from torch._inductor.runtime.triton_heuristics import CachingAutotuner  # noqa: 
 from torch._inductor.scheduler import FusedSchedulerNode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import harness  # noqa: E402
+import kernels  # noqa: E402
 import train_gpt  # noqa: E402
 
 RECORD_STAGE3 = (49_152, 50_304)  # record #89's stage 3: 49,152 positions a micro-step, the padded vocabulary
@@ -126,21 +128,22 @@ def analyse(code, nbytes, nv):
                 f32_big_nv=sum(big) / nv, f32_all_nv=sum(f32) / nv, gb=nbytes / 1e9, backward=backward)
 
 
-def record_config(cap):
-    """The record preset's config (4 weighted columns) with the logits' ``cap``: sigmoid, tanh (15) or none."""
-    cfg, _ = train_gpt.parse_config(["--preset", "baseline_h200"])
+def loss_of(cap):
+    """The loss the model calls (``train_gpt.loss_sum``: the sigmoid cap), or the same loss under the tanh (15) or no
+    cap (``kernels.multi_target_loss``)."""
     if cap == "sigmoid":
-        return cfg
-    return dataclasses.replace(cfg, logit_cap="tanh", logit_softcap=15.0 if cap == "tanh" else 0.0)
+        return train_gpt.loss_sum
+    return lambda x, t, w: kernels.multi_target_loss(x, t, torch.ones(t.size(-1)) if w is None else w,
+                                                     cap=cap, softcap=15.0 if cap == "tanh" else 0.0)
 
 
-def loss_case(n, v, cfg, train=True):
+def loss_case(n, v, loss, train=True):
     """``loss_sum`` on bf16 logits ``[n, v]``, compiled: forward and backward (``train``, 4 weighted columns) or the
     metric's no-grad forward (one column, as eval calls it on pieces of the logits)."""
     logits = torch.empty(n, v, dtype=torch.bfloat16, requires_grad=train)
     targets = torch.zeros(n, 4 if train else 1, dtype=torch.int64)
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25]) if train else None
-    fn = torch.compile(lambda x, t, w: train_gpt.loss_sum(x, t, w, cfg), fullgraph=True, dynamic=False)
+    fn = torch.compile(loss, fullgraph=True, dynamic=False)
     if train:
         fn(logits, targets, weights).backward()
     else:
@@ -149,29 +152,28 @@ def loss_case(n, v, cfg, train=True):
 
 
 def model_case(preset):
-    """One micro-step of ``preset``'s model (``GPT``, bf16 autocast, the record's 4 weighted columns), compiled
-    as the trainer compiles it; returns N x V of its logits."""
-    cfg, _ = train_gpt.parse_config(["--preset", preset])
-    model = train_gpt.GPT(cfg)
+    """One micro-step of ``preset``'s model (``GPT`` in bf16 as a CUDA run builds it, the record's 4 weighted
+    columns), compiled as the trainer compiles it; returns N x V of its logits."""
+    cfg, _, _ = harness.parse_flags(train_gpt.Config, train_gpt.PRESETS, ["--preset", preset])
+    model = train_gpt.GPT(dataclasses.replace(cfg, fp8=False), torch.bfloat16)
+    train_gpt.adam_bf16_(model)
     L, V = cfg.seq_len, model.lm_head.weight.size(0)
     inputs = torch.randint(0, 50_257, (1, L, 1))
     targets = train_gpt.objective_targets(inputs[..., 0], train_gpt.prefix_token_table(V))
     weights = torch.tensor([1.0, 0.5, 0.25, 0.25])
-    compiled = torch.compile(model, dynamic=False)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = compiled(inputs, targets, weights)
+    loss = torch.compile(model, dynamic=False)(inputs, targets, weights)
     loss.backward()
     return L * V
 
 
 def cases(args):
     """``[(name, N x V, run)]`` the flags ask for."""
-    cfg = record_config(args.cap)
-    out = [(f"loss {n}x{v} {args.cap}", n * v, lambda n=n, v=v: loss_case(n, v, cfg)) for n, v in args.loss
+    loss = loss_of(args.cap)
+    out = [(f"loss {n}x{v} {args.cap}", n * v, lambda n=n, v=v: loss_case(n, v, loss)) for n, v in args.loss
            if args.losses]
     if args.eval:
         n, v = train_gpt.VAL_PIECE, RECORD_STAGE3[1]
-        out.append((f"eval piece {n}x{v} {args.cap}", n * v, lambda: loss_case(n, v, cfg, train=False)))
+        out.append((f"eval piece {n}x{v} {args.cap}", n * v, lambda: loss_case(n, v, loss, train=False)))
     if args.model:
         out.append((f"model {args.model}", None, lambda: model_case(args.model)))
     return out
