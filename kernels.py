@@ -161,67 +161,16 @@ def fp8_active(on, x, weight):
 
 
 
-class _MCELossSum(torch.autograd.Function):
-    """Sum over valid (position, label) of ``logsumexp(z) - z[y]``, ``z = c tanh(x / c)`` (c = 0: x).
+# One loss for every objective on the logits, training and the metric: any number of weighted targets per
+# position over one capped softmax. TST's MCE is s targets of weight 1 (plain CE: s = 1); multi-token
+# prediction (modded-nanogpt record #53, 2025-12-22) and the prefix token (record #88, 2026-07-13) add columns.
+# Compiled, the loss is two kernels (the rows' logsumexp; the gradient, one exp per logit, written once in the
+# logits' dtype) and keeps no float32 [N, V]: bench/codegen.py prints inductor's code for it.
 
-    The fused backward writes one ``[N, V]`` tensor, ``(c_i softmax(z_i) - onehots) dz/dx``: the
-    memory of plain cross-entropy for any s, and fewer passes over the logits than autograd's.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, softcap):
-        valid = targets != IGNORE_INDEX
-        index = targets.clamp_min(0)
-        tanh = logits.div(softcap).tanh_() if softcap else None     # kept for the backward
-        z = tanh * softcap if softcap else logits
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)               # [N, 1]
-        picked = z.gather(-1, index)                                 # [N, s]
-        ctx.softcap = softcap
-        ctx.save_for_backward(tanh if softcap else logits, lse, index, valid)
-        return torch.where(valid, lse - picked, 0.0).sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved, lse, index, valid = ctx.saved_tensors
-        c = ctx.softcap
-        n_valid = valid.sum(dim=-1, keepdim=True).to(saved.dtype)    # [N, 1]
-        g = saved.mul(c) if c else saved.clone()                     # z, then the gradient, in place
-        g.sub_(lse).exp_().mul_(n_valid * grad)
-        g.scatter_add_(-1, index, valid.to(saved.dtype) * -grad)     # repeated labels add up
-        if c:
-            g.addcmul_(g, saved.square(), value=-1.0)                # dz/dx = 1 - tanh(x / c)^2 (a 2nd [N, V])
-        return g, None, None
-
-
-def mce_loss(logits, targets, reduction="mean", softcap=0.0):
-    """TST's multi-hot cross-entropy (plain CE when s = 1): float32 (float64) mean or sum over valid labels.
-
-    ``logits`` ``[..., V]``, ``targets`` int64 ``[..., s]`` (-100 ignored, repeats count each time),
-    ``softcap`` c > 0 scores ``c tanh(x / c)``. Gradient ``softmax(z) - (1/s) sum_k onehot(y_k)`` per
-    position; no ``[..., s, V]`` tensor is built. ValueError for a bad reduction, cap or shape.
-    """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if not (isinstance(softcap, (int, float)) and 0 <= softcap < math.inf):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = no cap), got {softcap!r}")
-    if logits.shape[:-1] != targets.shape[:-1]:
-        raise ValueError(f"mce_loss: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
-                         f"differ in their leading dims")
-    V, s = logits.size(-1), targets.size(-1)
-    total = _MCELossSum.apply(upcast(logits).reshape(-1, V), targets.reshape(-1, s), float(softcap))
-    if reduction == "sum":
-        return total
-    return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
-
-
-# Objectives on the same logits (training only; the metric stays next-token CE): any number of
-# weighted targets per position over one softmax, in chunks of positions. TST's MCE is the case
-# of s targets of weight 1; multi-token prediction (modded-nanogpt record #53, 2025-12-22) and the
-# prefix token (record #88, 2026-07-13) add columns to the target matrix.
-
-LOSS_CHUNK = 1024             # positions per chunk: float32 temporaries of [LOSS_CHUNK, V], never [N, V]
+LOSS_CHUNK = 1024             # eager only: positions per pass (float32 temporaries of [LOSS_CHUNK, V], never [N, V])
 LOGIT_CAPS = ("none", "tanh", "sigmoid")
-SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-12-26), HEAD's (A, B, C)
+SIGMOID_CAP = (23.0, 5.0, 7.5)  # z = A sigmoid((x + B) / C): record #54 (2025-12-26), modded-nanogpt's (A, B, C)
+SHIFT_LIMIT = 40.0  # a cap z <= b with b <= 40 shifts the logsumexp by b: exp(z - b) >= exp(-80), a normal float32
 
 
 def _cap_(x, cap, softcap):
@@ -235,30 +184,56 @@ def _cap_(x, cap, softcap):
     return x, 1.0
 
 
-def _slope_(u, cap):
-    """``dz/dx`` from ``u`` of ``_cap_``, overwriting ``u`` (None without a cap: the slope is 1)."""
+def _times_slope_(g, u, cap):
+    """``g * dz/dx`` in place, from ``u`` of ``_cap_`` (overwritten): no temporary, and no addcmul_ (compiled,
+    its decomposition's copy_ made the partitioner keep sigma for the backward: float32 [N, V])."""
     if cap == "tanh":
-        return u.mul_(u).neg_().add_(1.0)                      # 1 - tanh^2
+        return g.mul_(u.mul_(u).neg_().add_(1.0))              # 1 - tanh^2
     if cap == "sigmoid":
         A, _, C = SIGMOID_CAP
-        return u.addcmul_(u, u, value=-1.0).mul_(A / C)        # (A / C) sigma (1 - sigma)
-    return None
+        return g.mul_(u).mul_(u.neg_().add_(1.0)).mul_(A / C)  # (A / C) g sigma (1 - sigma)
+    return g
 
 
-def _softmax_times_slope(x, lse, scale, cap, softcap):
-    """``scale * softmax(z) * dz/dx`` of float ``x`` (a fresh tensor, overwritten), rows' ``lse`` ``[n, 1]``."""
-    u, a = _cap_(x, cap, softcap)
-    g = (u if cap == "none" else u * a).sub_(lse).exp_().mul_(scale)
-    slope = _slope_(u, cap)
-    return g if slope is None else g.mul_(slope)
+def _lse_shift(cap, softcap):
+    """The capped logits' upper bound, used as the logsumexp's shift (no max pass), or None (the row max)."""
+    bound = {"sigmoid": SIGMOID_CAP[0], "tanh": softcap}.get(cap)
+    return bound if bound is not None and bound <= SHIFT_LIMIT else None
 
 
-class _MultiTargetLossSum(torch.autograd.Function):
-    """Sum over positions n and valid targets j of ``w_j (logsumexp(z_n) - z_n[y_nj])``, in chunks of positions.
+def _row_lse(x, acc, cap, softcap):
+    """``logsumexp(z_n)`` of rows ``x`` ``[n, V]`` in ``acc`` (float32 or float64) -> ``[n]``; z in (-b, b)
+    (tanh) or (0, b) (sigmoid): one pass of ``exp(z - b)`` terms in ``(exp(-2b), 1]``."""
+    u, a = _cap_(x.to(acc, copy=True), cap, softcap)
+    z = u if cap == "none" else u.mul_(a)
+    shift = _lse_shift(cap, softcap)
+    if shift is None:
+        return torch.logsumexp(z, dim=-1)
+    return z.sub_(shift).exp_().sum(-1).log_().add_(shift)
 
-    The backward recomputes softmax from the saved logits (same memory as a stored gradient, one
-    pass fewer) into one ``[N, V]`` tensor, ``dz/dx (W_n softmax(z_n) - sum_j w_j onehot(y_nj))``,
-    then overwrites the J target columns with their exact value from the ``[N, J]`` gather.
+
+def _logit_grad(x, lse, index, w, w_soft, cap, softcap):
+    """The loss's gradient at rows ``x`` ``[n, V]``, in x's dtype: ``dz/dx (W_n exp(z - lse_n) - sum_j w_nj
+    [v == y_nj])``; ``lse``, ``w_soft`` (W_n) ``[n]`` and ``w`` ``[n, J]`` in float32 (float64), times the
+    incoming gradient. Compiled, elementwise (J compares, no scatter): one kernel, one exp a logit (+1: sigmoid)."""
+    u, a = _cap_(x.to(lse.dtype, copy=True), cap, softcap)
+    g = (u if cap == "none" else u * a).sub_(lse[:, None]).exp_().mul_(w_soft[:, None])
+    if torch.compiler.is_compiling():  # J compares fuse into the one kernel (a scatter needs g in memory)
+        column = torch.arange(x.size(-1), device=x.device)
+        for j in range(index.size(-1)):                        # repeated labels add up
+            g.sub_(torch.where(column == index[:, j, None], w[:, j, None], 0.0))
+    else:  # eager: n J values put in place, not J passes over [n, V] (twice the loss's CPU time)
+        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
+        g.index_put_((rows, index), -w, accumulate=True)       # repeated labels add up
+    return _times_slope_(g, u, cap).to(x.dtype)
+
+
+class _LossSum(torch.autograd.Function):
+    """Sum over positions n and valid targets j of ``w_j (logsumexp(z_n) - z_n[y_nj])``.
+
+    Saves the logits as given (bf16 on a GPU), the float32 row ``lse`` ``[N]`` and the ``[N, J]`` targets and
+    weights; the backward recomputes ``z`` from the logits. Compiled: one pass over all rows each way; eager:
+    passes of ``chunk`` rows over the same functions, so a CPU holds float32 ``[chunk, V]`` at most.
     """
 
     @staticmethod
@@ -266,13 +241,11 @@ class _MultiTargetLossSum(torch.autograd.Function):
         acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
         valid = targets >= 0
         index = targets.clamp_min(0)
-        w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for ignored labels
-        w_soft = torch.where(valid | (targets == PAST_END), weights.to(acc), 0.0)  # the softmax term's weights
-        lse = []
-        for a in range(0, logits.size(0), chunk):                         # a float32 copy of one chunk
-            u, scale = _cap_(logits[a:a + chunk].to(acc, copy=True), cap, softcap)
-            lse.append(torch.logsumexp(u if cap == "none" else u.mul_(scale), dim=-1))
-        lse = torch.cat(lse)                                               # [N]
+        w = torch.where(valid, weights.to(acc), 0.0)                      # [N, J]: 0 for absent labels
+        w_soft = torch.where(valid | (targets == PAST_END), weights.to(acc), 0.0).sum(-1)  # [N]: W_n
+        step = logits.size(0) if torch.compiler.is_compiling() else chunk
+        lse = torch.cat([_row_lse(logits[a:a + step], acc, cap, softcap)
+                         for a in range(0, logits.size(0), step)])         # [N]
         u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
         ctx.cap, ctx.softcap, ctx.chunk = cap, softcap, chunk
         ctx.save_for_backward(logits, lse, index, w, w_soft)
@@ -281,35 +254,26 @@ class _MultiTargetLossSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, lse, index, w, w_soft = ctx.saved_tensors
-        cap, softcap, chunk = ctx.cap, ctx.softcap, ctx.chunk
-        acc, lse = lse.dtype, lse[:, None]
-        total_w = w_soft.sum(1, keepdim=True) * grad                     # [N, 1]: W_n times the incoming scale
+        cap, softcap = ctx.cap, ctx.softcap
+        w, w_soft = w * grad, w_soft * grad
+        if torch.compiler.is_compiling():  # inductor fuses a chunk loop into one kernel that repeats every chunk
+            return _logit_grad(logits, lse, index, w, w_soft, cap, softcap), None, None, None, None, None
         out = torch.empty_like(logits)
-        for a in range(0, logits.size(0), chunk):                         # cast to the logits' dtype on write
-            b = a + chunk
-            out[a:b] = _softmax_times_slope(logits[a:b].to(acc, copy=True), lse[a:b], total_w[a:b], cap, softcap)
-        # The target columns, exactly: the dense term minus the weight of every label on that column
-        # (repeats add up; an ignored label points at column 0 and writes column 0's true value).
-        on_column = ((index[:, :, None] == index[:, None, :]) * w[:, None, :]).sum(-1)   # [N, J]
-        u, scale = _cap_(logits.gather(1, index).to(acc, copy=True), cap, softcap)
-        z = u * scale
-        slope = _slope_(u, cap)
-        exact = (z - lse).exp_().mul_(total_w).sub_(on_column * grad)
-        exact = (exact if slope is None else exact.mul_(slope)).to(out.dtype)
-        rows = torch.arange(out.size(0), device=out.device)[:, None]
-        out.index_put_((rows, index), exact)   # not scatter_: on CPU a bf16 scatter_ makes a float32 [N, V] copy
+        for a in range(0, logits.size(0), ctx.chunk):
+            b = a + ctx.chunk
+            out[a:b] = _logit_grad(logits[a:b], lse[a:b], index[a:b], w[a:b], w_soft[a:b], cap, softcap)
         return out, None, None, None, None, None
 
 
 def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=LOSS_CHUNK):
     """``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])`` over one capped softmax: float32 (float64), a *sum*.
 
-    ``logits`` ``[..., V]`` (bf16 on a GPU; upcast in chunks of ``chunk`` positions, never whole),
-    ``targets`` int64 ``[..., J]`` (-100 absent; ``PAST_END``: absent, its weight kept in the gradient's softmax
-    term as HEAD's kernel, so there the gradient is not the loss's), ``weights`` ``[J]`` (a tensor: a weight schedule
-    compiles no new graph), ``cap`` none / tanh (``softcap``) / sigmoid (record #54). The caller
-    divides by a global count (valid column-0 labels: extra columns weigh on top, as HEAD). Gradient
-    memory: one ``[..., V]`` whatever J. ValueError for a bad cap, softcap, chunk or shape.
+    ``logits`` ``[..., V]`` (bf16 on a GPU; the gradient comes back in their dtype), ``targets`` int64
+    ``[..., J]`` (-100 absent; ``PAST_END``: absent, its weight kept in the gradient's softmax term as
+    modded-nanogpt's kernel, so there the gradient is not the loss's), ``weights`` ``[J]`` (a tensor: a weight
+    schedule compiles no new graph), ``cap`` none / tanh (``softcap``) / sigmoid (record #54). The caller
+    divides by a global count (valid column-0 labels: extra columns weigh on top, as modded-nanogpt).
+    ``chunk``: positions per pass when not compiling. ValueError for a bad cap, softcap, chunk or shape.
     """
     if cap not in LOGIT_CAPS:
         raise ValueError(f"cap must be one of {', '.join(LOGIT_CAPS)}, got {cap!r}")
@@ -321,8 +285,29 @@ def multi_target_loss(logits, targets, weights, cap="none", softcap=0.0, chunk=L
         raise ValueError(f"multi_target_loss: logits {tuple(logits.shape)}, targets {tuple(targets.shape)} "
                          f"and weights {tuple(weights.shape)} must be [..., V], [..., J] and [J]")
     V, J = logits.size(-1), targets.size(-1)
-    return _MultiTargetLossSum.apply(logits.reshape(-1, V), targets.reshape(-1, J), weights, cap,
-                                     float(softcap), chunk)
+    return _LossSum.apply(logits.reshape(-1, V), targets.reshape(-1, J), weights, cap, float(softcap), chunk)
+
+
+def mce_loss(logits, targets, reduction="mean", softcap=0.0):
+    """TST's multi-hot cross-entropy (plain CE when s = 1): float32 (float64) mean or sum over valid labels.
+
+    ``multi_target_loss`` with s targets of weight 1: ``logits`` ``[..., V]``, ``targets`` int64 ``[..., s]``
+    (-100 ignored, repeats count each time), ``softcap`` c > 0 scores ``c tanh(x / c)``. Gradient
+    ``softmax(z) - (1/s) sum_k onehot(y_k)`` per label; no ``[..., s, V]`` tensor is built. ValueError for a
+    bad reduction, cap or shape.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not (isinstance(softcap, (int, float)) and 0 <= softcap < math.inf):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = no cap), got {softcap!r}")
+    if logits.shape[:-1] != targets.shape[:-1]:
+        raise ValueError(f"mce_loss: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                         f"differ in their leading dims")
+    ones = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
+    total = multi_target_loss(logits, targets, ones, "tanh" if softcap else "none", softcap)
+    if reduction == "sum":
+        return total
+    return total / (targets != IGNORE_INDEX).sum().clamp_min(1)
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket size (PyTorch DDP's default bucket_cap_mb)

@@ -12,9 +12,9 @@ once), on CUDA the growth of ``max_memory_allocated``. The logits' own gradient 
 part of every loss's cost. Time is the median of ``--repeats`` forward+backward passes (ms).
 
 Rows: ``cross_entropy`` (``F.cross_entropy`` on the logits in float32, the s = 1 baseline),
-``mce`` (kernels.mce_loss: one logsumexp per position, an s-wide gather, a fused backward),
-``multi_target`` (kernels.multi_target_loss with s targets of weight 1, the same sum: float32
-chunks of ``LOSS_CHUNK`` positions, the gradient written once in the logits' dtype) and
+``mce`` (kernels.mce_loss: ``multi_target_loss`` with s targets of weight 1, divided by the label count),
+``multi_target`` (kernels.multi_target_loss itself, the same sum: eager, float32 chunks of ``LOSS_CHUNK``
+positions, the gradient written once in the logits' dtype) and
 ``mce_naive`` (s copies of the logits fed to cross-entropy: what MCE must not do; up to
 ``--naive-up-to``), for each s. ``--dtype bfloat16`` makes the logits bf16, as the compiled
 model's head gives them on a GPU (the logits then take half the memory, and the baseline's

@@ -4,6 +4,7 @@ References are slow and plain: float64 sums of ``F.cross_entropy`` terms on capp
 (position, label) at a time, with autograd through them; loops over positions for the targets;
 a scan of the whole vocabulary for the prefix table.
 """
+import math
 import os
 import random
 import sys
@@ -28,12 +29,12 @@ def capped(x, cap, c):
 
 
 def naive_loss(x, targets, weights, cap, c):
-    """sum_{n, j valid} w_j * CE(cap(x_n), y_nj), one cross-entropy term at a time."""
+    """sum_{n, j valid} w_j * CE(cap(x_n), y_nj), one cross-entropy term at a time (-100, PAST_END: no term)."""
     z = capped(x, cap, c)
     total = torch.zeros((), dtype=x.dtype)
     for n in range(targets.size(0)):
         for j in range(targets.size(1)):
-            if targets[n, j] != -100:
+            if targets[n, j] >= 0:
                 total = total + weights[j] * F.cross_entropy(z[n:n + 1], targets[n, j:j + 1])
     return total
 
@@ -172,6 +173,93 @@ def test_the_loss_compiles_into_one_graph_with_the_eager_results():
     torch.testing.assert_close(b.grad, a.grad)
     w2 = torch.rand(4)  # new weight values: the same graph
     torch.testing.assert_close(compiled(x, y, w2), fn(x, y, w2))
+
+
+def past_end_case(N, V, seed):
+    """``random_case`` (4 columns) with PAST_END labels in the last rows' later columns, as multi-token targets."""
+    x, y, w = random_case(N, V, 4, seed)
+    y[-1, 1:3] = y[-2, 2] = kernels.PAST_END
+    return x, y, w
+
+
+def past_end_reference(x, y, w, cap, c):
+    """``(loss, gradient)``: the float64 loss of the valid labels; the gradient also carries each PAST_END
+    column's ``w_j softmax(z_n) dz/dx`` (modded-nanogpt's softmax term), the autograd of ``w_j lse(z_n)``."""
+    xr = x.detach().clone().requires_grad_()
+    loss = naive_loss(xr, y, w, cap, c)
+    past = (w * (y == kernels.PAST_END)).sum(1)                   # [N]
+    (loss + (past * torch.logsumexp(capped(xr, cap, c), -1)).sum()).backward()
+    return loss.detach(), xr.grad
+
+
+CAPS = [("none", 0.0), ("tanh", 5.0), ("sigmoid", 0.0)]
+
+
+@pytest.mark.parametrize("cap,c", CAPS)
+def test_past_end_labels_keep_their_weight_in_the_softmax_term_only(cap, c):
+    """Float64, 4 columns, a chunk that leaves a ragged tail (29 = 3 x 8 + 5 rows)."""
+    x, y, w = past_end_case(29, 37, seed=11)
+    xa = x.clone().requires_grad_()
+    loss = kernels.multi_target_loss(xa, y, w, cap=cap, softcap=c, chunk=8)
+    loss.backward()
+    ref, grad = past_end_reference(x, y, w, cap, c)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(xa.grad, grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("cap,c", CAPS)
+def test_the_compiled_loss_in_one_pass_matches_the_float64_reference(cap, c):
+    """Compiled (decompositions and partitioner, run eagerly), the loss takes all rows in one pass whatever
+    ``chunk``: float64 it is the reference's; bf16 logits get a bf16 gradient, within bf16 rounding of eager's."""
+    x, y, w = past_end_case(29, 37, seed=12)
+    torch._dynamo.reset()
+    fn = lambda x, y, w: kernels.multi_target_loss(x, y, w, cap=cap, softcap=c, chunk=8)  # noqa: E731
+    compiled = torch.compile(fn, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+    xa = x.clone().requires_grad_()
+    loss = compiled(xa, y, w)
+    loss.backward()
+    ref, grad = past_end_reference(x, y, w, cap, c)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(xa.grad, grad, rtol=1e-10, atol=1e-13)
+    xb, xe = x.bfloat16().requires_grad_(), x.bfloat16().requires_grad_()
+    got, want = compiled(xb, y, w.float()), fn(xe, y, w.float())
+    got.backward()
+    want.backward()
+    assert got.dtype == torch.float32 and xb.grad.dtype == torch.bfloat16
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(xb.grad, xe.grad, rtol=8e-3, atol=1e-6)   # one bf16 rounding apart at most
+
+
+def test_inductor_compiles_the_loss_to_the_float64_reference():
+    """torch.compile's default backend (inductor's C++ kernels on the CPU), the record's cap, float64."""
+    x, y, w = past_end_case(29, 37, seed=13)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y, w: kernels.multi_target_loss(x, y, w, cap="sigmoid"), fullgraph=True,
+                             dynamic=False)
+    xa = x.clone().requires_grad_()
+    loss = compiled(xa, y, w)
+    loss.backward()
+    ref, grad = past_end_reference(x, y, w, "sigmoid", 0.0)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(xa.grad, grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("cap,c,scale", [("none", 0.0, 300.0), ("tanh", 40.0, 1e4), ("tanh", 50.0, 1e4),
+                                         ("sigmoid", 0.0, 1e4)])
+def test_float32_logsumexp_keeps_extreme_logits_finite(cap, c, scale):
+    """A cap's bound shifts the logsumexp (tanh up to c = 40, sigmoid 23: every exp(z - b) >= exp(-80), a normal
+    float32); a wider cap or none shifts by the row max. Logits of +-scale, a row of all -scale."""
+    g = torch.Generator().manual_seed(7)
+    x = scale * torch.randn(6, 50, dtype=torch.float64, generator=g)
+    x[0] = -scale
+    y = torch.randint(0, 50, (6, 2), generator=g)
+    w = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    xa = x.float().requires_grad_()
+    loss = kernels.multi_target_loss(xa, y, w.float(), cap=cap, softcap=c)
+    loss.backward()
+    ref, grad = past_end_reference(x.float().double(), y, w, cap, c)
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(xa.grad.double(), grad, rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
