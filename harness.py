@@ -636,7 +636,7 @@ class StopFlag:
 # Memory, failures and the end of a run
 
 def memory_line(n_params, positions, spec, val_seqs, val_chunk, val_piece):
-    """``--describe``'s peak-memory estimate per GPU (docs/MEMORY.md): float32 weights, gradients and 3 optimizer
+    """``--describe``'s peak-memory estimate per GPU (docs/OPTIMIZERS.md): float32 weights, gradients and 3 optimizer
     copies; per trained position of a micro-batch 3 float32 vocabulary rows (logits, softmax, gradient) and 25 saved
     bf16 activations of model_dim per layer; the validation forward's head piece and 16 + n_layer live rows."""
     gib, d, V, n = 2**30, spec.model_dim, spec.vocab_size, spec.n_layer

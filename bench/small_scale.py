@@ -15,7 +15,7 @@ mean at p < 0.01 (``records/compare.py --first-passing``), with the steps saved.
     python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
-is skipped). The detail (arms, data orders, the sweep, first-passing, the budget): docs/SMALL_SCALE.md.
+is skipped). The study's results and what they show: docs/RESULTS.md.
 """
 import argparse
 import concurrent.futures
@@ -51,7 +51,7 @@ PRESET = "cpu_smoke"  # record #89's recipe and model at the smoke shape, with T
 # The study's shape, on top of --preset cpu_smoke (4 layers x 128 wide, 4 heads: its own). seq_len 256
 # with 768 positions per step (stage 1 -> 2 -> 3 sequences) instead of 768 and 2,304: a run of 80 steps
 # (41k positions, 1.8e12 FLOPs) then costs ~2 min on one core, and the study's 57 runs (12 of them 3x
-# long) ~72 min on 2 cores (docs/SMALL_SCALE.md, "Budget"); windows in blocks of 16
+# long) ~72 min on 2 cores (records/cpu/2026-12-03_small_scale_89/results.md, "Timing"); windows in blocks of 16
 # (the smoke's 32 scaled with the sequence). Val on 4,096 tokens (16 sequences; the same in every run, so
 # paired differences do not carry its sampling noise): at every 10% of the steps, 11 val passes cost a
 # quarter of a run's FLOPs.
@@ -102,7 +102,7 @@ MODES = {
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
 # training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core Intel Xeon (torch 2.13.0 CPU,
 # float32), measured on 2026-12-03 with the machine shared (load 3-14) as CPU-seconds per FLOP (3.8e-11
-# to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/SMALL_SCALE.md, "Budget". results.md
+# to 4.3e-11) plus ~15% for two runs sharing the memory bus. results.md
 # reports the measured time / this estimate of every run.
 COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
 
