@@ -171,9 +171,9 @@ class ModelSpec:
     xsa: tuple             # y -= tanh(a) proj_v(y): exclusive self-attention (#82)
     attn_gate: tuple       # per-head output gates (#28)
     dc: tuple              # the dynamically composable correction over 112 keys (#85)
-    ve_layers: tuple       # value-embedding tables: entry i is fed by table i mod value_embeds (#9, #55)
+    ve_layers: tuple       # value-embedding tables: entry i is fed by table i mod value_embeds (#14, #63, #70)
     value_embeds: int
-    skip: tuple            # (a, b): the stream after layer a gated into layer b (#62, #72)
+    skip: tuple            # (a, b): the stream after layer a gated into layer b (#45, #55)
     attn_state_layer: int  # later layers attend from the stream after this one (#77)
     bigram_vocab: int      # rows of the bigram hash embedding (#62, #83)
     mudd_gates: int        # gate MLP 1 serves layers before this, gate MLP 2 the rest (#85)
