@@ -135,7 +135,8 @@ STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, 
 # NorMuon's Newton-Schulz in float32 on every device (the trainer's is bf16 on CUDA, float32 on a CPU), so CPU and
 # GPU float32 runs compute the same thing.
 EAGER_BACKEND = "import functools, torch; torch.compile = functools.partial(torch.compile, backend='eager')"
-FP32_POLAR = "import aurora_opt, torch; aurora_opt.ns_dtype_on = lambda device, ns_dtype=None: ns_dtype or torch.float32"
+FP32_POLAR = ("import aurora_opt, torch; "
+              "aurora_opt.ns_dtype_on = lambda device, ns_dtype=None: ns_dtype or torch.float32")
 LAUNCH = "import sys, train_gpt; sys.exit(train_gpt.main(sys.argv[2:]))"  # argv: -c, train_gpt.py, ARGV
 
 

@@ -382,8 +382,9 @@ def head_grad_layout_check(T, device, shapes=None, divisor=8, iters=10, seed=0, 
     finally:
         kernels.HEAD_GRAD_LAYOUT = current
     winners = set(faster.values())
+    times = "; ".join(f"{k}: " + ", ".join(f"{a} {b}" for a, b in v.items()) for k, v in ms.items())
     note = ("faster: " + (winners.pop() if len(winners) == 1 else ", ".join(f"{v} at {k}" for k, v in faster.items()))
-            + f" (forward + backward ms {'; '.join(f'{k}: ' + ', '.join(f'{a} {b}' for a, b in v.items()) for k, v in ms.items())}; the trainer uses {current})")
+            + f" (forward + backward ms {times}; the trainer uses {current})")
     worst = max(diffs.values())
     return dict(name="head_grad_layout", passed=worst <= FP8_KERNEL_TOL, tol=FP8_KERNEL_TOL, max_rel_diff=worst,
                 diffs={k: float(f"{v:.3g}") for k, v in diffs.items()}, ms=ms, faster=faster, current=current,
