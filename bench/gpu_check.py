@@ -1036,7 +1036,7 @@ def check_rows(res):
 def timing_rows(preset, tm, dry_run):
     """Summary rows of one preset's timing run (``timing``'s result, {} if it did not run): per TST phase, per stage, projection."""
     rows = [("timing", "preset / steps logged", slash(preset, tm.get("steps_logged")), ""),
-            ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
+            ("timing", "compile warm-up (every model and optimizer graph)", tm.get("compile_time_ms"), "ms"),
             ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
     for name in ("phase1", "phase2"):
         p = tm.get(name) or {}
@@ -1416,8 +1416,8 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
         kernels_end = end - MIN_SECTION_S["agreement"][cuda] if end - time.monotonic() >= need else end
-        both = section("kernel agreement (fp8 at current, fixed and delayed scales; flex vs sdpa, loss vs float64; "
-                       "check model: flex vs sdpa, compiled vs eager), one-step profile",
+        both = section("kernel agreement (fp8 at current, fixed and delayed scales, the head-gradient layouts; flex "
+                       "vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs eager), one-step profile",
                        kernels_and_profile, device, args, out_dir, kernels_end)
         res["kernels"], res["profile"] = both or (None, None)
     if room("agreement"):
