@@ -1325,7 +1325,9 @@ def warm_up(run, stop):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     t0, graphs0, tied0 = time.perf_counter(), harness.compiled_graphs(), run.model.tied
     fp8_state = {n: b.clone() for n, b in run.model.named_buffers() if n.endswith("down_scales")}
-    for (in_shape, t_shape, _, tied, train), (inputs, targets, weights, _, _) in graph_batches(run).items():
+    batches = graph_batches(run)
+    run.log.line(f"compile: warm-up plan: {len(batches)} model graph keys, {len(run.opts)} optimizers")
+    for (in_shape, t_shape, _, tied, train), (inputs, targets, weights, _, _) in batches.items():
         t1, g1, run.model.tied = time.perf_counter(), harness.compiled_graphs(), tied
         try:
             with nullcontext() if train else eval_mode(run.net):

@@ -1,7 +1,7 @@
 """One-shot CUDA check of train_gpt.py for a short slot, ordered by value, inside a stated time budget.
 
     OUT=<folder> python bench/gpu_check.py    # on the GPU box: --budget-s 530 (fits a 570 s slot, cold cache)
-    OUT=<folder> python bench/gpu_check.py --dry-run   # the same plan on CPU at a tiny shape (CI runs it)
+    OUT=<folder> python bench/gpu_check.py --dry-run   # the same plan on CPU at the check model's shape (CI runs it)
 
 Sections, in this order (each starts only while the budget leaves it room; everything stops RESERVE_S,
 45 s, before the budget's end: the report's):
@@ -13,16 +13,17 @@ Sections, in this order (each starts only while the budget leaves it room; every
    first two steps, tokens/s, MFU, memory, the full run's time projected stage by stage; each warm-up
    item's compile time goes into the JSON as the trainer logs it (a run cut short says how far it got);
 3. kernel agreement (float32 or FP8, random inputs): fp8_linear vs float64 at current scales and at the
-   presets' fixed head and delayed down-projection scales (record shapes on CUDA), FlexAttention vs
-   masked SDPA, the fused loss vs float64, and on the check model (record #89's model at a tiny shape,
-   every element on: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
+   presets' fixed head and delayed down-projection scales (record shapes on CUDA), the two FP8 head-gradient
+   layouts timed (CUDA), FlexAttention vs masked SDPA, the trainer's loss vs float64, and on the check model
+   (the smoke model's layer roles at 64 wide: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
 4. a one-step torch.profiler breakdown and max_memory_reserved;
 5. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
    vs bf16 where the GPU has FP8 (compute capability 8.9+; else said skipped);
 6. report: three files in $OUT (else --out), the JSON and the logs' archive rewritten after every
    section and while a run is waited for (a kill keeps what was measured): gpu_check.json,
    gpu_check_summary.txt, gpu_check_logs.tar.gz; the summary (<= 3,000 characters: timing, PASS/FAIL,
-   what was cut) printed last.
+   what was cut) printed last. Issue 46's rows (triton vs flash attention; reduce-scatter, all-gather and
+   all-reduce shares) are named in the JSON, not run yet (``pending_rows``).
 Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
 Details (what to read, tolerances, the projection, where the time goes): docs/GPU_CHECK.md.
 """
@@ -62,23 +63,27 @@ except Exception as _e:  # noqa: BLE001
     H, T, TRAINER_IMPORT_ERROR = None, None, f"import train_gpt failed: {type(_e).__name__}: {_e}"
 
 SEPARATOR = H.SEPARATOR if T else None  # the trainer log's line between source snapshot and run
-SCHEMA = "gpu_check-1"
+SCHEMA = "gpu_check-2"
 
-# The check model: record #89's recipe and model (record_h200: TST, the stage table, Aurora + NorMuon,
-# the tied head, the sigmoid cap, multi-token objectives) at a tiny shape with every element of the
-# model on, SMOKE_MODEL89's layer roles: paired heads (layers 0, 2), the key offset (long-window layer
-# 3), XSA (1), the output gate (3), bigram hash embedding, smear, gated value embeddings (1, 3), the
-# gated skip 1 -> 2, attention from layer 2's state, MUDD (layer 3) and its gate MLPs, half RoPE + YaRN.
-# 64 wide, 4 heads of 16 (FlexAttention's smallest head); 1 -> 2 -> 3 sequences of 64 positions a
-# step, one per micro-batch (grad accumulation from stage 2); windows in blocks of 8 positions (short,
-# long): (8, 24), (24, 56), (40, 88), then (48, 104): each binds. --dry-run's timing runs use the shape.
-CHECK_SHAPE = (T.config_to_argv(dict(T.SMOKE_MODEL89, model_dim=64, bigram_vocab=4096)) if T else []) + [
-    "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1", "--window-block", "8", "--val-seq-len", "0"]
+# The check model: record_h200's recipe (TST, the stage table, Aurora + NorMuon, the tied head, the sigmoid cap,
+# the multi-token and prefix objectives) on the smoke model's layer roles (every role of record #89's model: paired
+# heads, key offset, XSA, output gate, DC, gated value embeddings, the gated skip, attention from an earlier state,
+# MUDD and its gate MLPs, bigram hash, smear, half RoPE + YaRN) at 64 wide, 4 heads of 16 (FlexAttention's smallest
+# head), windows in blocks of 8 positions: registered as train_gpt.MODELS["check"] here and, in each trainer run of
+# it, by the launcher (REGISTER_CHECK). 1 -> 2 -> 3 sequences of 64 positions a step, one per micro-batch; (short,
+# long) windows (8, 24), (24, 56), (40, 88), then (48, 104): each binds. --dry-run's timing runs use the shape.
+CHECK_SPEC = dict(model_dim=64, bigram_vocab=4096, window_block=8)  # what differs from MODELS["smoke"]
+REGISTER_CHECK = ("import dataclasses, train_gpt; train_gpt.MODELS['check'] = "
+                  f"dataclasses.replace(train_gpt.MODELS['smoke'], **{CHECK_SPEC!r})")
+if T:
+    exec(REGISTER_CHECK)  # noqa: S102 -- the same statement the trainer runs get
+CHECK_SHAPE = ["--model", "check", "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1",
+               "--val-seq-len", "0"]
 CHECK_MODEL = ["--preset", "record_h200", *CHECK_SHAPE, "--extension-steps", "1"]
 # The in-process model checks (bench/gpu_kernels.py) at 128 positions: a 128-block (two in paired layers).
 MODEL_CHECK_SHAPE = ["--seq-len", "128", "--batch-tokens", "384"]
 # The checks' runs (--correct-steps, CHECK_STEPS): steps 1-2 in TST phase 1, 3-5 in phase 2 (the switch inside
-# stage 2), the extension at step 5; the val loss drops by ~0.8 nats on the Zipf-distributed check data.
+# stage 2), the extension at step 5; the val loss drops on the Zipf-distributed check data.
 CHECK_TRAIN = ["--tst-frac", "0.4", "--val-tokens", "512", "--val-every", "0", "--log-every", "1", "--seed", "0"]
 CHECK_STEPS = 5
 DROP_FIRST_STEPS = 2  # steps at the start of each stage (and phase) left out of its median ms/step
@@ -89,6 +94,14 @@ SUMMARY_CHARS = 3000      # the summary printed last: what a job runner's output
 CHECK_MEAN_DOC = 40     # check data: short documents, so document masks and windows both bind
 TIMING_MEAN_DOC = 1024  # timing data: documents of web-page scale
 GPT2_VOCAB = 50257
+
+
+def config_of(argv):
+    """``(Config, preset)`` of trainer words, parsed and checked as ``train_gpt.main`` does (SystemExit 2 or
+    ConfigError on words it refuses)."""
+    cfg, preset, _ = H.parse_flags(T.Config, T.PRESETS, argv)
+    T.check_config(cfg)
+    return cfg, preset
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,11 +128,16 @@ POLL_GPU = {"on": False}  # on CUDA (main): trainer runs sample nvidia-smi's mem
 STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, no new section starts
 
 
-# --dry-run's compiled timing run: the trainer under torch.compile(backend="eager"), Dynamo's graphs, guards and
-# recompiles as on CUDA (the warm-up's compile lines, graphs_compiled_during_training) without code generation
-EAGER_BACKEND = ("import functools, runpy, sys, torch; "
-                 "torch.compile = functools.partial(torch.compile, backend='eager'); "
-                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# Patches a trainer run may be launched with (``python -c "PATCH; ...; LAUNCH" train_gpt.py ARGV``), each one
+# statement: REGISTER_CHECK (above), the check model's spec; EAGER_BACKEND: --dry-run's compiled timing run under
+# torch.compile(backend="eager"), Dynamo's graphs, guards and recompiles as on CUDA (the warm-up's compile lines,
+# graphs_compiled_during_training) without code generation; FP32_POLAR: the agreement checks' float32 runs with
+# NorMuon's Newton-Schulz in float32 on every device (the trainer's is bf16 on CUDA, float32 on a CPU), so CPU and
+# GPU float32 runs compute the same thing.
+EAGER_BACKEND = "import functools, torch; torch.compile = functools.partial(torch.compile, backend='eager')"
+FP32_POLAR = ("import aurora_opt, torch; "
+              "aurora_opt.ns_dtype_on = lambda device, ns_dtype=None: ns_dtype or torch.float32")
+LAUNCH = "import sys, train_gpt; sys.exit(train_gpt.main(sys.argv[2:]))"  # argv: -c, train_gpt.py, ARGV
 
 
 class TrainerRun:
@@ -128,15 +146,15 @@ class TrainerRun:
     ``wait(deadline)`` stops it at ``deadline`` (``time.monotonic()`` seconds): SIGTERM to its
     group (the trainer then closes its log as incomplete), SIGKILL 20 s later if needed.
     ``on_line(line)``: called with each console line as it comes (from the reader thread).
-    ``eager_backend``: compiled by Dynamo alone (``EAGER_BACKEND``), for --dry-run.
+    ``patches``: statements run before the trainer in its process (``EAGER_BACKEND``, ``FP32_POLAR``).
     """
 
     running = []  # runs not yet waited for, stopped on Ctrl-C
     STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL this long after
 
-    def __init__(self, name, argv, out_dir, echo=True, on_line=None, eager_backend=False):
+    def __init__(self, name, argv, out_dir, echo=True, on_line=None, patches=()):
         self.name, self.argv, self.echo, self.on_line = name, list(argv), echo, on_line
-        self.eager_backend = eager_backend
+        self.patches = list(patches)
         self.log_dir = os.path.join(out_dir, "logs")
         self.console_path = os.path.join(self.log_dir, f"{name}.console.txt")
         self.proc, self.rc, self.timed_out, self.wall_s, self.stop_at_s = None, None, False, 0.0, None
@@ -148,7 +166,8 @@ class TrainerRun:
             path = os.path.join(self.log_dir, self.name + ext)
             if os.path.exists(path):
                 os.remove(path)
-        cmd = [sys.executable, "-u", *(["-c", EAGER_BACKEND] if self.eager_backend else []), TRAINER, *self.argv]
+        launch = ["-c", "; ".join([*self.patches, LAUNCH])] if self.patches else []
+        cmd = [sys.executable, "-u", *launch, TRAINER, *self.argv]
         print(f"[{self.name}] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
         self.t0 = time.monotonic()
         self.console = open(self.console_path, "w", encoding="utf-8")
@@ -257,8 +276,12 @@ def refresh_results(archived, every_s=20.0):
     return now if archive else archived
 
 
-COMPILE_RE = re.compile(r"^compile: warm-up of (\d+) phase graph\(s\) took (\d+)ms")
-GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+) graph")  # one per warm-up item
+# The trainer's warm-up lines (train_gpt.warm_up): one per item (a model graph key or an optimizer), then the total.
+# PLAN_RE: a line announcing the items before the first, when the trainer logs one (cut short, the report then
+# says "k of n items").
+GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+) graph")
+COMPILE_RE = re.compile(r"^compile: warm-up took (\d+)ms \(not in train_time\), (\d+) graph")
+PLAN_RE = re.compile(r"^compile: warm-up plan: (\d+) model graph keys?, (\d+) optimizers?")
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
 
 
@@ -267,43 +290,46 @@ def graph_item(m):
     return dict(what=f"{m.group(1)} {m.group(2)}", ms=int(m.group(3)), graphs=int(m.group(4)))
 
 
+def plan_of(m):
+    """The warm-up's plan (``PLAN_RE``'s match): {model_graphs, optimizers, items}."""
+    model, opts = int(m.group(1)), int(m.group(2))
+    return dict(model_graphs=model, optimizers=opts, items=model + opts)
+
+
 def parse_log(text):
     """Step lines of a trainer log (after its source snapshot) -> train/val records.
 
-    Returns dict ``train`` (list of {step, loss, train_time_ms, phase, tokens, positions}),
-    ``val`` (list of {step, loss, loss_tst}), ``compile_ms`` (float or None),
-    ``n_compiled_phases`` and ``switch_step`` (ints or None), ``status`` (the ``status:`` line),
-    ``compile_graphs`` (the warm-up's items: {what, ms, graphs}).
-    ``train_time_ms`` is ``step_avg * step`` (0.01 ms resolution per step) rather than the
-    integer ``train_time`` field.
+    Returns dict ``train`` (list of {step, loss, train_time_ms, phase, tokens}), ``val`` (list of {step, loss,
+    loss_tst}), ``compile_ms`` (the warm-up's total, float or None), ``warm_up_graphs`` (graphs it compiled, or
+    None), ``warm_up_plan`` (``plan_of``, or None), ``switch_step`` (int or None), ``status`` (the ``status:``
+    line), ``compile_graphs`` (the warm-up's items: {what, ms, graphs}). ``train_time_ms`` is ``step_avg * step``
+    (0.01 ms resolution per step) rather than the integer ``train_time`` field.
     """
     body = text.split(SEPARATOR + "\n", 1)[1] if SEPARATOR and SEPARATOR + "\n" in text else text
-    train, val, compile_ms, n_phases, switch, status, graphs = [], [], None, None, None, None, []
+    out = dict(train=[], val=[], compile_ms=None, warm_up_graphs=None, warm_up_plan=None, switch_step=None,
+               status=None, compile_graphs=[])
     for line in body.splitlines():
         parsed = parse_step_line(line)
         if parsed:
             step, _, f = parsed
             if "train_loss" in f:  # step_avg x step: 0.01 ms per step rather than train_time's 1 ms
-                train.append(dict(step=step, loss=float(f["train_loss"]), train_time_ms=float(f["step_avg"]) * step,
-                                  phase=int(f.get("phase", 0)), tokens=int(f.get("tokens", 0)),
-                                  positions=int(f.get("positions", 0))))
+                out["train"].append(dict(step=step, loss=float(f["train_loss"]), phase=int(f.get("phase", 0)),
+                                         train_time_ms=float(f["step_avg"]) * step, tokens=int(f.get("tokens", 0))))
             elif "val_loss" in f:
                 tst = f.get("val_loss_tst")
-                val.append(dict(step=step, loss=float(f["val_loss"]), loss_tst=float(tst) if tst is not None else None))
-            continue
-        m = GRAPH_RE.match(line)
-        if m:
-            graphs.append(graph_item(m))
-        m = COMPILE_RE.match(line)
-        if m:
-            n_phases, compile_ms = int(m.group(1)), float(m.group(2))
-        m = SWITCH_RE.match(line)
-        if m:
-            switch = int(m.group(1))
-        if line.startswith("status:"):
-            status = line.split()[0].split(":", 1)[1]
-    return dict(train=train, val=val, compile_ms=compile_ms, n_compiled_phases=n_phases,
-                switch_step=switch, status=status, compile_graphs=graphs)
+                out["val"].append(dict(step=step, loss=float(f["val_loss"]),
+                                       loss_tst=float(tst) if tst is not None else None))
+        elif m := GRAPH_RE.match(line):
+            out["compile_graphs"].append(graph_item(m))
+        elif m := COMPILE_RE.match(line):
+            out["compile_ms"], out["warm_up_graphs"] = float(m.group(1)), int(m.group(2))
+        elif m := PLAN_RE.match(line):
+            out["warm_up_plan"] = plan_of(m)
+        elif m := SWITCH_RE.match(line):
+            out["switch_step"] = int(m.group(1))
+        elif line.startswith("status:"):
+            out["status"] = line.split()[0].split(":", 1)[1]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,8 +411,8 @@ def environment(device, use_compile):
         ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")) if hasattr(cb, fn)}
     env["flash_attention_built"] = _try(cb.is_flash_attention_available) if hasattr(
         cb, "is_flash_attention_available") else None
-    # the trainer's --describe table (harness.PEAK_BF16_TFLOPS): one datasheet figure per GPU
-    env["nominal_bf16_tflops"] = next((v for k, v in H.PEAK_BF16_TFLOPS.items() if k in props.name), None) if H else None
+    # the trainer's --describe table (train_gpt.PEAK_TFLOPS): one datasheet figure per GPU
+    env["nominal_bf16_tflops"] = next((v for k, v in T.PEAK_TFLOPS.items() if k in props.name), None) if T else None
     return env
 
 
@@ -545,6 +571,13 @@ def write_synthetic(d, n_train, n_val, mean_doc, zipf=None):
             "--val-files", os.path.join(d, "synthetic_val_*.bin")]
 
 
+def train_tokens_needed(cfg):
+    """Train tokens a run of ``cfg`` reads, with room: twice the text its steps train on (packing skips the tail of
+    each document over the stage's cap and of each sequence's cut last document; geometric documents of mean 1,024
+    tokens over a cap of 896 skip ~40%)."""
+    return 2 * sum((st.end - st.start) * st.raw_tokens() for st in T.stages(cfg))
+
+
 def data_args(args, out_dir):
     """Data words of the timing run (the given globs or synthetic shards) and of the checks (synthetic).
 
@@ -558,9 +591,9 @@ def data_args(args, out_dir):
         return ["--train-files", args.train_files, "--val-files", args.val_files], check, dirs
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
-    # enough tokens for every timing run, so no read wraps around (nor trips a check for it)
-    need = max(T.train_tokens_needed(T.parse_config(timing_argv(args, p, [], "cpu", "")[1])[0]) for p in args.presets)
-    per_shard = max(100_000, -(-int(1.1 * need) // 2))
+    # enough tokens for every timing run, so no read wraps around
+    need = max(train_tokens_needed(config_of(timing_argv(args, p, [], "cpu", "")[1])[0]) for p in args.presets)
+    per_shard = max(100_000, -(-need // 2))
     d = os.path.join(out_dir, "synthetic_data")
     timing_data = write_synthetic(d, per_shard, max(args.val_tokens, 4096) + 1024, TIMING_MEAN_DOC)
     return timing_data, check, dirs + [d]
@@ -570,20 +603,19 @@ def data_args(args, out_dir):
 # 3. Agreement: the check model on CPU fp32, on the device fp32, bf16 (+ compile) and bf16 + FP8
 
 def check_argv(args, data, device_kind, out_dir, run_id, bf16=False, compile_=False, max_steps=0, fp8=False):
-    """Trainer words of one check run: ``CHECK_MODEL`` + ``CHECK_TRAIN`` + data, N = --correct-steps."""
-    # float32 runs: Newton-Schulz in float32 on both devices (its default dtype follows the device)
+    """Trainer words of one check run: ``CHECK_MODEL`` + ``CHECK_TRAIN`` + data, N = --correct-steps (a float32 run
+    is launched with ``FP32_POLAR``: ``correctness``)."""
     return [*CHECK_MODEL, *CHECK_TRAIN, *data, "--num-iterations", str(args.correct_steps),
             "--max-steps", str(max_steps), "--bf16" if bf16 else "--no-bf16", "--fp8" if fp8 else "--no-fp8",
-            "--ns-dtype", "auto" if bf16 else "float32",
             "--compile" if compile_ else "--no-compile", "--device", device_kind,
             "--log-dir", os.path.join(out_dir, "logs"), "--run-id", run_id]
 
 
-def check_config(device_kind, *extra):
+def check_model_config(device_kind, *extra):
     """The check model's float32 Config on ``device_kind`` (``extra`` words last), as the checks' runs train it."""
     argv = [*CHECK_MODEL, *CHECK_TRAIN, "--num-iterations", str(CHECK_STEPS), "--no-bf16", "--no-fp8",
             "--device", device_kind]
-    return T.parse_config(argv + list(extra))[0]
+    return config_of(argv + list(extra))[0]
 
 
 def agreement_plan(kind, steps, compile_, fp8_reason):
@@ -688,7 +720,8 @@ def correctness(device, data, args, out_dir, deadline):
     kind = device.type
     compile_ = args.compile if args.compile is not None else kind == "cuda"
     plan, comparisons, skipped = agreement_plan(kind, args.correct_steps, compile_, T.fp8_unavailable_reason(device))
-    runs = {name: TrainerRun(name, check_argv(args, data, k, out_dir, name, **kw), out_dir)
+    runs = {name: TrainerRun(name, check_argv(args, data, k, out_dir, name, **kw), out_dir,
+                             patches=[REGISTER_CHECK] + ([] if kw.get("bf16") else [FP32_POLAR]))
             for name, (k, kw) in plan.items()}
     limit = min(deadline, time.monotonic() + args.correct_timeout_s)
     for r in runs.values():  # side by side: CPU, device and compile work overlap
@@ -710,21 +743,22 @@ def correctness(device, data, args, out_dir, deadline):
 # ----------------------------------------------------------------------------------------------
 # 4. Timing run of the preset, and the projection of its full run
 
-def step_times(train, flops_at=None):
-    """Per-step rows from cumulative logs: list of {step, phase, ms, tokens, positions[, flops]}.
+def step_times(train, at=None):
+    """Per-step rows from cumulative logs: list of {step, phase, ms, tokens[, flops, positions]}.
 
-    ``flops_at(i)``: model FLOPs of optimizer step index i (0-based); a row covering log steps
-    ``prev+1..step`` gets the mean over those steps.
+    ``at(i)``: ``(model FLOPs, latent positions)`` of optimizer step index i (0-based: the stage table's row; the
+    log's step lines carry neither); a row covering log steps ``prev+1..step`` gets the mean over those steps.
     """
-    rows, prev = [], dict(step=0, train_time_ms=0.0, tokens=0, positions=0)
+    rows, prev = [], dict(step=0, train_time_ms=0.0, tokens=0)
     for r in sorted(train, key=lambda x: x["step"]):
         n = r["step"] - prev["step"]
         if n <= 0:
             continue
         row = dict(step=r["step"], phase=r["phase"], ms=(r["train_time_ms"] - prev["train_time_ms"]) / n,
-                   tokens=(r["tokens"] - prev["tokens"]) / n, positions=(r["positions"] - prev["positions"]) / n)
-        if flops_at is not None:
-            row["flops"] = sum(flops_at(i) for i in range(prev["step"], r["step"])) / n
+                   tokens=(r["tokens"] - prev["tokens"]) / n)
+        if at is not None:
+            per_step = [at(i) for i in range(prev["step"], r["step"])]
+            row["flops"], row["positions"] = (sum(x) / n for x in zip(*per_step))
         rows.append(row)
         prev = r
     return rows
@@ -746,7 +780,7 @@ def group_stats(rs, matmul_tflops, nominal_tflops, drop_first=DROP_FIRST_STEPS):
     kept = [r["ms"] for r in kept_rows]
     mean = statistics.median(kept)  # the step time every rate below is computed from
     tokens = sum(r["tokens"] for r in kept_rows) / len(kept_rows)
-    positions = sum(r["positions"] for r in kept_rows) / len(kept_rows)
+    positions = sum(r.get("positions", 0) for r in kept_rows) / len(kept_rows)
     flops = sum(r.get("flops", 0) for r in kept_rows) / len(kept_rows)
     achieved = flops / (mean / 1e3) / 1e12 if flops else None
     out = dict(steps_logged=len(ms), steps_used=len(kept), first_step=rs[0]["step"], last_step=rs[-1]["step"],
@@ -792,7 +826,7 @@ def timing_argv(args, preset, data, device_kind, out_dir):
     """
     shape = CHECK_SHAPE if args.dry_run else []
     base = ["--preset", preset] + shape + data + shlex.split(args.trainer_args)
-    cfg, _ = T.parse_config(base)
+    cfg, _ = config_of(base)
     window = ["--num-iterations", str(args.steps), "--max-steps", "0", "--val-every", "0",
               "--val-tokens", str(args.val_tokens), "--val-seq-len", str(args.val_tokens), "--log-every", "1",
               "--device", device_kind, "--log-dir", os.path.join(out_dir, "logs"), "--run-id", f"timing_{preset}"]
@@ -815,7 +849,7 @@ def projection(preset, base_argv, stages):
     and, for comparison, its steps x that stage's mean ms/step (unweighted). The projection is None
     when a stage has no timed counterpart (``missing``).
     """
-    cfg, _ = T.parse_config(base_argv)
+    cfg, _ = config_of(base_argv)
     table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
     out = dict(preset=preset, num_iterations=cfg.num_iterations, tst_frac=cfg.tst_frac, switch_step=switch,
                phase1_steps=switch, phase2_steps=cfg.num_iterations - switch, phase1_flops=0, phase2_flops=0,
@@ -866,14 +900,16 @@ def timing_problems(res, p1, p2, pj):
 
 
 def note_progress(live, line, t0):
-    """Update ``live`` (a running timing run's report entry) from one console line of its trainer: a warm-up item's
-    compile time (``at_s``: seconds into the run when it was logged), the warm-up's total, the last step logged;
-    each marks the JSON for rewriting (``SAVE["dirty"]``): a run cut short, or a killed check, says how far it got."""
-    m = GRAPH_RE.match(line)
-    if m:
+    """Update ``live`` (a running timing run's report entry) from one console line of its trainer: the warm-up's plan
+    (when logged), a warm-up item's compile time (``at_s``: seconds into the run when it was logged), the warm-up's
+    total, the last step logged; each marks the JSON for rewriting (``SAVE["dirty"]``): a run cut short, or a killed
+    check, says how far it got."""
+    if m := GRAPH_RE.match(line):
         live["compile_graphs"].append(dict(graph_item(m), at_s=round(time.monotonic() - t0, 1)))
-    elif COMPILE_RE.match(line):
-        live["compile_time_ms"] = float(COMPILE_RE.match(line).group(2))
+    elif m := COMPILE_RE.match(line):
+        live["compile_time_ms"], live["warm_up_graphs"] = float(m.group(1)), int(m.group(2))
+    elif m := PLAN_RE.match(line):
+        live["warm_up_plan"] = plan_of(m)
     else:
         parsed = parse_step_line(line)
         if not (parsed and "train_loss" in parsed[2]):
@@ -892,10 +928,10 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
     base, argv = timing_argv(args, preset, data, device.type, out_dir)
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
-    cfg, _ = T.parse_config(argv)
+    cfg, _ = config_of(argv)
     table = T.Schedule(cfg)
     run = TrainerRun(f"timing_{preset}", argv, out_dir, on_line=lambda line: note_progress(live, line, run.t0),
-                     eager_backend=eager_backend(args, preset))
+                     patches=[REGISTER_CHECK] * args.dry_run + [EAGER_BACKEND] * eager_backend(args, preset))
     res = run.start().wait(end)  # stopping it (SIGTERM, 20 s, SIGKILL) and the report fit in the reserve
     window.update(stopped_s=round(window["started_s"] + res["wall_s"], 1), cut_short=res["timed_out"])
     if len(res["compile_graphs"]) < len(live["compile_graphs"]):  # a killed trainer's log may miss its last lines
@@ -905,7 +941,8 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
             g["at_s"] = seen["at_s"]
     matmul = (micro or {}).get("matmul", {}).get("tflops")
     nominal = env.get("nominal_bf16_tflops") if env else None
-    rows = step_times(res["train"], lambda i: table[i].flops_per_position * table[i].stage.batch_tokens)
+    rows = step_times(res["train"], lambda i: (table[i].flops_per_position * table[i].stage.batch_tokens,
+                                               table[i].stage.batch_tokens))
     for r in rows:
         r["window"], r["stage"] = list(table[r["step"] - 1].window), stage_key(table[r["step"] - 1].stage)
     p1, p2 = (phase_stats(rows, p, matmul, nominal) for p in (1, 2))
@@ -916,7 +953,8 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
     out = dict(run={k: res[k] for k in kept},
                preset=preset, steps_requested=args.steps, steps_logged=len(rows),
                switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
-               compiled_phases=res["n_compiled_phases"], compile_graphs=res["compile_graphs"],
+               warm_up_graphs=res["warm_up_graphs"], warm_up_plan=res["warm_up_plan"] or live.get("warm_up_plan"),
+               compile_graphs=res["compile_graphs"],
                gpu_memory_used_max_mib=res.get("gpu_memory_used_max_mib"),
                graphs_compiled_during_training=s.get("graphs_compiled_during_training"),
                peak_memory_mib=s.get("peak_memory_mib"), final_val_loss=s.get("final_val_loss"),
@@ -970,6 +1008,10 @@ def check_rows(res):
                       fmt(c["max_scale_diff"]), ""),
                      ("kernel", f"  results vs the fp8 reference at them (tolerance {c['kernel_tol']})",
                       fmt(c["max_kernel_diff"]), "")]
+        rows += [("kernel", f"  {layout} forward + backward at {positions} positions", ms, "ms")  # head_grad_layout
+                 for positions, per in (c.get("ms") or {}).items() for layout, ms in per.items()]
+        if c.get("note"):
+            rows.append(("kernel", "  " + c["note"], "", ""))
     if not res.get("kernels"):
         rows.append(("kernel", "kernel agreement checks", "did not run", ""))
     pf = res.get("profile") or {}
@@ -985,13 +1027,16 @@ def check_rows(res):
                  ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
     if not cc.get("checks"):
         rows.append(("correct", "trainer agreement runs", "did not run", ""))
+    for group in ("attention_backends", "communication"):  # issue 46's rows, named before they run
+        rows += [("pending", c["name"], "not run" if c["passed"] is None else c["passed"], "")
+                 for c in (res.get(group) or {}).values()]
     return rows
 
 
 def timing_rows(preset, tm, dry_run):
     """Summary rows of one preset's timing run (``timing``'s result, {} if it did not run): per TST phase, per stage, projection."""
     rows = [("timing", "preset / steps logged", slash(preset, tm.get("steps_logged")), ""),
-            ("timing", "compile warm-up (all phase graphs)", tm.get("compile_time_ms"), "ms"),
+            ("timing", "compile warm-up (every model and optimizer graph)", tm.get("compile_time_ms"), "ms"),
             ("timing", "graphs compiled in timed window", tm.get("graphs_compiled_during_training"), "")]
     for name in ("phase1", "phase2"):
         p = tm.get(name) or {}
@@ -1100,6 +1145,9 @@ def warm_up_text(tm):
     kinds = collections.Counter(g["what"].split()[0] for g in graphs)  # train, val, optimizer
     last = graphs[-1].get("at_s")
     busy = f"; the next item had run {stop - last:.0f} s when stopped" if stop is not None and last is not None else ""
+    plan = tm.get("warm_up_plan")
+    if plan:  # the trainer announced its items: say how many were left
+        count = f"{len(graphs)} of {plan['items']} items, {sum(g['graphs'] for g in graphs)} graphs"
     return (f"warm-up cut after {count} (" + ", ".join(f"{k} {n}" for k, n in kinds.items())
             + f") in {sum(g['ms'] for g in graphs) / 1e3:.1f} s{busy}")
 
@@ -1139,7 +1187,18 @@ def check_line(c):
     diff = c.get("max_rel_diff", c.get("max_abs_diff"))
     scales = (f"; scales {fmt(c['max_scale_diff'])} ({c['scale_tol']}), vs fp8 ref {fmt(c['max_kernel_diff'])} "
               f"({c['kernel_tol']})" if c.get("scale_tol") else "")
-    return f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']} (max diff {fmt(diff)}, tolerance {c['tol']}{scales})"
+    note = f"; {c['note']}" if c.get("note") else ""
+    return (f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']} (max diff {fmt(diff)}, tolerance {c['tol']}{scales})"
+            f"{note}")
+
+
+def pending_line(res):
+    """One summary line naming issue 46's rows that did not run (``pending_rows``), or None."""
+    rows = [c for group in ("attention_backends", "communication") for c in (res.get(group) or {}).values()
+            if c["passed"] is None]
+    if not rows:
+        return None
+    return f"  {rows[0]['skipped'].split(':')[0]} (issue 46): {', '.join(c['name'] for c in rows)}"
 
 
 def short_summary(res):
@@ -1159,6 +1218,7 @@ def short_summary(res):
     lines.append("CHECKS")
     agreement = ((res.get("correctness") or {}).get("checks") or {}).values()
     lines += [check_line(c) for c in list((res.get("kernels") or {}).values()) + list(agreement)]
+    lines += [line for line in [pending_line(res)] if line]
     cut = list(res.get("skipped") or [])
     cut += [f"timing {p} stopped at the budget ("
             + ("in its warm-up" if not tm.get("steps_logged") else f"after {tm['steps_logged']} steps") + ")"
@@ -1222,17 +1282,16 @@ def min_budget_s(cuda):
     """Least --budget-s the plan needs (dry run, CUDA): the kernel checks' and agreement runs' least starts
     and the report's reserve; below it a section is skipped before anything ran."""
     return MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda] + RESERVE_S[cuda]
+
+
 KERNELS = os.path.join(REPO, "bench", "gpu_kernels.py")
 
 
 def profile_config(preset, device):
-    """Config of the profiled CUDA step: ``preset`` at seq_len 4096 (eager FlexAttention fits), one sequence.
-
-    The stage table needs the batch a multiple of 3 sequences (1 -> 2 -> 3 a step); one fixed length keeps
-    the profiled sequence at 4096 whatever the stage.
-    """
-    return T.parse_config(["--preset", preset, "--seq-len", "4096", "--batch-tokens", str(3 * 4096),
-                           "--no-grow-seq-len", "--micro-batch-seqs", "1", "--device", device.type])[0]
+    """Config of the profiled CUDA step: ``preset`` at --seq-len 4096 (eager FlexAttention fits), one sequence of
+    4,096 positions per micro-batch (stage 1's; ``gpu_kernels.profile_step`` profiles stage 1's first step)."""
+    return config_of(["--preset", preset, "--seq-len", "4096", "--batch-tokens", str(3 * 4096), "--micro-batch-seqs",
+                      "1", "--device", device.type])[0]
 
 
 def kernels_and_profile(device, args, out_dir, deadline):
@@ -1280,6 +1339,33 @@ def timing_need_s(prev):
     """Seconds the next preset's timing run is expected to take: the previous run's wall time (its start-up,
     the measured compile of each of its graphs, its steps) x 1.25 for the TST phase's extra graphs; 0 if none."""
     return 1.25 * ((prev or {}).get("run") or {}).get("wall_s", 0.0)
+
+
+# Issue 46's rows (8 GPUs; FlashAttention-4 through FlexAttention): named in the JSON now, filled in when the sharded
+# optimizer and --attention-backend land
+ATTENTION_BACKENDS = ("triton", "flash")  # FlexAttention's own Triton kernels; its FLASH backend (flash-attn-4)
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")  # the sharded optimizer's two, the gradients' one
+
+
+def pending_rows(device):
+    """``(attention_backends, communication)``: issue 46's rows, each ``passed`` None and ``skipped`` saying why.
+
+    attention_backends ``{backend: row}``: forward and backward ms at the record's shapes and the max relative
+    difference against masked SDPA, per backend (``--attention-backend``, issue 46 item 2). communication
+    ``{collective or "warm_up_skew": row}``: per collective ms per step and share of the step on each rank, and the
+    warm-up's skew between ranks (the same command under torchrun on N GPUs, with the sharded optimizer: items 1, 3).
+    """
+    cpu = device.type != "cuda"
+    attention = ("not run on the CPU: FlexAttention's Triton and FLASH kernels need a CUDA GPU; " if cpu else
+                 "not run: ") + "the FLASH backend comes with --attention-backend (issue 46 item 2)"
+    comm = ("not run on the CPU: NCCL collectives between GPUs under torchrun; " if cpu else "not run: ") + (
+        "reduce-scatter and all-gather come with the sharded optimizer and the N-GPU timing (issue 46 items 1, 3)")
+    backends = {b: dict(name=f"attention_{b}", passed=None, skipped=attention, backend=b, ms_forward=None,
+                        ms_backward=None, max_rel_diff_vs_sdpa=None) for b in ATTENTION_BACKENDS}
+    collectives = {c: dict(name=c, passed=None, skipped=comm, ms_per_step=None, share_of_step=None, per_rank=None)
+                   for c in COLLECTIVES}
+    collectives["warm_up_skew"] = dict(name="warm_up_skew", passed=None, skipped=comm, seconds=None, per_rank=None)
+    return backends, collectives
 
 
 def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
@@ -1330,8 +1416,8 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
         kernels_end = end - MIN_SECTION_S["agreement"][cuda] if end - time.monotonic() >= need else end
-        both = section("kernel agreement (fp8 at current, fixed and delayed scales; flex vs sdpa, loss vs float64; "
-                       "check model: flex vs sdpa, compiled vs eager), one-step profile",
+        both = section("kernel agreement (fp8 at current, fixed and delayed scales, the head-gradient layouts; flex "
+                       "vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs eager), one-step profile",
                        kernels_and_profile, device, args, out_dir, kernels_end)
         res["kernels"], res["profile"] = both or (None, None)
     if room("agreement"):
@@ -1453,7 +1539,8 @@ def main(argv=None):
                started=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                args=vars(args), errors=[], warnings=[], section_wall_s={}, env=None, microbench=None,
-               correctness=None, timing={}, kernels=None, profile=None, skipped=[])
+               correctness=None, timing={}, kernels=None, profile=None, skipped=[], attention_backends=None,
+               communication=None)
     reserve = RESERVE_S[not args.dry_run]  # seconds from the check's start, below: what a cut-short run reports
     res["timing_window"] = dict(started=res["started"], budget_s=args.budget_s, reserve_s=reserve,
                                 timing_until_s=args.budget_s - reserve, runs={})
@@ -1486,6 +1573,7 @@ def main(argv=None):
         use_compile = args.compile if args.compile is not None else (device is not None and device.type == "cuda")
         if device is not None:
             print(f"gpu_check: {res['mode']}, budget {args.budget_s:.0f} s, out {out_dir}")
+            res["attention_backends"], res["communication"] = pending_rows(device)
             res["env"] = section("environment", environment, device, use_compile)
             if res["env"] and eager_backend(args, args.presets[0]):
                 res["env"]["compile"] += f"; the {args.presets[0]} timing run under Dynamo alone (backend 'eager')"

@@ -11,14 +11,17 @@ injects one):
   with the scales the op chose, and the results vs the unquantized float64 products (record shapes on CUDA);
   ``fp8_head_fixed_check``, ``fp8_down_delayed_check``: the same at the scales the FP8 presets give the op (the
   head's fixed ones, the down-projection's delayed ones), which must be record #89's to float32 rounding.
-* ``loss_check``: ``multi_target_loss`` under the tanh and the sigmoid cap vs a float64
-  log-softmax reference, value and gradient.
-* ``model_checks``: the check model (record #89's model at a tiny shape, every element on) on a
-  TST phase-1 and a phase-2 batch at their stage-table windows and YaRN tables, float32:
-  FlexAttention vs masked SDPA (compiled on CUDA: loss and every gradient; eager forward on
-  CPU: the logits) and, on CUDA, compiled vs eager (loss and every gradient).
-* ``profile_step``: one training step under ``torch.profiler`` split into attention, mask build,
-  MLP, head + loss (forward), backward, optimizer, communication; ``max_memory_reserved``.
+* ``head_grad_layout_check`` (CUDA): the FP8 head's forward and backward timed under each weight-gradient layout
+  (``kernels.HEAD_GRAD_LAYOUT``), the faster named; the two dW must agree.
+* ``loss_check``: the trainer's ``loss_sum`` (record #54's sigmoid cap, weighted targets, several chunks) vs a
+  float64 log-softmax reference, value and gradient.
+* ``model_checks``: the check model (the smoke model: every layer role of record #89's) on a TST phase-1 and a
+  phase-2 batch at their stage-table windows and YaRN tables, float32: FlexAttention vs masked SDPA (compiled on
+  CUDA: loss and every gradient; eager forward on CPU: the logits) and, on CUDA, compiled vs eager (loss and every
+  gradient).
+* ``profile_step``: one training step (bf16 and FP8 as the trainer runs them on CUDA, no autocast) under
+  ``torch.profiler`` split into attention, mask build, MLP, head + loss (forward), backward, optimizer,
+  communication; ``max_memory_reserved``.
 """
 import argparse
 import contextlib
@@ -332,75 +335,137 @@ def fp8_down_delayed_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
                        emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
 
 
-def fp8_record_shapes(T):
-    """(positions of one micro-batch, model_dim, MLP hidden, vocab) of ``record_h200``."""
-    cfg, _ = T.parse_config(["--preset", "record_h200"])
-    return cfg.seq_len * cfg.micro_batch_seqs, cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.vocab_size
+LAYOUTS = ("gx", "xg")  # kernels.HEAD_GRAD_LAYOUT: g^T x (M = vocab), (x^T g)^T (M = model_dim, modded-nanogpt's)
+
+
+def head_grad_layout_check(T, device, shapes=None, divisor=8, iters=10, seed=0, run_here=False):
+    """The FP8 LM head's forward and backward (``fp8_linear(fp8_grad=True)`` at record #89's fixed head scales) timed
+    under each weight-gradient layout (``kernels.HEAD_GRAD_LAYOUT``, ``LAYOUTS``); issue 44 keeps both, chosen by
+    this measurement. Same math: each shape's dx and dW must agree between the layouts.
+
+    Args:
+        T: the trainer module. device: torch.device; runs only where FP8 runs (sm_89+), unless ``run_here``.
+        shapes: ``[(positions, model_dim, hidden, vocab)]`` (default: the record's stage-1 and stage-3 micro-batches).
+        divisor: the loss divisor in the gradient's scale. iters: timed calls per layout, after 2 untimed.
+        seed: random inputs' seed. run_here: run on ``device`` whatever it is (the tests: a CPU's emulation path).
+
+    Returns:
+        dict: name ``head_grad_layout``, passed, tol, max_rel_diff, diffs (``<positions>_dx``, ``_dw``: one layout vs
+        the other), ms ``{positions: {layout: forward + backward ms}}``, faster ``{positions: layout}``, current (the
+        layout the trainer uses), note; or ``passed`` None and ``skipped`` saying why it did not run.
+    """
+    import kernels
+    from gpu_check import time_ms  # the one timer: CUDA events on CUDA
+    why = kernels.fp8_unavailable_reason(device)
+    if why and not run_here:
+        where = "not run on the CPU" if device.type != "cuda" else "not run"
+        return dict(name="head_grad_layout", passed=None, current=kernels.HEAD_GRAD_LAYOUT,
+                    skipped=f"{where}: it times torch._scaled_mm, which needs a GPU with FP8 ({why})")
+    gen, emulate, dtype = _fp8_setup(device, seed)
+    scales = torch.tensor((*RECORD89_HEAD_SCALES[:2], RECORD89_HEAD_SCALES[2] / divisor), device=device)
+    current, diffs, ms, faster = kernels.HEAD_GRAD_LAYOUT, {}, {}, {}
+    try:
+        for M, d, _, V in shapes or [fp8_record_shapes(T, 0), fp8_record_shapes(T, 2)]:
+            randn = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
+            x, w, g = randn(M, d).requires_grad_(True), (0.05 * randn(V, d)).requires_grad_(True), 1e-3 * randn(M, V)
+            step = lambda: torch.autograd.grad(  # noqa: E731
+                kernels.fp8_linear(x, w, fp8_grad=True, emulate=emulate, scales=scales), (x, w), g)
+            got = {}
+            for layout in LAYOUTS:
+                kernels.HEAD_GRAD_LAYOUT = layout
+                got[layout] = step()
+                step()
+                ms.setdefault(M, {})[layout] = round(time_ms(step, iters, device), 3)
+            diffs.update({f"{M}_{k}": _frob_rel(a, b) for k, a, b in zip(("dx", "dw"), got["xg"], got["gx"])})
+            faster[M] = min(LAYOUTS, key=ms[M].get)
+            del x, w, g, got
+    finally:
+        kernels.HEAD_GRAD_LAYOUT = current
+    winners = set(faster.values())
+    times = "; ".join(f"{k}: " + ", ".join(f"{a} {b}" for a, b in v.items()) for k, v in ms.items())
+    note = ("faster: " + (winners.pop() if len(winners) == 1 else ", ".join(f"{v} at {k}" for k, v in faster.items()))
+            + f" (forward + backward ms {times}; the trainer uses {current})")
+    worst = max(diffs.values())
+    return dict(name="head_grad_layout", passed=worst <= FP8_KERNEL_TOL, tol=FP8_KERNEL_TOL, max_rel_diff=worst,
+                diffs={k: float(f"{v:.3g}") for k, v in diffs.items()}, ms=ms, faster=faster, current=current,
+                note=note, emulated=emulate)
+
+
+def fp8_record_shapes(T, stage=0):
+    """(positions of one micro-batch of recipe ``stage`` 0, 1 or 2, model_dim, MLP hidden, vocab) of the record's
+    defaults (baseline_h200 and record_h200 share them)."""
+    cfg = T.Config()
+    spec = T.spec_of(cfg)
+    return (T.recipe_stages(cfg)[stage].seq_len * cfg.micro_batch_seqs, spec.model_dim,
+            spec.mlp_ratio * spec.model_dim, spec.vocab_size)
 
 
 def fp8_head_divisor(T):
-    """``grad_divisor`` of ``record_h200``'s last stage (its sequences per step, 8): the head's gradient scale's."""
-    cfg, _ = T.parse_config(["--preset", "record_h200"])
-    return T.grad_divisor(cfg, T.stages(cfg)[-1])
+    """``grad_divisor`` of the record's last stage (its sequences per step, 8): the head's gradient scale's."""
+    return T.grad_divisor(T.stages(T.Config())[-1])
 
 
-def reference_loss(logits, targets, weights, softcap, sigmoid=None):
-    """float64 ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``: ``z = softcap tanh(x / softcap)``
-    (softcap 0: z = x) or, given ``sigmoid`` = (A, B, C) (record #54's cap), ``z = A sigmoid((x + B) / C)``."""
+def reference_loss(logits, targets, weights, sigmoid=None):
+    """float64 ``sum_{n, j valid} w_j (logsumexp(z_n) - z_n[y_nj])``: z = x or, given ``sigmoid`` = (A, B, C) (record
+    #54's cap), ``z = A sigmoid((x + B) / C)``; a target of -100 counts nowhere."""
     z = logits.double()
     if sigmoid:
         A, B, C = sigmoid
         z = A * torch.sigmoid((z + B) / C)
-    elif softcap > 0:
-        z = softcap * torch.tanh(z / softcap)
     logp = torch.log_softmax(z, dim=-1)
     valid = targets != -100
     picked = logp.gather(-1, targets.clamp_min(0))
     return -(picked * valid * weights.double()).sum()
 
 
-def loss_check(T, device, n=300, vocab=1000, tol=1e-5, seed=0):
-    """``T.multi_target_loss`` (float32, chunked; the tanh cap and record #89's sigmoid cap) vs
-    ``reference_loss`` in float64.
+def loss_check(T, device, n=2348, vocab=300, tol=1e-5, seed=0):
+    """The trainer's loss (``T.loss_sum``: the sigmoid cap, 4 weighted target columns, some ignored) vs
+    ``reference_loss`` in float64, value and gradient.
 
     Args:
-        T: the trainer module. device: where the fused loss runs.
-        n, vocab: positions and vocabulary of the random logits; chunks of 128 positions.
-        tol: largest relative difference of the value and of the gradient.
-        seed: random inputs' seed.
+        T: the trainer module. device: where the loss runs.
+        n, vocab: positions and vocabulary of the random float32 logits (2,348: two of the fused loss's
+            1,024-position chunks and a ragged one).
+        tol: largest relative difference of the value and of the gradient. seed: random inputs' seed.
 
     Returns:
-        dict: passed, tol, max_rel_diff, diffs (value and grad under each cap).
+        dict: passed, tol, max_rel_diff, diffs (value, grad).
     """
     gen = torch.Generator().manual_seed(seed)
     logits = (4 * torch.randn(n, vocab, generator=gen)).to(device).requires_grad_(True)
-    targets = torch.randint(0, vocab, (n, 3), generator=gen)
-    targets[torch.rand(n, 3, generator=gen) < 0.2] = -100
+    targets = torch.randint(0, vocab, (n, 4), generator=gen)
+    targets[torch.rand(n, 4, generator=gen) < 0.2] = -100
     targets = targets.to(device)
-    weights = torch.tensor([1.0, 0.5, 0.25], device=device)
-    diffs = {}
-    for cap in ("tanh", "sigmoid"):
-        got = T.multi_target_loss(logits, targets, weights, cap=cap, softcap=15.0, chunk=128)
-        (g_got,) = torch.autograd.grad(got, logits)
-        leaf = logits.detach().double().requires_grad_(True)
-        want = reference_loss(leaf, targets, weights, 15.0, T.SIGMOID_CAP if cap == "sigmoid" else None)
-        (g_want,) = torch.autograd.grad(want, leaf)
-        diffs.update({f"value_{cap}": _max_rel(got.detach(), want.detach()), f"grad_{cap}": _max_rel(g_got, g_want)})
+    weights = torch.tensor([1.0, 0.5, 0.25, 0.25], device=device)
+    got = T.loss_sum(logits, targets, weights)
+    (g_got,) = torch.autograd.grad(got, logits)
+    leaf = logits.detach().double().requires_grad_(True)
+    want = reference_loss(leaf, targets, weights, T.SIGMOID_CAP)
+    (g_want,) = torch.autograd.grad(want, leaf)
+    diffs = {"value": _max_rel(got.detach(), want.detach()), "grad": _max_rel(g_got, g_want)}
     worst = max(diffs.values())
     return dict(name="loss_vs_float64", passed=worst <= tol, tol=tol, max_rel_diff=worst, diffs=diffs)
 
 
-def _tiny_batch(T, cfg, device, seed=0):
-    """One micro-batch of ``cfg``'s next-token objective on random documents (the profiled step's)."""
+def step_batch(T, cfg, row, device, seqs=1, mean_doc=40, seed=0):
+    """``(inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)`` of a step at stage-table ``row`` of ``cfg``
+    (the model's ``seq_len`` positions), on random tokens with documents of mean ``mean_doc``: TST phase 1 its bags,
+    phase 2 the 4 target columns (``objective_targets``) with record #89's stage-1 weights (all 4 non-zero)."""
     gen = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 50256, (cfg.micro_batch_seqs, cfg.seq_len + 1), generator=gen)
-    toks[torch.rand(toks.shape, generator=gen) < 1 / 40] = T.EOT_TOKEN
-    return T.make_batch(toks.to(device), "full", 1)
+    s, mode = row.stage.bag_size, row.stage.mode
+    toks = torch.randint(0, T.EOT_TOKEN, (seqs, T.sequence_layout(mode, s, cfg.seq_len)[0]), generator=gen)
+    toks[torch.rand(toks.shape, generator=gen) < 1 / mean_doc] = T.EOT_TOKEN
+    inputs, targets = T.make_batch(toks, mode, s)
+    weights = None
+    if row.stage.phase == 2:
+        prefix = T.prefix_token_table(T.spec_of(cfg).vocab_size)
+        targets, weights = T.objective_targets(targets[..., 0], prefix), torch.tensor(T.OBJECTIVE_WEIGHTS[0][0])
+    return inputs.to(device), targets.to(device), None if weights is None else weights.to(device)
 
 
 def check_batches(T, cfg, device, seqs=2, mean_doc=100, seed=0):
-    """The model checks' batches: the first row of ``cfg``'s stage table (TST phase 1: bags) and its last
-    row (the final validation's windows, the YaRN tables after every long window of the run).
+    """The model checks' batches (``step_batch``): at the first row of ``cfg``'s stage table (TST phase 1: bags) and
+    at its last row (the final validation's windows, the YaRN tables after every long window of the run).
 
     Args:
         T: the trainer module. cfg: the check model's Config. device: where the tensors go.
@@ -408,22 +473,11 @@ def check_batches(T, cfg, device, seqs=2, mean_doc=100, seed=0):
             long enough that some 128-blocks lie inside one document. seed: the tokens' seed.
 
     Returns:
-        list of ``(row, inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)``: a phase-2
-        batch with ``--objectives`` gets record #53's three multi-token columns, weights 1, .5, .25.
+        list of ``(row, inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)``.
     """
     table = T.Schedule(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for row in (table[0], table[cfg.num_iterations]):
-        s, mode = row.stage.bag_size, row.stage.mode
-        toks = torch.randint(0, T.EOT_TOKEN, (seqs, T.sequence_layout(mode, s, cfg.seq_len)[0]), generator=gen)
-        toks[torch.rand(toks.shape, generator=gen) < 1 / mean_doc] = T.EOT_TOKEN
-        inputs, targets = T.make_batch(toks, mode, s)
-        weights = None
-        if s == 1 and cfg.objectives:
-            targets, weights = T.objective_targets(targets[..., 0]), torch.tensor([1.0, 0.5, 0.25])
-        out.append((row, inputs.to(device), targets.to(device), None if weights is None else weights.to(device)))
-    return out
+    return [(row, *step_batch(T, cfg, row, device, seqs, mean_doc, seed + i))
+            for i, row in enumerate((table[0], table[cfg.num_iterations]))]
 
 
 @contextlib.contextmanager
@@ -569,8 +623,26 @@ def _event_ms(prof, label, cuda):
     return total
 
 
+def profile_model(T, cfg, device):
+    """``(model, optimizers, stage-table row 0)`` as ``train_gpt.build_run`` makes them on ``device``: bf16 activations
+    and Adam matrices on CUDA unless --no-bf16 (no autocast), FP8 where the GPU has it, stage 1's window, YaRN
+    tables, loss divisor and FP8 scales; eager (the profile attributes time to modules)."""
+    if cfg.fp8 and T.fp8_unavailable_reason(device):  # as the trainer: no FP8 where the GPU has none
+        cfg = dataclasses.replace(cfg, fp8=False)
+    bf16 = device.type == "cuda" and cfg.bf16 is not False  # the trainer's default: bf16 on CUDA
+    torch.manual_seed(cfg.seed)
+    model = T.GPT(cfg, torch.bfloat16 if bf16 else None).to(device)
+    if bf16:
+        T.adam_bf16_(model)
+    row = T.Schedule(cfg)[0]
+    model.set_window(row.window, row.yarn)
+    model.set_loss_divisor(T.grad_divisor(row.stage))
+    T.fp8_refresh(model, -1)
+    return model, T.build_optimizers(model, cfg), row
+
+
 def profile_step(T, cfg, device):
-    """One training step of ``cfg`` (eager, one micro-batch, the autocast and FP8 of the run) under torch.profiler.
+    """One training step of ``cfg`` at its stage-table row 0 (``profile_model``, one micro-batch) under torch.profiler.
 
     Args:
         T: the trainer module. cfg: the Config to profile (a shape eager attention fits).
@@ -581,39 +653,40 @@ def profile_step(T, cfg, device):
         shares of the step, and the profiled shape.
     """
     cuda = device.type == "cuda"
-    if cfg.fp8 and T.fp8_unavailable_reason(device):  # as the trainer: no FP8 where the GPU has none
-        cfg = dataclasses.replace(cfg, fp8=False)
-    model = T.GPT(cfg).to(device)
-    opts = T.build_optimizers(model, cfg)
-    inputs, targets = _tiny_batch(T, cfg, device)
+    model, opts, row = profile_model(T, cfg, device)
+    inputs, targets, weights = step_batch(T, cfg, row, device, cfg.micro_batch_seqs)
     handles = []
     for block in model.blocks:
         if block.attn is not None:
             _labelled(block.attn, "attention", handles)
         _labelled(block.mlp, "MLP", handles)
-    _labelled(model.lm_head, "head + loss", handles)
-    masks_for, loss_sum = model.masks_for, T.loss_sum
+    saved = dict(loss_sum=T.loss_sum, linear=T.linear, fp8_linear=T.fp8_linear)
+    head = model.lm_head.weight
 
-    def timed_masks(x):
+    def labelled(fn, only_head=False):  # the head's matmul (a weight, not a module: no hook) and the loss
+        def call(*a, **kw):
+            if only_head and a[1] is not head:
+                return fn(*a, **kw)
+            with torch.profiler.record_function("head + loss"):
+                return fn(*a, **kw)
+        return call
+
+    def timed_masks(x, masks_for=model.masks_for):
         with torch.profiler.record_function("mask build"):
             return masks_for(x)
-
-    def timed_loss(*a, **kw):  # the loss of either cap (tanh: mce_loss; sigmoid: multi_target_loss)
-        with torch.profiler.record_function("head + loss"):
-            return loss_sum(*a, **kw)
-    model.masks_for, T.loss_sum = timed_masks, timed_loss
-    bf16 = cuda and cfg.bf16 is not False  # the trainer's default: bf16 on CUDA unless --no-bf16
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    model.masks_for = timed_masks
+    T.loss_sum, T.linear, T.fp8_linear = (labelled(saved["loss_sum"]), labelled(saved["linear"], True),
+                                          labelled(saved["fp8_linear"], True))
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         with torch.profiler.profile(activities=acts) as prof:
             t0 = time.perf_counter()
-            with torch.profiler.record_function("forward"), autocast:
-                loss = model(inputs, targets)
+            with torch.profiler.record_function("forward"):
+                loss = model(inputs, targets) if weights is None else model(inputs, targets, weights)
             with torch.profiler.record_function("backward"):
-                loss.backward()
+                (loss / T.grad_divisor(row.stage)).backward()
             with torch.profiler.record_function("optimizer"):
                 for opt in opts:
                     opt.step()
@@ -621,10 +694,16 @@ def profile_step(T, cfg, device):
                 torch.cuda.synchronize(device)
             step_ms = 1000 * (time.perf_counter() - t0)
     finally:
-        T.loss_sum = loss_sum
+        for name, fn in saved.items():
+            setattr(T, name, fn)
         del model.masks_for
         for h in handles:
             h.remove()
+    return profile_result(prof, cuda, step_ms, cfg, device)
+
+
+def profile_result(prof, cuda, step_ms, cfg, device):
+    """``profile_step``'s dict from its profiler ``prof``: ms and share per part, the step's wall ms, memory."""
     parts = {p: _event_ms(prof, p, cuda) for p in ("mask build", "attention", "MLP", "head + loss",
                                                   "backward", "optimizer")}
     parts["forward (rest)"] = max(0.0, _event_ms(prof, "forward", cuda) - sum(
@@ -669,7 +748,8 @@ def run_checks(T, device, check_cfg, report=None):
 
     Returns:
         dict name -> the check's dict: ``fp8_check``, ``fp8_head_fixed_check``, ``fp8_down_delayed_check``
-        (record_h200's shapes on CUDA), ``attention_check``, ``loss_check``, then ``model_checks``
+        (the record's shapes on CUDA), ``head_grad_layout_check``, ``attention_check``, ``loss_check``, then
+        ``model_checks``
         of ``check_cfg`` (``flex_vs_sdpa_model``, ``compiled_vs_eager_fp32``).
     """
     results = {}
@@ -677,6 +757,7 @@ def run_checks(T, device, check_cfg, report=None):
     for step in (lambda: [fp8_check(T, device, fp8_shapes)],
                  lambda: [fp8_head_fixed_check(T, device, check_cfg, fp8_shapes, fp8_head_divisor(T))],
                  lambda: [fp8_down_delayed_check(T, device, fp8_shapes)],
+                 lambda: [head_grad_layout_check(T, device, divisor=fp8_head_divisor(T))],
                  lambda: [attention_check(T, device)], lambda: [loss_check(T, device)],
                  lambda: model_checks(T, check_cfg, device).values()):
         for c in step():
@@ -709,11 +790,11 @@ def main(argv=None):
         torch.cuda.set_device(device)
     out = {}
     if "kernels" in args.parts:
-        cfg = G.check_config(device.type, *G.MODEL_CHECK_SHAPE)
+        cfg = G.check_model_config(device.type, *G.MODEL_CHECK_SHAPE)
         out["kernels"] = run_checks(T, device, cfg, lambda r: write_json(args.json, dict(out, kernels=r)))
         write_json(args.json, out)
     if "profile" in args.parts:
-        cfg = G.check_config(device.type) if args.dry_run else G.profile_config(args.preset, device)
+        cfg = G.check_model_config(device.type) if args.dry_run else G.profile_config(args.preset, device)
         out["profile"] = profile_step(T, cfg, device)
         pf = out["profile"]
         print(f"one step ({pf['timer']} time, seq_len {pf['seq_len']} x {pf['micro_batch_seqs']}): "

@@ -22,13 +22,13 @@ per-neuron norms (rows of the tall matrices, i.e. the MLP's hidden units), avera
 ``orth``: the update's condition number (max/min singular value; 1 = orthogonal), averaged;
 ``starved``: fraction of neurons whose summed update norm over the run is under 1/3 of the median.
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import harness  # noqa: E402
 from aurora_opt import NorMuon  # noqa: E402
 
 PROBLEMS = ("mlp", "mlp8", "lsq")
@@ -109,7 +109,7 @@ def run(problem, variant, lr, seed, steps):
 
 def parse_args(argv=None):
     """Command line: --problems, --lrs, --seeds, --steps, --markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness._Parser(prog="normuon_compare.py", description=__doc__.split("\n")[0])  # a bad flag: one line
     ap.add_argument("--problems", default="mlp,mlp8,lsq", help="comma-separated: mlp, mlp8, lsq")
     ap.add_argument("--lrs", default="0.04,0.08,0.16,0.32", help="comma-separated learning rates to sweep")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per (variant, lr)")

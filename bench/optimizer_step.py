@@ -1,17 +1,16 @@
-"""Optimizer step time of Aurora and Muon on the GPT-2-small block matrices.
+"""Step time of the trainer's matrix optimizer (NorMuon, or Aurora's polar on the MLP matrices) and its call count.
 
-    python bench/optimizer_step.py                  # CPU (minutes on 2 cores); every NS variant x Muon, Aurora K=1, K=2
-    python bench/optimizer_step.py --device cuda    # on a GPU (add --compile to compile the direction)
-    python bench/optimizer_step.py --markdown       # the table as markdown (for the README)
-    python bench/optimizer_step.py --ns-dtype bfloat16   # Newton-Schulz in bf16 on CPU too (the GPU's dtype)
+    python bench/optimizer_step.py                          # CPU, record #89's block matrices (minutes on 2 cores)
+    python bench/optimizer_step.py --device cuda --compile  # on a GPU, compiled as the trainer runs it
+    python bench/optimizer_step.py --model smoke --markdown # the smoke model's matrices; a markdown table
     python bench/optimizer_step.py --count-calls record_h200   # compiled calls per step of a preset (seconds)
 
-The matrices of a 12-layer, 768-wide GPT with a 3072-wide MLP: per layer q, k, v, o (768 x 768),
-the MLP's fc (3072 x 768, tall) and proj (768 x 3072, wide); 72 matrices, 85M parameters.
-Same-shape matrices are orthogonalized as one batched [k, m, n] call, as in training. One step
-= momentum, orthogonalization, weight update, the finite check; time per step is the median of
-``--steps`` steps after one warm-up step (ms). The ratio column is each row over Muon with the
-same Newton-Schulz variant.
+The timing builds the model of ``--model`` on the meta device, makes only its block matrices real (the ones
+``train_gpt.build_optimizers`` gives NorMuon: per attention layer q, k, v, o; per layer the MLP's fc and proj),
+builds the optimizers as the trainer does for ``--optimizer normuon`` and ``aurora_normuon``, and times
+``NorMuon.step()`` on random gradients: momentum, the polar factor of each same-shape bucket (Newton-Schulz in
+bf16 on CUDA, float32 on a CPU), normalization and the cautious step. Time per step is the median of ``--steps``
+steps after one warm-up step (which also compiles, with ``--compile``); TFLOP/s counts ``optimizer_flops``.
 
 ``--count-calls PRESET`` times nothing: it builds the preset's model on the meta device (no memory), its
 optimizers as train_gpt.py does, and counts per step the calls of the functions the trainer compiles
@@ -19,7 +18,6 @@ optimizers as train_gpt.py does, and counts per step the calls of the functions 
 state: now (batched by shape, issue 44) and before (e6fff65: one ``_finish`` per matrix and per Adam parameter,
 the same directions, no ``_accumulate``).
 """
-import argparse
 import collections
 import os
 import statistics
@@ -29,28 +27,59 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from aurora_opt import NS_COEFFICIENTS, Aurora, NorMuon, ns_dtype_on  # noqa: E402
+import harness  # noqa: E402
+import train_gpt as T  # noqa: E402
+from aurora_opt import NorMuon, ns_dtype_on  # noqa: E402
+
+OPTIMIZERS = ("normuon", "aurora_normuon")  # train_gpt.Config.optimizer's choices
 
 
-def gpt2_small_matrices(device, n_layer=12, d=768, hidden=3072):
-    shapes = [(d, d)] * 4 + [(hidden, d), (d, hidden)]
-    return [torch.randn(*s, device=device, requires_grad=True) for _ in range(n_layer) for s in shapes]
+def config_of(argv):
+    """The trainer's Config of command-line words (its own parser and checks)."""
+    cfg, _, _ = harness.parse_flags(T.Config, T.PRESETS, argv)
+    T.check_config(cfg)
+    return cfg
 
 
-def time_step(params, device, steps, **kw):
-    """Median ms of one optimizer step (after a warm-up step that also compiles, if asked)."""
-    opt = Aurora(params, **kw)
-    g = torch.Generator(device=device).manual_seed(0)
-    for p in params:
-        p.grad = torch.randn(p.shape, device=device, generator=g)
+def matrix_optimizer(cfg, device, compile_):
+    """``(NorMuon, its matrices)`` of ``cfg``'s model as ``train_gpt.build_optimizers`` makes it, the block matrices
+    real on ``device`` (uniform, std 0.5/sqrt(fan_in)) with N(0, 1) gradients; everything else stays on the meta
+    device (the CautiousAdam beside it is never stepped).
+
+    Args:
+        cfg: a train_gpt Config (its --model and --optimizer matter). device: torch.device of the matrices.
+        compile_: compile the optimizer's direction and finish, as the trainer with --compile.
+
+    Returns:
+        ``(NorMuon, [parameters])``.
+    """
+    with torch.device("meta"):
+        model = T.GPT(cfg)
+    tags = {n: (p.opt_group, p.adam_role) for n, p in model.blocks.named_parameters()}
+    model.blocks.to_empty(device=device)  # new parameters: their routing tags put back
+    for n, p in model.blocks.named_parameters():
+        T.route(p, *tags[n])
+    _, normuon = T.build_optimizers(model, cfg, compile=compile_)
+    params = [p for g in normuon.param_groups for p in g["params"]]
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            bound = 3 ** 0.5 * 0.5 / p.size(1) ** 0.5
+            p.uniform_(-bound, bound, generator=gen)
+            p.grad = torch.randn(p.shape, device=device, generator=gen)
+    return normuon, params
+
+
+def time_step(opt, device, steps):
+    """Median ms of ``opt.step()`` over ``steps`` steps, after one untimed step (the compile, if any)."""
     times = []
     for i in range(steps + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if i:
             times.append(1000 * (time.perf_counter() - t0))
     return statistics.median(times)
@@ -79,12 +108,10 @@ def count_calls(preset):
         Lines of text: per step kind (Adam accumulating or updating), the calls of each optimizer now and the
         per-parameter count of e6fff65, then the eager ops outside the compiled functions now.
     """
-    import train_gpt as T
-    cfg, _ = T.parse_config(["--preset", preset])
+    cfg = config_of(["--preset", preset])
     with torch.device("meta"):
         model = T.GPT(cfg)
-    if cfg.adam_bf16:  # as a CUDA run stores them
-        T.adam_bf16_(model)
+    T.adam_bf16_(model)  # as a CUDA run stores them
     opts = T.build_optimizers(model, cfg)
     mode, calls = _EagerOps(), collections.Counter()
     for opt in opts:
@@ -134,46 +161,55 @@ def _per_parameter_calls(opt, kind):
     return sum(len(g["params"]) for g in opt.param_groups) if kind == "update" else 0
 
 
+def timing_rows(model, device, steps, compile_):
+    """``[[optimizer, matrices, step ms, TFLOP/s, x normuon]]`` for each ``OPTIMIZERS`` entry on ``model``'s block
+    matrices (``matrix_optimizer``, ``time_step``; FLOPs: ``train_gpt.optimizer_flops``)."""
+    rows, base = [], None
+    for name in OPTIMIZERS:
+        cfg = config_of(["--model", model, "--optimizer", name])
+        opt, params = matrix_optimizer(cfg, device, compile_)
+        ms = time_step(opt, device, steps)
+        base = base or ms
+        rows.append([name, f"{len(params)} ({sum(p.numel() for p in params) / 1e6:.1f}M)", f"{ms:.0f}",
+                     f"{T.optimizer_flops(cfg) / (ms / 1e3) / 1e12:.3g}", f"{ms / base:.2f}"])
+        print(f"# {name:15s} {ms:8.0f} ms", file=sys.stderr)
+        del opt, params
+    return rows
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness._Parser(prog="optimizer_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--compile", action="store_true", help="torch.compile the direction computation")
-    p.add_argument("--ns-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="Newton-Schulz dtype; auto = the optimizer's default (bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--model", default="record", help="train_gpt.MODELS entry whose block matrices are stepped")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported), after one untimed")
+    p.add_argument("--compile", action="store_true", help="torch.compile the optimizer, as the trainer on a GPU")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--count-calls", metavar="PRESET", help="count the compiled calls per step of a train_gpt.py "
                    "preset's optimizers (meta device, no timing) and exit")
     args = p.parse_args(argv)
     if args.count_calls:
-        import train_gpt as T
         if args.count_calls not in T.PRESETS:
             p.error(f"--count-calls {args.count_calls!r}: not a preset; choose one of {', '.join(T.PRESETS)}")
         print("\n".join(count_calls(args.count_calls)))
         return 0
-    params = gpt2_small_matrices(args.device)
-    ns_dtype = None if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
-    rows = []
-    for ns in NS_COEFFICIENTS:
-        muon_ms = None
-        for name, K in (("muon", 0), ("aurora K=1", 1), ("aurora K=2", 2)):
-            ms = time_step(params, args.device, args.steps, ns=ns, pp_iterations=K, compile=args.compile,
-                           ns_dtype=ns_dtype)
-            muon_ms = muon_ms or ms
-            rows.append([ns, name, f"{ms:.0f}", f"{ms / muon_ms:.2f}"])
-            print(f"# {ns:14s} {name:11s} {ms:8.0f} ms", file=sys.stderr)
-    n_params = sum(p.numel() for p in params)
-    print(f"{len(params)} matrices ({n_params / 1e6:.1f}M parameters), device {args.device} "
-          f"({torch.get_num_threads()} threads), torch {torch.__version__}, compile {args.compile}, "
-          f"Newton-Schulz dtype {ns_dtype_on(params[0].device, ns_dtype)}\n")
-    head = ["ns", "optimizer", "step ms", "x Muon"]
+    if args.model not in T.MODELS:
+        p.error(f"--model {args.model!r}: choose one of {', '.join(T.MODELS)}")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: give at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible; use --device cpu")
+    device = torch.device(args.device)
+    rows = timing_rows(args.model, device, args.steps, args.compile)
+    print(f"model {args.model}, device {args.device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"compile {args.compile}, Newton-Schulz dtype {ns_dtype_on(device)}; median of {args.steps} step(s)\n")
+    head = ["optimizer", "matrices", "step ms", "TFLOP/s", "x normuon"]
     if args.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in rows:
             print("| " + " | ".join(r) + " |")
     else:
         for r in [head] + rows:
-            print(f"{r[0]:>14s}  {r[1]:>11s}  {r[2]:>8s}  {r[3]:>6s}")
+            print("  ".join(f"{c:>16s}" for c in r))
     return 0
 
 

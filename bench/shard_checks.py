@@ -1,19 +1,18 @@
-"""Cost of the shard token checks at record scale: the max-id scan and the corrupt-stretch scan.
+"""Cost of the shard checks at record scale: the trainer's start-up scan and data/check_shards.py's full check.
 
     python bench/shard_checks.py                 # 2 synthetic 100M-token shards in /tmp, deleted after
     python bench/shard_checks.py --shards 1 --tokens 10000000 --dir /big/disk
 
-The record trains on 14 train shards of 100M tokens (1.4B tokens, 2.8 GB); the trainer checks
-every one at start-up. This writes ``--shards`` synthetic shards of ``--tokens`` tokens (GPT-2
-ids; documents with lognormal lengths, mean ~1,000 tokens like FineWeb's, the longest tens of
-thousands) and times, per shard: ``max_token_id`` alone, and ``check_shard`` (header, then one
-chunked pass for the max id and the <|endoftext|> gaps, then the run scan inside the EOT-free spans
-of ``CORRUPT_RUN`` tokens or more), each from the page cache (the best of ``--repeats``) and once
-after dropping the file from the page cache (``posix_fadvise DONTNEED``: a read at disk speed).
-It prints the per-shard times and the total for 14 shards. The files are deleted at the end,
-also on error or Ctrl-C.
+Record #89's runs read up to 14 train shards of 100M tokens (1.4B tokens, 2.8 GB). This writes ``--shards``
+synthetic shards of ``--tokens`` tokens (GPT-2 ids; documents with lognormal lengths, mean ~1,000 tokens like
+FineWeb's, the longest tens of thousands) and times, per shard: ``trainer`` (``harness.TokenStream``: what
+train_gpt.py checks before step 0, the header and size, then the largest id per 16M tokens) and ``check_shard``
+(data/shard_format.py, as data/check_shards.py and the downloader's check run it: header, then one chunked pass for
+the max id and the <|endoftext|> gaps, then the run scan inside the EOT-free spans of ``CORRUPT_RUN`` tokens or
+more), each from the page cache (the best of ``--repeats``) and once after dropping the file from the page cache
+(``posix_fadvise DONTNEED``: a read at disk speed). It prints the per-shard times and the total for 14 shards. The
+files are deleted at the end, also on error or Ctrl-C.
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -23,9 +22,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 import _paths  # noqa: E402,F401  (data/ on the path)
-from shard_format import EOT_TOKEN, check_shard, max_token_id, read_tokens, write_shard  # noqa: E402
+import harness  # noqa: E402
+from shard_format import EOT_TOKEN, check_shard, write_shard  # noqa: E402
 
-RECORD_SHARDS = 14  # train shards of 100M tokens read by the record run
+RECORD_SHARDS = 14  # train shards of 100M tokens: the most a record #89 run reads
 
 
 def synthetic_tokens(n, seed):
@@ -61,14 +61,18 @@ def timed(fn, path, repeats):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness._Parser(prog="shard_checks.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", type=int, default=2, help="synthetic shards to write and check")
     p.add_argument("--tokens", type=int, default=100_000_000, help="tokens per shard (the record's: 100M)")
     p.add_argument("--repeats", type=int, default=3, help="page-cache timings per check (the best is kept)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the shards are written (then deleted)")
     args = p.parse_args(argv)
+    if args.shards < 1 or args.tokens < 1 or args.repeats < 1:
+        p.error("--shards, --tokens and --repeats must be >= 1")
+    if not os.path.isdir(args.dir):
+        p.error(f"--dir {args.dir!r}: not a folder; give one with room for {args.shards} x {2 * args.tokens:,} bytes")
     paths = [os.path.join(args.dir, f"bench_shard_checks_{os.getpid()}_{i}.bin") for i in range(args.shards)]
-    checks = {"max_token_id": lambda path: max_token_id(read_tokens(path)), "check_shard": check_shard}
+    checks = {"trainer": lambda path: harness.TokenStream([path]), "check_shard": check_shard}
     rows = {name: [] for name in checks}
     try:
         for i, path in enumerate(paths):
