@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import harness
 from aurora_opt import CautiousAdam, NorMuon, adam_groups, matrix_groups, warm_step
@@ -855,6 +856,9 @@ def loss_sum(logits, targets, weights=None):
     ``multi_target_loss``, column ``weights`` ``[J]`` (None: each 1, the metric and TST's MCE)."""
     if weights is None:
         weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps the float32
+        # capped logits (4 bytes a logit; eager keeps the bf16 logits, 2): recompute them in the backward instead
+        return checkpoint(multi_target_loss, logits, targets, weights, "sigmoid", use_reentrant=False)
     return multi_target_loss(logits, targets, weights, cap="sigmoid")
 
 
@@ -1260,13 +1264,12 @@ def build_run(cfg, rt, log, data, resume):
               build_optimizers(model, cfg, compile=rt.compile), PackedLoader(train_stream, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Objectives(schedule, model.spec.vocab_size, rt.device), data,
               split=split_step(cfg))
+    fp8_refresh(model, -1)  # the delayed FP8 weight scales' bootstrap (a resume's own replace it, if it has them)
     if resume:
         run.start = harness.restore(resume, model, run.opts, run.loader, rt)
         run.progress = Progress(**resume["counters"])
         model.tied = run.start <= run.split
         log.line(f"resume: from step {run.start} train_time:{run.progress.train_time_ms:.0f}ms")
-    else:
-        fp8_refresh(model, -1)  # the delayed FP8 weight scales' bootstrap (a resume keeps its own)
     n_params = sum(p.numel() for p in model.parameters())
     log.line(f"model: {n_params:,} parameters; {rt.accum} micro-batch(es) x {cfg.micro_batch_seqs} sequence(s) x "
              f"{rt.world} process(es) a step")
