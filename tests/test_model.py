@@ -271,17 +271,17 @@ def test_record_parameter_count_equals_modded_nanogpts():
 # windows and accumulation
 
 
-@pytest.mark.parametrize("long", [4, 8, 12])
-def test_set_window_after_other_windows_equals_a_fresh_model(long):
+def test_set_window_after_other_windows_equals_a_fresh_model():
     """No stale mask, window or table: moving the windows around first changes nothing."""
     cfg = config(TINY)
     inputs, targets = T.make_batch(random_tokens((2, cfg.seq_len + 1), 4, 0.1), "full", 1)
     moved = float64_model(cfg, (12, 6), (12,))
-    for w, yarn in (((4, 2), (12, 4)), ((12, 6), (12, 4, 12)), ((long, long // 2), (6, long))):
-        moved.set_window(w, yarn)
-    fresh = float64_model(cfg, (long, long // 2), (6, long))
-    assert torch.equal(moved(inputs), fresh(inputs))
-    assert torch.equal(moved(inputs, targets), fresh(inputs, targets))
+    for long in (4, 8, 12):
+        for w, yarn in (((4, 2), (12, 4)), ((12, 6), (12, 4, 12)), ((long, long // 2), (6, long))):
+            moved.set_window(w, yarn)
+        fresh = float64_model(cfg, (long, long // 2), (6, long))
+        assert torch.equal(moved(inputs), fresh(inputs))
+        assert torch.equal(moved(inputs, targets), fresh(inputs, targets))
 
 
 def test_set_window_changes_the_output():
@@ -295,12 +295,12 @@ def test_set_window_changes_the_output():
 
 @pytest.mark.parametrize("s", [4, 1])
 def test_accumulation_is_exact_in_float64(s):
-    """One micro-batch of 8 sequences or two of 4: the same step loss and gradients (TST phase 1's MCE, and phase
+    """One micro-batch of 4 sequences or two of 2: the same step loss and gradients (TST phase 1's MCE, and phase
     2's weighted columns); the loss is the label sum over the step's column-0 labels, the gradient that of the sum
     over the divisor."""
     cfg = config(TINY)
     seq_tokens, _ = T.sequence_layout("full", s, cfg.seq_len)
-    inputs, targets = T.make_batch(random_tokens((8, seq_tokens), seed=s, p_eot=0.05), "full", s)
+    inputs, targets = T.make_batch(random_tokens((4, seq_tokens), seed=s, p_eot=0.05), "full", s)
     weights = None
     if s == 1:
         targets = T.objective_targets(targets[..., 0], torch.randint(0, 1000, (50304,)))
@@ -308,10 +308,10 @@ def test_accumulation_is_exact_in_float64(s):
         weights = torch.tensor([1.0, 0.5, 0.25, 0.25], dtype=torch.float64)
     rt = harness.Runtime(rank=0, world=1, device=torch.device("cpu"), compile=False)
     model = float64_model(cfg, (12, 5))
-    one = T.accumulate_gradients(model, [(inputs, targets)], rt, weights, 8)
+    one = T.accumulate_gradients(model, [(inputs, targets)], rt, weights, 4)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    two = T.accumulate_gradients(model, [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])], rt, weights, 8)
+    two = T.accumulate_gradients(model, [(inputs[:2], targets[:2]), (inputs[2:], targets[2:])], rt, weights, 4)
     assert one.item() == pytest.approx(two.item(), rel=1e-6)  # the step loss is accumulated in float32
     extra = [] if weights is None else [weights]
     with torch.no_grad():
@@ -322,7 +322,7 @@ def test_accumulation_is_exact_in_float64(s):
         if n in grads:
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-10, atol=1e-14, msg=n)
     model.zero_grad()
-    (model(inputs, targets, *extra) / 8).backward()
+    (model(inputs, targets, *extra) / 4).backward()
     for n, p in model.named_parameters():  # the gradient of the step's loss sum over the divisor
         if n in grads:
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-10, atol=1e-14, msg=n)
