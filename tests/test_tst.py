@@ -1,7 +1,9 @@
 """Token-Superposition Training against slow float64 references (docs/METHODS.md §1)."""
 import dataclasses
 import math
+import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ import harness
 import kernels
 import train_gpt as T
 from conftest import loss_lines, read_log, tiny_args
-from model_reference import TINY, config
+from model_reference import TINY, config, random_tokens
 
 V = 50304
 
@@ -192,8 +194,8 @@ def test_step_gradient_is_the_same_for_1_2_4_micro_batches_with_uneven_labels(mo
     targets[5, 3:] = -100  # the first micro-batches lose most labels
     rt = harness.Runtime(0, 1, torch.device("cpu"), False)
 
-    def grads(n_micro, dtype):
-        model = model_in(dtype, cfg)
+    def grads(model, n_micro):
+        model.zero_grad(set_to_none=True)
         chunks = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro)))
         loss = T.accumulate_gradients(model, chunks, rt, None, divisor)
         return loss.item(), torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
@@ -207,10 +209,10 @@ def test_step_gradient_is_the_same_for_1_2_4_micro_batches_with_uneven_labels(mo
                              for i, t in zip(inputs.chunk(4), targets.chunk(4))) / 4
     assert abs(per_micro_mean - ref_loss) > 1e-3  # the uneven split really matters
     for n_micro in (1, 2, 4):
-        loss, g = grads(n_micro, torch.float64)
+        loss, g = grads(model, n_micro)
         assert loss == pytest.approx(ref_loss, rel=1e-6)  # summed in float32
         torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-14)
-    loss, g = grads(2, torch.float32)
+    loss, g = grads(model_in(torch.float32, cfg), 2)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     # float32 rounding through the 4 layers: measured 5e-5 of the largest gradient (the head's, 0.17)
     assert (g - ref).abs().max() < 3e-4 * ref.abs().max()
@@ -246,19 +248,14 @@ def short_run(root, *extra):
     return read_log(root / "logs")
 
 
-@pytest.fixture(scope="module")
-def bag_of_one_log(tmp_path_factory):
-    """The log of the run with bags of 1 (mode full), which the other modes repeat."""
-    return short_run(tmp_path_factory.mktemp("s1"), "--tst-bag-size", "1")
-
-
-def test_phase1_val_lines_also_report_the_tst_objective(bag_of_one_log):
-    text = bag_of_one_log
+def test_phase1_val_lines_also_report_the_tst_objective(tmp_path):
+    """A run with bags of 1: phase 1's val lines add the TST objective's val loss, here the metric itself."""
+    text = short_run(tmp_path, "--tst-bag-size", "1")
     val = [line for line in text.splitlines() if " val_loss:" in line]
     assert [line.split()[0] for line in val] == ["step:0/4", "step:2/4", "step:4/4"]
     assert "val_loss_tst:" in val[0] and "val_loss_tst:" in val[1] and "val_loss_tst:" not in val[2]
     assert "phase:1" in val[1] and "phase:2" in val[2] and "tst_switch: step 2" in text
-    for line in val[:2]:  # bags of 1: the TST objective is the metric
+    for line in val[:2]:
         assert line.split("val_loss:")[1].split()[0] == line.split("val_loss_tst:")[1].split()[0], line
     for line in text.splitlines():  # accounting on every step line
         if line.startswith("step:"):
@@ -266,12 +263,20 @@ def test_phase1_val_lines_also_report_the_tst_objective(bag_of_one_log):
             assert "flops:" in line or "lr_scale:" in line, line
 
 
-def test_bags_of_one_are_the_same_run_in_output_mode(tmp_path, bag_of_one_log):
-    """With s = 1 every mode is next-token training (output mode's layout and labels the least alike): the runs
-    repeat each other bit for bit."""
-    text = short_run(tmp_path, "--tst-bag-size", "1", "--tst-mode", "output")
-    assert loss_lines(text) == loss_lines(bag_of_one_log) and len(loss_lines(text)) == 4
-    assert loss_lines(text, "val_loss") == loss_lines(bag_of_one_log, "val_loss")
+def test_bags_of_one_are_next_token_training_in_every_mode():
+    """With s = 1 every mode reads, batches, divides and validates as next-token training (so a run repeats)."""
+    cfg = config(TINY, seq_len=8, val_tokens=40, tst_bag_size=1)
+    tokens = random_tokens((3, 9), seed=2, p_eot=0.1)
+    val = T.ValData(types.SimpleNamespace(total=64, read=lambda start, n: np.arange(start, start + n) % 50),
+                    cfg.val_tokens)
+    rt = harness.Runtime(0, 1, torch.device("cpu"), False)
+    want = None
+    for mode in ("full", "input", "output"):
+        stage = dataclasses.replace(T.stages(cfg)[0], phase=1, bag_size=1, mode=mode)
+        got = (T.sequence_layout(mode, 1, 8), [t.tolist() for t in T.make_batch(tokens, mode, 1)],
+               T.grad_divisor(stage), [[t.tolist() for t in b] for b in val.batches(mode, 1, 8, 2, rt)])
+        assert got[3] and (want is None or got == want), mode
+        want = got
 
 
 @pytest.mark.parametrize("mode", ["input", "output"])
