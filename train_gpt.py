@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import harness
 from aurora_opt import CautiousAdam, NorMuon, adam_groups, matrix_groups, warm_step
@@ -856,9 +855,6 @@ def loss_sum(logits, targets, weights=None):
     ``multi_target_loss``, column ``weights`` ``[J]`` (None: each 1, the metric and TST's MCE)."""
     if weights is None:
         weights = torch.ones(targets.size(-1), dtype=torch.float32, device=logits.device)
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # why: compiled, the partitioner keeps the float32
-        # capped logits (4 bytes a logit; eager keeps the bf16 logits, 2): recompute them in the backward instead
-        return checkpoint(multi_target_loss, logits, targets, weights, "sigmoid", use_reentrant=False)
     return multi_target_loss(logits, targets, weights, cap="sigmoid")
 
 
