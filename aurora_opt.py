@@ -222,19 +222,19 @@ class Aurora(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------------------------
-# NorMuon and Adam as in modded-nanogpt record #89 (2026-07-17, HEAD train_gpt.py)
+# NorMuon and Adam as in modded-nanogpt record #89 (2026-07-17, its train_gpt.py)
 
 def normuon_normalize(O, second_moment, beta2):
     """NorMuon's per-neuron normalization (arXiv 2510.05491; records #41, 2025-10-24, and #48) of ``[..., m, n]``.
 
     A neuron is a row if m >= n, else a column (the side the polar factor leaves uneven); each is divided
     by ``sqrt(s)``, ``s`` (``[..., m, 1]`` or ``[..., 1, n]``) its mean-square EMA updated in place with
-    ``beta2`` (no bias correction, as HEAD); each block is then rescaled to ``O``'s Frobenius norm.
+    ``beta2`` (no bias correction, as modded-nanogpt); each block is then rescaled to ``O``'s Frobenius norm.
     """
     red = -1 if O.size(-2) >= O.size(-1) else -2  # average over the smaller side: one stat per neuron
     second_moment.lerp_(O.square().mean(dim=red, keepdim=True), 1 - beta2)
     V = O * second_moment.clamp_min(1e-10).rsqrt()
-    # why: keep the block's update size that of O, so lr keeps Muon's meaning (HEAD does the same)
+    # why: keep the block's update size that of O, so lr keeps Muon's meaning (modded-nanogpt does the same)
     return V * (O.norm(dim=(-2, -1), keepdim=True) / V.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
 
 
@@ -244,7 +244,7 @@ def cautious_update_(p, update, lr, wd):
     Decay acts only where the update pushes the weight toward zero; ``update`` broadcasts to ``p``.
     """
     P = p.to(torch.promote_types(p.dtype, torch.float32))
-    mask = (update * P) >= 0  # HEAD's NorMuon mask (>=; its Adam uses > 0)
+    mask = (update * P) >= 0  # record #89's NorMuon mask (>=; its Adam uses > 0)
     P = P - lr * (update + wd * (mask * P))  # mask * P first: keeps P's dtype
     p.copy_(P)
 
@@ -274,7 +274,7 @@ class NorMuon(Aurora):
     A matrix is cut into row blocks of ``block_rows`` (a Q or K head pair, record #80); per block
     ``m x n``: momentum as ``Aurora``, ``O = equalized_polar(U)`` (Polar Express at the group's
     ``pp_iterations`` 0, Aurora's polar otherwise), ``V = normuon_normalize(O)`` (if ``normalize``),
-    ``W <- W - lr_eff (V + wd lr [V W >= 0] W)`` with ``lr_eff = lr lr_mul sqrt(max(1, m/n))``, as HEAD.
+    ``W <- W - lr_eff (V + wd lr [V W >= 0] W)`` with ``lr_eff = lr lr_mul sqrt(max(1, m/n))``, as record #89.
     Batching, sharding and checks are ``Aurora``'s; a group may set any keyword below.
     """
 
@@ -360,9 +360,9 @@ class CautiousAdam(torch.optim.Optimizer):
     """Adam with cautious weight decay, updating every ``every``-th ``step()`` with the gradients summed since.
 
     Record #89's Adam (records #39, 2025-09-30: every other step; #50, 2025-12-18: cautious decay):
-    ``u = lr sqrt(1-b2^t)/(1-b1^t) m/(sqrt(v)+eps)``; ``p <- p - u - lr^2 wd [u p > 0] p`` (as HEAD).
-    The sum lives in a buffer (HEAD keeps it in ``.grad``), so the loop zeroes grads every step;
-    the call count is a Python int: no host sync. Defaults: HEAD's (lr 0.008, wd 0.005, eps 1e-10).
+    ``u = lr sqrt(1-b2^t)/(1-b1^t) m/(sqrt(v)+eps)``; ``p <- p - u - lr^2 wd [u p > 0] p`` (as record #89).
+    The sum lives in a buffer (modded-nanogpt keeps it in ``.grad``), so the loop zeroes grads every step;
+    the call count is a Python int: no host sync. Defaults: record #89's (lr 0.008, wd 0.005, eps 1e-10).
 
     ``shard`` (several processes: ``kernels.GradBuckets``): each rank keeps the state of, and updates, only its shard
     of each parameter (flat elements ``shard.shard_range(p)``), from ``shard.grad_shard(p)`` (reduce-scattered);
@@ -568,7 +568,8 @@ def warm_step(opt):
         opt.calls = calls
 
 
-# Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of HEAD's param table.
+# Record #89's Adam settings by parameter role: (betas, lr multiplier, wd multiplier) of modded-nanogpt's
+# param table.
 ADAM_ROLES = {
     "embed": ((0.5, 0.95), 1.0, 150.0),          # token embedding (tied to the head until stage 3)
     "lm_head": ((0.5, 0.95), 1.0, 150.0),
@@ -604,7 +605,7 @@ def matrix_groups(qk, vo, mlp_in, mlp_out, head_dim, aurora=False, pp_iterations
     """``NorMuon`` groups of record #89 from ``[(name, W [out, in])]``: Q and K cut into head pairs (record #80),
     V and the attention output whole, the MLP input and output (with ``aurora``, Aurora's polar on them).
 
-    The MLP output's ``lr_mul`` gives HEAD's factor ``2 sqrt(hidden / d)`` (HEAD stores it as
+    The MLP output's ``lr_mul`` gives record #89's factor ``2 sqrt(hidden / d)`` (modded-nanogpt stores it as
     ``[hidden, d]``; here the shape factor is 1). ValueError if the MLP outputs differ in shape.
     """
     K = pp_iterations if aurora else 0

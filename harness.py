@@ -556,7 +556,10 @@ def load_resume(cfg, data, operational):
 def restore(state, model, opts, loader, rt):
     """Load a checkpoint's weights (this rank's FP8 scales), optimizer states, stream position and RNG; its step."""
     ranks = state["rank_buffers"]
-    model.load_state_dict({**state["model"], **ranks[rt.rank if len(ranks) == rt.world else 0]})
+    saved = {**state["model"], **ranks[rt.rank if len(ranks) == rt.world else 0]}
+    own = model.state_dict()  # why: --fp8 may differ on resume (a CPU turns it off): only its down_scales may not match
+    model.load_state_dict({k: v for k, v in saved.items() if k in own or not k.endswith("down_scales")},
+                          strict=not any(k.endswith("down_scales") and k not in saved for k in own))
     for opt, saved in zip(opts, state["optimizers"]):
         opt.load_state_dict(saved)
     loader.position = state["loader_position"]

@@ -45,11 +45,11 @@ def fp8_scale(t, fp8_max=E4M3_MAX):
     return upcast(t.detach()).abs().amax().float().clamp_min(1e-12) / fp8_max
 
 
-# modded-nanogpt HEAD's (record #89) fixed LM-head scales, (x, w, grad): CastedLinearT(x_s=100/448, w_s=1.6/448,
-# grad_s=0.75/448 x its loss factor 1/grad_accum_steps); no amax is read. RMS-normed inputs stay under 100
+# modded-nanogpt's fixed LM-head scales (record #89, 2026-07-17), (x, w, grad): CastedLinearT(x_s=100/448,
+# w_s=1.6/448, grad_s=0.75/448 x its loss factor 1/grad_accum_steps); no amax is read. RMS-normed inputs stay under 100
 # (sqrt(768) = 28), the head's weights under 1.6, each logit's gradient of the loss sum under 96 (e5m2's 57344 x 0.75/448).
 HEAD_SCALES = (100 / E4M3_MAX, 1.6 / E4M3_MAX, 0.75 / E4M3_MAX)
-# HEAD's delayed scales of the MLP down-projection (record #89, quantize_mlp_fp8 and triton_kernels.py's
+# modded-nanogpt's delayed scales of the MLP down-projection (record #89, quantize_mlp_fp8 and triton_kernels.py's
 # reduce_mlp_activation_scales): the input (relu^2) at the amax of the previous training forward x 1.80, the weight
 # at its amax before the last optimizer step x 1.12 (after each of the first 16 steps and at init: its own amax x 1).
 DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_BOOTSTRAP_STEPS = 1.80, 1.12, 16
@@ -57,7 +57,7 @@ DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_BOOTSTRAP_STEPS = 1.80, 1.12, 16
 
 def down_scales(device=None):
     """The delayed state of one MLP down-projection: float32 ``[3]`` (input scale, weight scale, next weight
-    scale); the input's starts at 1 (HEAD's buffer init), the weight's are set by ``refresh_down_scales_``."""
+    scale); the input's starts at 1 (modded-nanogpt's buffer init), the weight's are set by ``refresh_down_scales_``."""
     return torch.ones(3, dtype=torch.float32, device=device)
 
 
@@ -70,9 +70,9 @@ def delay_input_scale_(scales, h):
 
 @torch.no_grad()
 def refresh_down_scales_(scales, weight, bootstrap):
-    """After an optimizer step (HEAD's ``quantize_mlp_fp8``): the weight scale ``scales[1]`` the coming forwards use
-    is the one computed at the previous refresh (``scales[2]``), or with ``bootstrap`` the weight's own
-    ``amax / 448``; then ``scales[2] = amax x 1.12 / 448`` of the weight now."""
+    """After an optimizer step (modded-nanogpt's ``quantize_mlp_fp8``, record #89): the weight scale ``scales[1]`` the
+    coming forwards use is the one computed at the previous refresh (``scales[2]``), or with ``bootstrap`` the
+    weight's own ``amax / 448``; then ``scales[2] = amax x 1.12 / 448`` of the weight now."""
     amax = upcast(weight.detach()).abs().amax().float().clamp_min(1e-12)
     scales[1].copy_(amax / E4M3_MAX if bootstrap else scales[2])
     scales[2].copy_(amax * (DOWN_WEIGHT_HEADROOM / E4M3_MAX))
@@ -122,7 +122,7 @@ class _FP8Linear(torch.autograd.Function):
             g = grad.to(x.dtype)
             return (g @ w).to(x_dtype), (g.t() @ x).to(w_dtype), None, None, None
         x_f8, w_f8, x_s, w_s, *fixed = ctx.saved_tensors
-        # gradients in e5m2 (wider range, fewer mantissa bits: record #21): HEAD's fixed scale where given (its
+        # gradients in e5m2 (wider range, fewer mantissa bits: record #21): the record's fixed scale where given (its
         # loss is a sum, so the bound is known), else the gradient's own amax (a mean's gradient over a device count)
         g_s = fixed[0] if fixed else fp8_scale(grad, E5M2_MAX)
         g_f8 = fp8_quantize(grad, g_s, torch.float8_e5m2)
@@ -140,7 +140,7 @@ def fp8_linear(x, weight, fp8_grad=False, emulate=False, scales=None):
     """``F.linear(x [..., in], weight [out, in])``, both in e4m3 (saturated), bf16 out (records #21, #84, #89).
 
     ``scales``: None, every scale current (``amax / max``); or float32 ``[2]`` (x, w) or ``[3]`` (x, w, grad)
-    per-tensor scales used as they are (HEAD's fixed ``HEAD_SCALES``, the delayed ``down_scales``): the e4m3
+    per-tensor scales used as they are (record #89's fixed ``HEAD_SCALES``, the delayed ``down_scales``): the e4m3
     value is ``x / scales[0]``. ``fp8_grad`` (the LM head, record #21): the output gradient in e5m2 (at
     ``scales[2]`` or current), dx and dW from the e4m3 copies; else (the MLP) dx, dW in bf16.
     ``emulate``: the same roundings, products in float32 (float64), for CPU tests.
@@ -441,7 +441,7 @@ def mask_mod(doc_ids, window, paired=False):
     ``doc_ids`` int64 ``[B, T]``; ``window`` an int (0 = none) or an int64 0-d device tensor (a
     schedule then changes no graph). ``paired``: the doubled sequence of paired-head layers, token
     t at positions 2t and 2t + 1 (documents read at q // 2: no doubled ids in the kernel). A window of w
-    sees w + 1 keys, q - w..q: FA3's ``window_size=(w, 0)`` as HEAD calls it (record #89).
+    sees w + 1 keys, q - w..q: FA3's ``window_size=(w, 0)`` as modded-nanogpt calls it (record #89).
     """
     windowed = torch.is_tensor(window) or window > 0
 
@@ -522,15 +522,15 @@ def block_mask_from_bounds(doc_ids, window, block_size=128, paired=False):
                                     mask_mod=mask_mod(doc_ids, window, paired), seq_lengths=(T, T))
 
 
-# Record #85 (2026-05, HEAD's dc_triton_kernels.py, layer 10): the post-only dynamically composable
-# correction, in plain PyTorch (CPU; compiled on CUDA) instead of HEAD's Triton kernel.
-DC_WINDOW = 112  # keys of the correction: q - 111..q in q's document (HEAD's kernel: 0 <= q - k < 112)
+# Record #85 (2026-05, modded-nanogpt's dc_triton_kernels.py, layer 10): the post-only dynamically composable
+# correction, in plain PyTorch (CPU; compiled on CUDA) instead of its Triton kernel.
+DC_WINDOW = 112  # keys of the correction: q - 111..q in q's document (record #85's kernel: 0 <= q - k < 112)
 
 
 def dc_attention(q, k, v, w1, w2, doc_ids, scale, window=DC_WINDOW, block=128):
-    """The DC correction ``c`` that HEAD adds to a layer's attention output: for each head h and query t,
+    """The DC correction ``c`` that record #85 adds to a layer's attention output: for each head h and query t,
     ``P_h[t, j] = softmax_j(scale q_h[t] . k_h[j])`` over keys j in t - window + 1..t of t's document,
-    ``a[t, j] = sum_g rms_norm(w1[t])_g P_g[t, j]`` (RMS over heads, eps 1e-6: HEAD's ``dc_gate``), and
+    ``a[t, j] = sum_g rms_norm(w1[t])_g P_g[t, j]`` (RMS over heads, eps 1e-6: modded-nanogpt's ``dc_gate``), and
     ``c_h[t] = w2[t, h] sum_j a[t, j] v_h[j]``.
 
     q, k, v ``[B, T, H, D]`` (q, k after norm, RoPE and key offset; v with its value embeddings), w1, w2

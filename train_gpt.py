@@ -1268,13 +1268,12 @@ def build_run(cfg, rt, log, data, resume):
               build_optimizers(model, cfg, rt.compile, buckets), PackedLoader(train_stream, rt.rank, rt.world),
               ValData(val_stream, cfg.val_tokens), Objectives(schedule, model.spec.vocab_size, rt.device), data,
               split=split_step(cfg))
+    fp8_refresh(model, -1)  # the delayed FP8 weight scales' bootstrap (a resume's own replace it, if it has them)
     if resume:
         run.start = harness.restore(resume, model, run.opts, run.loader, rt)
         run.progress = Progress(**resume["counters"])
         model.tied = run.start <= run.split
         log.line(f"resume: from step {run.start} train_time:{run.progress.train_time_ms:.0f}ms")
-    else:
-        fp8_refresh(model, -1)  # the delayed FP8 weight scales' bootstrap (a resume keeps its own)
     n_params = sum(p.numel() for p in model.parameters())
     log.line(f"model: {n_params:,} parameters; {rt.accum} micro-batch(es) x {cfg.micro_batch_seqs} sequence(s) x "
              f"{rt.world} process(es) a step")

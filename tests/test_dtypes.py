@@ -24,18 +24,19 @@ def smoke_batch(cfg, seed=0):
     tokens = torch.randint(0, 50257, (1, cfg.seq_len + 1), generator=g)
     tokens[0, ::97] = T.EOT_TOKEN
     inputs, targets = T.make_batch(tokens, "full", 1)
-    columns = T.objective_targets(targets[..., 0], T.prefix_token_table(cfg.vocab_size))
+    columns = T.objective_targets(targets[..., 0], T.prefix_token_table(T.spec_of(cfg).vocab_size))
     return inputs, columns, torch.tensor([1.0, 0.5, 0.25, 0.25])
 
 
 def smoke_model(dtype):
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke"])
+    cfg = H.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])[0]
     torch.manual_seed(0)
     model = T.GPT(cfg, dtype if dtype == torch.bfloat16 else None)
     if dtype == torch.bfloat16:
         T.adam_bf16_(model)
     model.flex = False
-    model.set_window(T.Schedule(cfg)[0].window)
+    row = T.Schedule(cfg)[0]
+    model.set_window(row.window, row.yarn)
     return cfg, model
 
 
@@ -49,13 +50,13 @@ def test_a_bf16_forward_keeps_every_block_output_in_bf16():
 
     def record(module, args, out):
         dtypes.append(out.dtype)
-        if len(dtypes) == cfg.n_layer:
+        if len(dtypes) == model.spec.n_layer:
             raise Enough
     for block in model.blocks:
         block.register_forward_hook(record)
     with pytest.raises(Enough):
         model(*smoke_batch(cfg))
-    assert dtypes == [torch.bfloat16] * cfg.n_layer
+    assert dtypes == [torch.bfloat16] * model.spec.n_layer
 
 
 def saved_bytes_by_dtype(model, batch):

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import REPO
 
+import harness
 import kernels
 import train_gpt as T
-from conftest import SMALL_FLAGS
+from model_reference import TINY, config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -147,20 +148,20 @@ def test_availability_and_shapes():
     assert not kernels.fp8_fits(torch.empty(2, 8, 32), torch.empty(50, 32))   # 50 outputs
 
 
-def test_flag_is_off_by_default_and_leaves_the_cpu_model_unchanged():
-    cfg, _ = T.parse_config([*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32", "--n-head", "2",
-                             "--seq-len", "16", "--batch-tokens", "32"])
-    assert T.Config().fp8 is False and cfg.fp8 is False
-    on, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8"])
-    assert on.fp8 is True
+def test_flag_is_the_records_and_leaves_the_cpu_model_unchanged():
+    assert T.Config().fp8 is True  # record #89's head and MLP in FP8; the CPU presets turn it off
+    assert harness.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])[0].fp8 is False
     torch.manual_seed(0)
-    plain = T.GPT(cfg)
+    plain = T.GPT(config(TINY, fp8=False))
     torch.manual_seed(0)
-    fp8 = T.GPT(T.dataclasses.replace(cfg, fp8=True))
+    fp8 = T.GPT(config(TINY, fp8=True))
+    assert fp8.head_scales is not None and all(b.mlp.down_scales is not None for b in fp8.blocks)
     with torch.no_grad():
         for p in plain.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-        fp8.load_state_dict(plain.state_dict())
+        fp8.load_state_dict(plain.state_dict(), strict=False)  # its FP8 scales stay
+    plain.set_window((12, 5), ())
+    fp8.set_window((12, 5), ())
     inputs = torch.randint(0, 1000, (2, 16, 1))
     assert torch.equal(plain(inputs, inputs), fp8(inputs, inputs))  # CPU: fp8 only on CUDA
 
@@ -224,7 +225,7 @@ def test_the_gpu_kernel_check_fails_a_dropped_or_doubled_scale(monkeypatch, bug)
     assert max(v for k, v in c["diffs"].items() if k.endswith("_out")) > 0.4
 
 
-# HEAD's (record #89) fixed head scales and delayed MLP down-projection scales (issue 36)
+# modded-nanogpt's (record #89) fixed head scales and delayed MLP down-projection scales (issue 36)
 
 def fixed_reference(x, w, G, x_s, w_s, g_s):
     """The head at given scales: e4m3 of x / x_s and w / w_s, e5m2 of G / g_s (saturated), float64 products."""
@@ -235,7 +236,7 @@ def fixed_reference(x, w, G, x_s, w_s, g_s):
 
 
 def head_operands(seed):
-    """Inputs, weights and gradients from fp8's subnormals to past its saturation at HEAD's scales, so that
+    """Inputs, weights and gradients from fp8's subnormals to past its saturation at the record's scales, so that
     a scale off by 2x shows (within the normal range a power of 2 only shifts the exponent)."""
     g = torch.Generator().manual_seed(100 + seed)
     x = torch.randn(48, 64, generator=g, dtype=torch.float64) * torch.logspace(-4, 2.3, 64, dtype=torch.float64)
@@ -245,10 +246,10 @@ def head_operands(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_head_uses_heads_fixed_scales_and_a_dropped_or_doubled_scale_fails(seed):
+def test_head_uses_the_records_fixed_scales_and_a_dropped_or_doubled_scale_fails(seed):
     x, w, G = head_operands(seed)
     scales = torch.tensor(kernels.HEAD_SCALES)
-    scales[2] /= 8  # HEAD's grad_s x the loss factor 1/8 (grad_divisor of the GPU presets)
+    scales[2] /= 8  # the record's grad_s x the loss factor 1/8 (grad_divisor of the GPU presets)
     assert scales.tolist() == pytest.approx([100 / 448, 1.6 / 448, 0.75 / 448 / 8], rel=1e-7)
     x, w = x.requires_grad_(), w.requires_grad_()
     y = kernels.fp8_linear(x, w, fp8_grad=True, emulate=True, scales=scales)
@@ -270,7 +271,8 @@ def test_current_scales_stay_the_default():
 
 
 def down_projection(h, w, scales):
-    """What MLP.forward does with HEAD's delayed scales: the product at the state's scales, then the next input scale."""
+    """What MLP.forward does with the record's delayed scales: the product at the state's scales, then the next
+    input scale."""
     y = kernels.fp8_linear(h, w, emulate=True, scales=scales[:2])
     kernels.delay_input_scale_(scales, h)
     return y
@@ -304,11 +306,10 @@ def test_down_projection_uses_the_previous_forwards_amax_and_the_weights_delayed
 
 
 def test_delayed_scales_are_model_state_that_a_checkpoint_restores_bit_for_bit():
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8", "--model-dim", "32", "--n-head", "2",
-                             "--bigram-vocab", "64"])
+    cfg = config(TINY, fp8=True)
     a, b = T.GPT(cfg), T.GPT(cfg)
     keys = [k for k in a.state_dict() if k.endswith("down_scales")]
-    assert len(keys) == cfg.n_layer and a.head_scales.tolist() == pytest.approx(list(kernels.HEAD_SCALES))
+    assert len(keys) == TINY.n_layer and a.head_scales.tolist() == pytest.approx(list(kernels.HEAD_SCALES))
     for block in a.blocks:
         block.mlp.down_scales.copy_(torch.rand(3, dtype=torch.float32) / 448)
     b.load_state_dict(a.state_dict())
@@ -317,29 +318,25 @@ def test_delayed_scales_are_model_state_that_a_checkpoint_restores_bit_for_bit()
     assert float(a.head_scales[2]) == pytest.approx(0.75 / 448 / 8, rel=1e-7)
 
 
-def test_restore_gives_each_rank_its_own_delayed_scales_and_tolerates_their_absence():
+def test_restore_gives_each_rank_its_own_delayed_scales_and_tolerates_a_resume_across_fp8():
     """harness.restore: a checkpoint's ``rank_buffers`` (every rank's down_scales, all-gathered at save) go back to
-    their rank; a checkpoint without them (a run without --fp8) leaves the model's own (bootstrapped by train)."""
+    their rank; --fp8 may differ on resume (a CPU turns it off): a checkpoint without them leaves the model's own
+    (bootstrapped by build_run), a model without them ignores the checkpoint's."""
     import types
-    import harness
-    cfg, _ = T.parse_config(["--preset", "cpu_smoke", "--fp8", "--model-dim", "32", "--n-head", "2",
-                             "--bigram-vocab", "64"])
-    model = T.GPT(cfg)
+    model, plain = T.GPT(config(TINY, fp8=True)), T.GPT(config(TINY, fp8=False))
     keys = [k for k in model.state_dict() if k.endswith("down_scales")]
     per_rank = [{k: torch.full((3,), float(r + 2)) for k in keys} for r in range(2)]  # neither the init (1)
-    state = dict(model={k: v.clone() for k, v in model.state_dict().items()}, optimizers=[], loader_position=0,
-                 counters={}, rng=dict(torch=torch.get_rng_state(), cuda=[]), step=3, phase=2,
-                 rank_buffers=per_rank)
-
-    def run_at(rank):
-        return types.SimpleNamespace(model=model, opts=[], loader=types.SimpleNamespace(position=None),
-                                     progress=T.Progress(), log=types.SimpleNamespace(line=lambda s: None),
-                                     rt=types.SimpleNamespace(rank=rank, world=2, device=torch.device("cpu")))
+    state = dict(model={k: v.clone() for k, v in model.state_dict().items()}, optimizers=[], loader_position=7,
+                 rng=dict(torch=torch.get_rng_state(), cuda=[]), step=3, rank_buffers=per_rank)
+    loader = types.SimpleNamespace(position=None)
     for rank in (1, 0):
-        run = run_at(rank)
-        harness.restore(run, state, "ckpt")
+        rt = harness.Runtime(rank=rank, world=2, device=torch.device("cpu"), compile=False)
+        assert harness.restore(state, model, [], loader, rt) == 3 and loader.position == 7
         assert all(torch.equal(model.state_dict()[k], per_rank[rank][k]) for k in keys)
     own = {k: model.state_dict()[k].clone() for k in keys}
-    bare = dict(state, model={k: v for k, v in state["model"].items() if k not in keys}, rank_buffers=None)
-    harness.restore(run, bare, "ckpt")
+    bare = dict(state, model={k: v.clone() for k, v in plain.state_dict().items()}, rank_buffers=[{}])
+    harness.restore(bare, model, [], loader, rt)
     assert all(torch.equal(model.state_dict()[k], own[k]) for k in keys)
+    harness.restore(state, plain, [], loader, rt)  # the fp8 checkpoint into a model without FP8
+    assert all(torch.equal(v, state["model"][k]) for k, v in plain.state_dict().items())
+    assert not all(torch.equal(v, bare["model"][k]) for k, v in plain.state_dict().items())  # they did change

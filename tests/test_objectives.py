@@ -324,14 +324,15 @@ def test_a_missing_encoder_json_is_one_clear_error(tmp_path):
 
 
 def objective_weights(stage, progress, steps=100):
-    """The weights of recipe stage ``stage`` (0-based) at ``progress`` in [0, 1] of it (``stage_objective``)."""
+    """The weights of recipe stage ``stage`` (0-based) at ``progress`` in [0, 1] of it (``objective_at``)."""
     rows = T.OBJECTIVE_WEIGHTS[min(stage, len(T.OBJECTIVE_WEIGHTS) - 1)]
-    st = T.Stage(0, steps, 2, 1, "full", 1024, objective=rows, ramp=(0, steps))
-    return list(T.stage_objective(round(progress * steps), st))
+    st = T.Stage(0, steps, 2, 1, "full", 1024, 1024, 2048, 1.0, (1, 3), objective=rows, ramp=(0, steps))
+    return list(T.objective_at(round(progress * steps), st))
 
 
 def test_objective_weights_follow_the_stages():
-    """HEAD's stage table: MTP [1, .5, .25 -> 0], [1, .5 -> 0], [1]; prefix .25, .25 -> 0, 0."""
+    """Record #89's stage table (modded-nanogpt): MTP [1, .5, .25 -> 0], [1, .5 -> 0], [1]; prefix .25, .25 -> 0,
+    0."""
     at = lambda stage, t: pytest.approx(objective_weights(stage, t))  # noqa: E731
     assert [1.0, 0.5, 0.25, 0.25] == at(0, 0.0)
     assert [1.0, 0.5, 0.125, 0.25] == at(0, 0.5)
@@ -362,3 +363,43 @@ def test_next_token_training_objective_matches_a_loop(table):
                 if y >= 0:
                     ref = ref + wk * F.cross_entropy(z[b, i:i + 1], y.view(1))
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+
+
+def test_multi_token_gradient_keeps_past_end_weights_in_the_softmax_term():
+    """modded-nanogpt's kernel (record #53): loss terms only for targets inside the sequence, but the softmax term
+    of the gradient weighs every column (S_w); an ignored label (no prefix) counts nowhere. Float64, sigmoid cap."""
+    g = torch.Generator().manual_seed(2)
+    L, V = 6, 40
+    tokens = torch.randint(0, V, (1, L), generator=g)
+    targets = T.multi_token_targets(tokens, 3)[0]                  # [L, 3], PAST_END in the last two rows
+    prefix = torch.randint(0, V, (L, 1), generator=g)
+    prefix[2] = kernels.IGNORE_INDEX
+    targets = torch.cat((targets, prefix), 1)
+    assert (targets == kernels.PAST_END).sum() == 3
+    w = torch.tensor([1.0, 0.5, 0.25, 0.3], dtype=torch.float64)
+    x = (3 * torch.randn(L, V, generator=g, dtype=torch.float64)).requires_grad_()
+    loss = kernels.multi_target_loss(x, targets, w, cap="sigmoid")
+    loss.backward()
+    A, B, C = kernels.SIGMOID_CAP
+    s = torch.sigmoid((x.detach() + B) / C)
+    z, slope = A * s, A / C * s * (1 - s)
+    ref_loss, ref_grad = 0.0, torch.zeros(L, V, dtype=torch.float64)
+    for n in range(L):
+        p = torch.softmax(z[n], 0)
+        soft = sum(float(w[j]) for j in range(4) if targets[n, j] >= 0 or targets[n, j] == kernels.PAST_END)
+        ref_grad[n] = soft * p
+        for j in range(4):
+            y = int(targets[n, j])
+            if y >= 0:
+                ref_loss += float(w[j]) * float(torch.logsumexp(z[n], 0) - z[n, y])
+                ref_grad[n, y] -= float(w[j])
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-12)
+    torch.testing.assert_close(x.grad, ref_grad * slope, rtol=1e-10, atol=1e-12)
+
+
+def test_train_gpt_loss_sum_is_the_sigmoid_capped_multi_target_loss():
+    """``loss_sum``: the model's loss, under record #54's cap, each column weighted 1 unless weights are given."""
+    x, y, w = random_case(13, 17, 3, seed=11)
+    ones = torch.ones(3, dtype=torch.float64)
+    assert T.loss_sum(x, y).item() == pytest.approx(naive_loss(x, y, ones, "sigmoid", 0.0).item(), rel=1e-12)
+    assert T.loss_sum(x, y, w).item() == pytest.approx(naive_loss(x, y, w, "sigmoid", 0.0).item(), rel=1e-12)
