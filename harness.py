@@ -56,7 +56,7 @@ def read_shard_header(path):
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+            header = np.frombuffer(f.read(HEADER_BYTES)[:size // 4 * 4], dtype="<i4")  # a short file: whole ints
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
     if header.size < HEADER_BYTES // 4:
@@ -445,7 +445,8 @@ class RunLog:
                 json.dump(self.summary, f, indent=1)
             os.replace(tmp, self.json_path)
         except (OSError, ConfigError) as e:
-            print(f"train_gpt.py: could not finish the log {self.path} ({e})", file=sys.stderr)
+            if str(e) != reason:  # a write to this log that failed is the run's reason already: said once
+                print(f"train_gpt.py: could not finish the log {self.path} ({e})", file=sys.stderr)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -658,7 +659,7 @@ def failure(err, stop, log):
             not isinstance(err, FloatingPointError))
     elif names & {"StopRequested", "KeyboardInterrupt"} or stop.signal:
         status, reason, code = "interrupted", f"interrupted by {stop.signal or 'KeyboardInterrupt'}", 130
-    elif names & {"OutOfMemoryError", "MemoryError"} or "out of memory" in text.lower():
+    elif names & {"OutOfMemoryError", "MemoryError"} or re.search("out of memory|can't allocate memory", text.lower()):
         status, code = "incomplete", 2
         reason = "out of memory; lower --micro-batch-seqs (or --val-batch-seqs, --seq-len)"
     elif names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed"}:
