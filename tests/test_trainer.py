@@ -216,6 +216,8 @@ def test_the_log_is_a_snapshot_then_the_header_steps_phases_and_summary(smoke_ru
     table = T.Schedule(config_of(tmp))
     assert summary["flops"] == pytest.approx(sum(r.flops_per_position * r.stage.batch_tokens
                                                  for r in table.rows[:8]), rel=1e-12)
+    # --describe's tokens of text are what the steps train on; the packed loader reads more (cut documents, caps)
+    assert summary["raw_tokens"] >= sum((st.end - st.start) * st.raw_tokens() for st in table.stages) > 0
 
 
 def config_of(tmp):
