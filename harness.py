@@ -668,7 +668,7 @@ def failure(err, stop, log):
     else:
         finish(log, "incomplete", f"{type(err).__name__}: {err}")
         raise err
-    print(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}", file=sys.stderr)
+    sys.stderr.write(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}\n")  # one write: ranks' lines stay whole
     return status, reason, code
 
 
@@ -679,6 +679,6 @@ def finish(log, status, reason=None):
         log.close(status, reason)
         print(f"log: {log.path} ({status})", file=sys.stderr)
     if dist.is_available() and dist.is_initialized():
-        if status in ("complete", "stopped_early"):
-            dist.barrier()
+        if status in ("complete", "stopped_early") or " after step " in str(reason):  # every rank ended here
+            dist.barrier()  # rank 0's log closed first: torchrun kills the other ranks when one exits non-zero
         dist.destroy_process_group()
