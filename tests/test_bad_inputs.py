@@ -1,6 +1,5 @@
 """Bad flag values: each gives one line naming the flag and the fix (exit status 2), before anything is written,
 never a traceback. The failures of a run that has started (data, disk, memory, signals) are in test_reliability.py."""
-import os
 import subprocess
 import sys
 

@@ -55,6 +55,7 @@ def test_a_run_stopped_and_resumed_repeats_the_unbroken_run_bit_for_bit(runs):
     assert sorted(loss_lines(straight, "val_loss")) == [0, 4, 8]
     # one log: the first part, its status, then the resume appended (no second snapshot)
     assert resumed.startswith(first) and first.splitlines()[-1] == "status:stopped_early reason:--max-steps 3"
+    assert first.splitlines()[-2].startswith("summary: last_val_loss:")  # step 0's val loss is no final one
     assert resumed.count("### file train_gpt.py") == 1
     lines = resumed.splitlines()
     assert lines[len(first.splitlines())].startswith("python: ")  # the resumed start's header
@@ -186,13 +187,13 @@ def test_a_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, m
 # Signals: a subprocess of 400 steps, signalled once its log shows step 3
 
 
-TINY_MAIN = "import sys; sys.path.insert(0, 'tests'); import conftest, train_gpt; sys.exit(train_gpt.main(sys.argv[1:]))"
+TINY_MAIN = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.py with the tiny model registered
 
 
 def interrupt_run(tmp_path, run_id, sig, *extra):
     """(exit code, log text, stderr) of a tiny run sent ``sig`` after its step 3."""
     args = tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", run_id, *extra)
-    proc = subprocess.Popen([sys.executable, "-c", TINY_MAIN, *args], cwd=REPO, env=subprocess_env(),
+    proc = subprocess.Popen([sys.executable, TINY_MAIN, *args], cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "logs" / f"{run_id}.txt"
     deadline = time.time() + 300

@@ -92,7 +92,7 @@ def test_gradient_is_modded_nanogpts_per_sequence_sum_with_accumulation_and_on_t
         for n, g in ref.items():
             assert (grads[n] - g).abs().max().item() <= 1e-9 * g.abs().max().item() + 1e-12 * top, (name, n)
     big = max(ref, key=lambda n: ref[n].abs().max())
-    assert runs["one"]["grads"][big].abs().max() > 0.5 * ref[big].abs().max()  # a mean over the 64 labels is 16x smaller
+    assert runs["one"]["grads"][big].abs().max() > 0.5 * ref[big].abs().max()  # a mean over 64 labels: 16x smaller
 
 
 def test_the_presets_use_modded_nanogpts_train_layout_and_gradient_scale():

@@ -19,7 +19,7 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SAMPLE_DIR, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, read_log, subprocess_env, tiny_args, write_shard
 
 
 def error_lines(err):
