@@ -130,6 +130,10 @@ def test_a_resume_whose_config_differs_is_refused_naming_every_field(runs, tmp_p
     for diff in ("--seed 0 -> 5", "--tst-bag-size 4 -> 2", "--matrix-lr 0.023 -> 0.05"):
         assert diff in line, line
     assert line.endswith("resume with the checkpoint's flags and shards")
+    # into the run's own log (--resume auto): refused before the log is opened, its files as they were
+    before = {p.name: p.read_bytes() for p in (runs[0] / "logs").iterdir()}
+    assert run(runs[0], "--run-id", "r", "--resume", "auto", "--seed", "5") == 2
+    assert {p.name: p.read_bytes() for p in (runs[0] / "logs").iterdir()} == before
     # what only changes how the run executes may differ: logs, checkpoints, the micro-batch, --max-steps
     cfg = cfg_of(tmp_path, "--resume", str(ckpt), "--val-every", "2", "--log-every", "3", "--max-steps", "1",
                  "--save-every", "1")
