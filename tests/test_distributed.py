@@ -24,21 +24,26 @@ def dist_args(tmp_path, run_id, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``one``: 1 process, 2 micro-batches a step; ``two``: 2 processes; ``r``: 2 processes stopped after step 3
-    (--max-steps, --save-final), then resumed (--resume auto). The single process runs beside the first launch."""
+    """``one``: 1 process, 2 micro-batches a step; ``two``: 2 processes; ``s``: 2 processes, rank 0 alone sent SIGTERM
+    during step 3 (tests/dist_stop_worker.py: the ranks agree at the train-loss lines, every 4 steps), then resumed.
+    The single process runs beside the first launch."""
     tmp = tmp_path_factory.mktemp("dist")
     with open(tmp / "one.err", "w") as err:  # a file, not a pipe: it cannot block on a full pipe
         one = subprocess.Popen([sys.executable, WORKER, *dist_args(tmp, "one")], stdout=subprocess.DEVNULL,
                                stderr=err, env=ENV, cwd=tmp)
     run_torchrun([WORKER, *dist_args(tmp, "two")], ENV, cwd=tmp, run_ids=["two"])
     assert one.wait(timeout=600) == 0, (tmp / "one.err").read_text()[-3000:]
-    run_torchrun([WORKER, *dist_args(tmp, "r", "--max-steps", "3", "--save-final")], ENV, cwd=tmp, run_ids=["r"])
-    run_torchrun([WORKER, *dist_args(tmp, "r", "--resume", "auto")], ENV, cwd=tmp)
-    return tmp
+    stop = os.path.join(REPO, "tests", "dist_stop_worker.py")
+    proc = subprocess.run([*TORCHRUN, stop, str(tmp / "stop"), *dist_args(tmp, "s", "--log-every", "4",
+                                                                          "--save-every", "1000")],
+                          capture_output=True, text=True, env=ENV, cwd=tmp, timeout=600)
+    stopped = read_log(tmp / "logs", "s")
+    run_torchrun([WORKER, *dist_args(tmp, "s", "--save-every", "1000", "--resume", "auto")], ENV, cwd=tmp)
+    return tmp, proc, stopped
 
 
 def test_two_processes_match_one_process_with_accumulation(runs):
-    logs = runs / "logs"
+    logs = runs[0] / "logs"
     a, b = (json.loads((logs / f"{r}.json").read_text()) for r in ("one", "two"))
     assert (a["world_size"], b["world_size"]) == (1, 2) and a["raw_tokens"] == b["raw_tokens"]
     assert "; 2 micro-batch(es) x 1 sequence(s) x 1 process(es) a step" in read_log(logs, "one")
@@ -52,28 +57,25 @@ def test_two_processes_match_one_process_with_accumulation(runs):
     assert abs(a["final_val_loss"] - b["final_val_loss"]) <= 1e-5 * a["final_val_loss"]
 
 
-def test_a_two_process_run_stopped_and_resumed_repeats_itself_bit_for_bit(runs):
-    straight, resumed = read_log(runs / "logs", "two"), read_log(runs / "logs", "r")
-    assert "status:stopped_early reason:--max-steps 3" in resumed and "\nresume: from step 3 " in resumed
-    assert loss_lines(resumed) == loss_lines(straight) and len(loss_lines(straight)) == 8
-    assert loss_lines(resumed, "val_loss") == loss_lines(straight, "val_loss")
-    assert resumed.splitlines()[-1] == "status:complete"
-
-
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
-    """Rank 0 alone gets SIGTERM during step 3; the ranks agree (a MAX all-reduce) at the train-loss lines,
-    every --log-every 4 steps: both stop after step 4, checkpoint it and exit 130."""
-    worker = os.path.join(REPO, "tests", "dist_stop_worker.py")
-    proc = subprocess.run([*TORCHRUN, worker, str(tmp_path / "stop"),
-                           *dist_args(tmp_path, "s", "--log-every", "4", "--save-every", "1000")],
-                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600)
-    ranks = [json.loads((tmp_path / f"stop.{r}.json").read_text()) for r in (0, 1)]
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(runs):
+    """Rank 0 alone gets SIGTERM during step 3; the ranks agree (a MAX all-reduce) at the train-loss lines, every
+    --log-every 4 steps: both stop after step 4, checkpoint it and exit 130."""
+    tmp, proc, stopped = runs
+    ranks = [json.loads((tmp / f"stop.{r}.json").read_text()) for r in (0, 1)]
     assert [r["code"] for r in ranks] == [130, 130], proc.stderr[-3000:]
     assert [r["checks"] for r in ranks] == [[4], [4]]  # one agreement, at the first train-loss line after it
-    last = read_log(tmp_path / "logs", "s").splitlines()[-1]
-    assert last == "status:interrupted reason:SIGTERM after step 4; resume with --resume auto --run-id s", last
-    assert os.listdir(tmp_path / "ckpt" / "s") == ["step_000004.pt"]
-    assert json.loads((tmp_path / "logs" / "s.json").read_text())["status"] == "interrupted"
+    assert stopped.splitlines()[-1] == "status:interrupted reason:SIGTERM after step 4; resume with --resume auto " \
+                                       "--run-id s", stopped[-1000:]
+    assert sorted(loss_lines(stopped)) == [4] and os.listdir(tmp / "ckpt" / "s") == ["step_000004.pt"]
+
+
+def test_a_two_process_run_stopped_and_resumed_repeats_the_unbroken_run_bit_for_bit(runs):
+    tmp = runs[0]
+    straight, resumed = read_log(tmp / "logs", "two"), read_log(tmp / "logs", "s")
+    assert "\nresume: from step 4 " in resumed and resumed.splitlines()[-1] == "status:complete"
+    assert loss_lines(resumed) == {s: v for s, v in loss_lines(straight).items() if s in (4, 5, 6, 7, 8)}
+    assert loss_lines(resumed, "val_loss") == loss_lines(straight, "val_loss")  # steps 0 and 8
+    assert json.loads((tmp / "logs" / "s.json").read_text())["status"] == "complete"
 
 
 def test_one_failing_rank_stops_every_rank_quickly_and_marks_the_log(tmp_path):

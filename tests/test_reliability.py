@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -260,24 +261,38 @@ def test_a_missing_compiler_toolchain_is_one_line_naming_no_compile(tmp_path, ca
     assert "\nstep:" not in text  # it failed in the warm-up, before the first step
 
 
-@pytest.mark.parametrize("error", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.44 GiB. GPU 0 has a total capacity of 139 GiB"),
-    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
-                 "to allocate 123456789012 bytes. Error code 12 (Cannot allocate memory)"),
-    MemoryError()], ids=["cuda", "cpu", "python"])
-def test_out_of_memory_is_one_line_naming_the_flag_that_lowers_it(tmp_path, capsys, monkeypatch, error):
+OOM = "out of memory; lower --micro-batch-seqs (or --val-batch-seqs, --seq-len)"
+
+
+def test_out_of_memory_is_one_line_naming_the_flag_that_lowers_it(tmp_path, capsys, monkeypatch):
     real, calls = T.accumulate_gradients, []
 
     def accumulate(*args):
         calls.append(1)
         if len(calls) == 2:
-            raise error
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 23.44 GiB. GPU 0 has a total "
+                                         "capacity of 139.81 GiB of which 1.06 GiB is free.")
         return real(*args)
     monkeypatch.setattr(T, "accumulate_gradients", accumulate)
     line = one_line(capsys, 2, tiny_args(tmp_path, "--val-every", "0"))
-    assert line == "train_gpt.py: error: out of memory; lower --micro-batch-seqs (or --val-batch-seqs, --seq-len)"
+    assert line == f"train_gpt.py: error: {OOM}"
     text = marked(tmp_path, line)
     assert "step:1/8 train_loss" in text and "step:2/8" not in text
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 123456789012 bytes. Error code 12 (Cannot allocate memory)"),
+    MemoryError()], ids=["cpu", "python"])
+def test_a_cpus_out_of_memory_is_the_same_line(capsys, error):
+    try:
+        try:
+            raise error
+        except Exception as e:  # as torch.compile's wrapper raises what its backend raised
+            raise RuntimeError("backend='inductor' raised") from e
+    except RuntimeError as wrapped:
+        assert H.failure(wrapped, SimpleNamespace(signal=None), None)[1:] == (OOM, 2)  # no log: none to mark
+    assert capsys.readouterr().err == f"train_gpt.py: error: {OOM}\n"
 
 
 def test_a_non_finite_loss_names_its_first_step_and_the_lr_flags(tmp_path, capsys, monkeypatch):

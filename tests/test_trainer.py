@@ -235,17 +235,17 @@ def test_a_cpu_run_repeats_exactly_with_the_same_seed(smoke_run, tmp_path):
 
 
 def test_reading_past_the_end_of_the_train_shards_is_logged_once(tmp_path, shard_dir):
-    # 1,000 one-token documents (every token an <|endoftext|>): a sequence of L positions reads exactly its L + 1
-    # tokens, skipping none: 65, 65, 129 x 3, 193 x 3 a step, 903 after step 7, past 1,000 during step 8
+    # 300 one-token documents (every token an <|endoftext|>): a sequence of L positions reads exactly its L + 1
+    # tokens, skipping none: 65, 65, 129, 129 a step, 259 after step 3, past 300 during step 4, 388 after it
     eot = tmp_path / "eot"
     eot.mkdir()
-    write_shard(eot / "e_train_000001.bin", np.full(1000, T.EOT_TOKEN))
+    write_shard(eot / "e_train_000001.bin", np.full(300, T.EOT_TOKEN))
     flags = ["--train-files", str(eot / "e_train_*.bin"), "--val-files", str(shard_dir / "t_val_*.bin")]
-    assert T.main(tiny_args(tmp_path, *flags, "--run-id", "w", "--val-every", "0")) == 0
+    assert T.main(tiny_args(tmp_path, *flags, "--run-id", "w", "--max-steps", "4")) == 0
     text = read_log(tmp_path / "logs", "w").split(H.SEPARATOR)[1]
     assert [ln for ln in text.splitlines() if ln.startswith("data: ")] == [
-        "data: the train stream wrapped around during step 8; tokens are read again"]
-    assert json.loads((tmp_path / "logs" / "w.json").read_text())["raw_tokens"] == 2 * 65 + 3 * 129 + 3 * 193
+        "data: the train stream wrapped around during step 4; tokens are read again"]
+    assert json.loads((tmp_path / "logs" / "w.json").read_text())["raw_tokens"] == 2 * 65 + 2 * 129
 
 
 # ---------------------------------------------------------------------------------------------
