@@ -56,7 +56,7 @@ def read_shard_header(path):
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+            header = np.frombuffer(f.read(HEADER_BYTES)[:size // 4 * 4], dtype="<i4")  # a short file: whole ints
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
     if header.size < HEADER_BYTES // 4:
@@ -450,7 +450,8 @@ class RunLog:
                 json.dump(self.summary, f, indent=1)
             os.replace(tmp, self.json_path)
         except (OSError, ConfigError) as e:
-            print(f"train_gpt.py: could not finish the log {self.path} ({e})", file=sys.stderr)
+            if str(e) != reason:  # a write to this log that failed is the run's reason already: said once
+                print(f"train_gpt.py: could not finish the log {self.path} ({e})", file=sys.stderr)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -667,7 +668,7 @@ def failure(err, stop, log):
             not isinstance(err, FloatingPointError))
     elif names & {"StopRequested", "KeyboardInterrupt"} or stop.signal:
         status, reason, code = "interrupted", f"interrupted by {stop.signal or 'KeyboardInterrupt'}", 130
-    elif names & {"OutOfMemoryError", "MemoryError"} or "out of memory" in text.lower():
+    elif names & {"OutOfMemoryError", "MemoryError"} or re.search("out of memory|can't allocate memory", text.lower()):
         status, code = "incomplete", 2
         reason = "out of memory; lower --micro-batch-seqs (or --val-batch-seqs, --seq-len)"
     elif names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed"}:
@@ -676,7 +677,7 @@ def failure(err, stop, log):
     else:
         finish(log, "incomplete", f"{type(err).__name__}: {err}")
         raise err
-    print(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}", file=sys.stderr)
+    sys.stderr.write(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}\n")  # one write: ranks' lines stay whole
     return status, reason, code
 
 
@@ -687,6 +688,6 @@ def finish(log, status, reason=None):
         log.close(status, reason)
         print(f"log: {log.path} ({status})", file=sys.stderr)
     if dist.is_available() and dist.is_initialized():
-        if status in ("complete", "stopped_early"):
-            dist.barrier()
+        if status in ("complete", "stopped_early") or " after step " in str(reason):  # every rank ended here
+            dist.barrier()  # rank 0's log closed first: torchrun kills the other ranks when one exits non-zero
         dist.destroy_process_group()

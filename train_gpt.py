@@ -151,9 +151,9 @@ def grad_accum_steps(cfg, world):
     if seqs % (cfg.micro_batch_seqs * world) == 0:
         return seqs // (cfg.micro_batch_seqs * world)
     fits = [w for w in range(1, seqs + 1) if seqs % (w * cfg.micro_batch_seqs) == 0]
-    raise ConfigError(f"{world} process(es) x --micro-batch-seqs {cfg.micro_batch_seqs} do not divide a step's "
-                      f"{seqs} sequence(s) (--batch-tokens / (3 x --seq-len)); run {' or '.join(map(str, fits[-3:]))} "
-                      f"process(es), or change --micro-batch-seqs")
+    raise ConfigError(f"{world} process(es) x --micro-batch-seqs {cfg.micro_batch_seqs} do not divide a step's {seqs} "
+                      f"sequence(s) (--batch-tokens / (3 x --seq-len)); " + (f"run {' or '.join(map(str, fits[-3:]))} "
+                      f"process(es), or " if fits else "") + "change --micro-batch-seqs")
 
 
 # ----------------------------------------------------------------------------------------------

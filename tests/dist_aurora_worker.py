@@ -57,7 +57,7 @@ def main(out):
                         state=[opt.state[p] for p in params], old_weights=[p.detach() for p in old],
                         old_state=[old_opt.state[p] for p in old]), out)
     if world > 1:
-        harness.leave_process_group()  # tear down together, as the trainer does
+        harness.finish(None, "complete")  # leave the group together, as the trainer does
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import conftest  # noqa: E402,F401  (registers the tiny model)
 import train_gpt  # noqa: E402
 
 if os.environ.get("RANK") == "1":

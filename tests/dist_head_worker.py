@@ -1,10 +1,10 @@
-"""HEAD's validation chunks and gradient scale on 1 or 2 processes (gloo), float64 on CPU.
+"""modded-nanogpt's validation chunks and gradient scale on 1 or 2 processes (gloo), float64 on CPU.
 
-``python dist_head_worker.py OUT`` (one process) or under ``torchrun --nproc_per_node=2``: rank 0
-saves the val loss of ``evaluate`` (chunks on rank i mod world, several head pieces per chunk, padding
-chunks) and the gradients of one ``accumulate_gradients`` step with HEAD's scale (``seqs``) over 4
-sequences of 16 positions with the multi-token and prefix columns: 4 micro-steps on one process, 2 on
-each of two. tests/test_head_protocol.py compares them with float64 references written plainly.
+``python dist_head_worker.py OUT`` (one process) or under ``torchrun --nproc_per_node=2``: rank 0 saves the val loss
+of ``evaluate`` (chunks on rank i mod world, several head pieces per chunk, padding chunks) and the gradients of one
+``accumulate_gradients`` step with modded-nanogpt's scale (the step's sequence count) over 4 sequences of 16
+positions with the multi-token and prefix columns: 4 micro-steps on one process, 2 on each of two.
+tests/test_head_protocol.py compares them with float64 references written plainly.
 """
 import os
 import sys
@@ -13,14 +13,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import conftest  # noqa: E402,F401  (this script's folder, tests/, is on the path; registers the tiny model)
 import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
-from conftest import SMALL_FLAGS  # noqa: E402  (this folder is the script's: on the path)
 
-VAL_ARGS = [*SMALL_FLAGS, "--n-layer", "2", "--model-dim", "32", "--n-head", "2", "--seq-len", "64",
-            "--val-seq-len", "40", "--val-batch-seqs", "3", "--val-tokens", "290"]
-GRAD_ARGS = ["--preset", "cpu_smoke", "--model-dim", "32", "--n-head", "2", "--bigram-vocab", "64",
-             "--seq-len", "16", "--batch-tokens", "192"]
+TINY = ["--model", "tiny", "--no-fp8", "--seq-len", "16"]
+VAL_ARGS = [*TINY, "--val-seq-len", "40", "--val-batch-seqs", "3", "--val-tokens", "290"]
+GRAD_ARGS = [*TINY, "--val-tokens", "64"]
 
 
 class Tokens:
@@ -40,12 +39,15 @@ def tokens(seed, n, p_eot=0.05):
 
 
 def model_of(args):
-    cfg, _ = T.parse_config(args)
+    """The tiny model in float64, every weight moved off its init, at the final validation's windows."""
+    cfg = harness.parse_flags(T.Config, T.PRESETS, args)[0]
     torch.manual_seed(0)
     model = T.GPT(cfg).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    row = T.Schedule(cfg)[cfg.num_iterations]
+    model.set_window(row.window, row.yarn)
     return cfg, model
 
 
@@ -62,7 +64,7 @@ def main(out):
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("gloo")
-    rt = T.Runtime(rank=rank, world=world, device=torch.device("cpu"), compile=False, accum=4 // world)
+    rt = harness.Runtime(rank=rank, world=world, device=torch.device("cpu"), compile=False, accum=4 // world)
     T.VAL_PIECE = 16  # several head pieces per 40-token chunk
     cfg, model = model_of(VAL_ARGS)
     val = T.ValData(Tokens(tokens(3, 400)), cfg.val_tokens)
@@ -74,8 +76,7 @@ def main(out):
     if rank == 0:
         torch.save(dict(val_loss=val_loss, loss=loss,
                         grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}), out)
-    if world > 1:
-        harness.leave_process_group()  # tear down together, as the trainer does
+    harness.finish(None, "complete")  # leave the group together, as the trainer does
 
 
 if __name__ == "__main__":

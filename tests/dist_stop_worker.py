@@ -1,8 +1,7 @@
-"""train_gpt.main under torchrun with --save-on-interrupt; rank 0 alone gets SIGTERM during step 12.
+"""train_gpt.main under torchrun; rank 0 alone gets SIGTERM during step 3 (as a scheduler may signal one process).
 
-Usage: dist_stop_worker.py OUT TRAINER-FLAGS... Each rank writes ``OUT.<rank>.json``: its exit
-status and, for every MAX all-reduce it ran (the ranks' agreement on a signal), the number of
-steps done at that moment.
+Usage: dist_stop_worker.py OUT TRAINER-FLAGS... Each rank writes ``OUT.<rank>.json``: its exit status and, for every
+MAX all-reduce it ran (the ranks' agreement on a signal), the number of steps begun at that moment.
 """
 import json
 import os
@@ -12,12 +11,13 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import conftest  # noqa: E402,F401  (registers the tiny model)
 import train_gpt  # noqa: E402
 
 out, argv = sys.argv[1], sys.argv[2:]
 rank = int(os.environ["RANK"])
 steps, checks = [0], []
-real_all_reduce, real_count_step = dist.all_reduce, train_gpt.count_step
+real_all_reduce, real_apply_schedule = dist.all_reduce, train_gpt.apply_schedule
 
 
 def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
@@ -26,14 +26,14 @@ def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
     return real_all_reduce(tensor, op, *args, **kwargs)
 
 
-def count_step(progress, row, raw_tokens):
+def apply_schedule(opts, row):  # once per step, before its forward
     steps[0] += 1
-    if rank == 0 and steps[0] == 12:
-        os.kill(os.getpid(), signal.SIGTERM)  # only this rank: the others learn it at the next check
-    return real_count_step(progress, row, raw_tokens)
+    if rank == 0 and steps[0] == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # only this rank: the other learns it where they next agree
+    return real_apply_schedule(opts, row)
 
 
-dist.all_reduce, train_gpt.count_step = counting_all_reduce, count_step
+dist.all_reduce, train_gpt.apply_schedule = counting_all_reduce, apply_schedule
 code = train_gpt.main(argv)
 with open(f"{out}.{rank}.json", "w", encoding="utf-8") as f:
     json.dump(dict(code=code, checks=checks), f)

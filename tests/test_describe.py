@@ -1,87 +1,97 @@
-"""--describe's projections: at the utilization modded-nanogpt's records reached, and at the one
-bench/gpu_check.py measured when a report exists."""
-import dataclasses
-import json
-import os
+"""--describe: the plan of a run without data or a GPU (parameters split, stage rows, totals, memory, projected time),
+its figures for baseline_h200 written out by hand, TST and Aurora where they change them, and the memory estimate
+against a CPU run's peak."""
+import math
+import re
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
 
 import harness as H
 import train_gpt as T
+from conftest import REPO, subprocess_env
+
+
+def describe(capsys, *argv, machines=None):
+    """``{first word: line}`` of ``train_gpt.py argv --describe [machines]``'s output (steps: the stage rows,
+    projected: the projected times)."""
+    assert T.main([*argv, "--describe", *([machines] if machines else [])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    out = {ln.split(":")[0]: ln for ln in lines if not ln.startswith(("steps ", "projected_train_time"))}
+    return dict(out, steps=[ln for ln in lines if ln.startswith("steps ")],
+                projected=[ln for ln in lines if ln.startswith("projected_train_time")])
+
+
+def polar(m, n):
+    """FLOPs of 5 Polar Express iterations on an m x n block: 4 a^2 b + 2 a^3 each, a = min(m, n), b = max."""
+    a, b = min(m, n), max(m, n)
+    return 5 * (4 * a * a * b + 2 * a ** 3)
+
+
+def test_baseline_h200s_plan_by_hand(capsys):
+    d, V, layers, attn = 768, 50304, 11, 10  # record #89: 11 layers of 768, layer 6 without attention
+    out = describe(capsys, "--preset", "baseline_h200")
+    tables = (1 + 5 + 1) * V * d + 377_280 * d  # embedding, 5 value embeddings, the head; the bigram hash table
+    matrices = attn * 4 * d * d + layers * 2 * 4 * d * d  # q, k, v, o; the MLP's two
+    assert (tables, matrices) == (560_185_344, 75_497_472)
+    assert out["parameters"] == ("parameters: 635,886,937 = embedding tables and head 560,185,344 + block matrices "
+                                 "75,497,472 (NorMuon) + gates and scalars 204,121 (CautiousAdam)")
+    assert out["totals"] == ("totals: 1,285 steps, 338,821,120 positions, 338,821,120 tokens of text, 2.5124e+17 model "
+                             "FLOPs + 1.592e+15 in the optimizer's orthogonalizations")
+    opt = attn * 2 * 3 * polar(256, d) + attn * 2 * polar(d, d) + layers * 2 * polar(4 * d, d)  # Q, K in head pairs
+    assert T.optimizer_flops(T.Config()) == opt and f"{1285 * opt:.3e}" == "1.592e+15"
+    assert [ln.split(":")[0] for ln in out["steps"]] == [f"steps [{a}, {b}) next-token" for a, b in
+                                                         ((0, 423), (423, 847), (847, 1270), (1270, 1285))]
+    assert out["steps"][2].startswith("steps [847, 1270) next-token: 8 x 49,152 positions, 393,216 tokens of text, "
+                                      "windows (1408, 640), cap 2048, lr x1.73, ")
+    # the peak: float32 weights, gradients and 3 optimizer copies, then stage 3's micro-batch of 49,152 positions: 3
+    # float32 vocabulary rows and 25 bf16 rows of d per layer a position (docs/MEMORY.md), float64 by hand
+    state, train = 5 * 4 * 635_886_937 / 2**30, 49_152 * (3 * V * 4 + 25 * layers * d * 2) / 2**30
+    assert round(state + train, 1) == 58.8
+    assert out["memory_estimate"] == (f"memory_estimate: per GPU, weights, gradients and optimizer state {state:.1f} "
+                                      f"GiB + a train micro-batch of 49,152 positions {train:.1f} GiB (the validation "
+                                      f"forward: 16.3): peak about 58.8 GiB; lower it with --micro-batch-seqs or "
+                                      f"--seq-len")
+    assert out["validation"].startswith("validation: 10,485,760 tokens in 40 document-masked chunks of 262,144, ")
+    assert [ln.split(":")[1] for ln in out["projected"]] == [" 1 x H200", " 8 x B200"]
+
+
+def test_tst_and_aurora_change_the_text_read_and_the_optimizers_flops_not_the_positions(capsys):
+    base, ours = describe(capsys, "--preset", "baseline_h200"), describe(capsys, "--preset", "record_h200")
+    assert ours["describe"] == "describe: preset record_h200: model record, aurora_normuon, TST full s=4 for 386 steps"
+    assert ours["steps"][0].startswith("steps [0, 386) TST phase 1, full s=4: 8 x 16,384 positions, 524,288 tokens "
+                                       "of text, ")  # s x the text of a latent position, at its FLOPs
+    assert ours["steps"][0].split(", ")[-1] == base["steps"][0].split(", ")[-1]
+    text = 386 * 4 * 131_072 + 37 * 131_072 + 424 * 262_144 + 438 * 393_216
+    d = 768  # Aurora: K = 2 polar iterations on the 11 layers' 2 MLP matrices
+    opt = T.optimizer_flops(T.Config()) + 11 * 2 * polar(4 * d, d)
+    assert T.optimizer_flops(T.Config(**T.OUR_METHODS)) == opt
+    assert ours["totals"] == (f"totals: 1,285 steps, 338,821,120 positions, {text:,} tokens of text, 2.5124e+17 model "
+                              f"FLOPs + {1285 * opt:.3e} in the optimizer's orthogonalizations")
+    assert text == 490_602_496 and ours["parameters"] == base["parameters"]
 
 
 def test_record_89s_utilization_is_its_time_over_its_flops():
-    # RECORD_MFU is record #21's (its recipe left the code; the figure stays, see its comment); the comment's
-    # check on record #89: baseline_h200's FLOPs over 1.23 min (its record table's) on 8 x H100 (989 TFLOP/s) is 43.0% of peak
-    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
-    flops = H.plan_summary(cfg, *T.plan(cfg))["flops_total"]
-    assert f"{flops:.3e}" == "2.512e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
-
-
-def report(mode="cuda", nominal=979.0):
-    # record_h200: stage A, 3 kept steps of 1e14 FLOPs in 400 ms; stage B, 5 of 3e14 in 1,000 ms
-    stage = lambda flops, steps, ms: dict(flops_per_step=flops, steps_used=steps, ms_per_step=ms)  # noqa: E731
-    return dict(mode=mode, env=dict(gpu="NVIDIA H200", nominal_bf16_tflops=nominal),
-                timing=dict(record_h200=dict(stages={"A": stage(1e14, 3, 400.0), "B": stage(3e14, 5, 1000.0)}),
-                            baseline_h200=None))  # a preset whose timing run did not run
-
-
-def test_measured_utilization_is_the_timed_flops_over_the_timed_seconds_over_the_peak():
-    mfu, gpu, presets = H.measured_mfu(report())
-    assert mfu == pytest.approx((3e14 + 15e14) / (1.2 + 5.0) / 979e12, rel=1e-12)
-    assert (gpu, presets) == ("NVIDIA H200", "record_h200")
-    assert H.measured_mfu(report(mode="dry-run (cpu)")) is None  # CPU step times say nothing of a GPU
-    assert H.measured_mfu(report(nominal=None)) is None
-    assert H.measured_mfu(dict(report(), timing=dict(record_h200=dict(stages={"A": None})))) is None  # not timed
-
-
-def test_describe_projects_at_the_records_and_the_measured_utilization(tmp_path, monkeypatch):
-    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
-    total = 2.6e17  # a plan of that many FLOPs (the projections read only flops_total)
-    trainer = dataclasses.replace(T.TRAINER, plan=lambda c: (1, None))  # (n_params, stage table): not read here
-    monkeypatch.setattr(H, "plan_summary", lambda c, n_params, table: dict(
-        lines=[], flops_total=total, tokens_total=1, positions_total=1, steps=1))
-    monkeypatch.setattr(H, "GPU_CHECK_REPORTS", (str(tmp_path / "gpu_check*" / "gpu_check.json"),))
-    lines = H.describe(cfg, "baseline_h200", trainer)
-    projected = [l for l in lines if l.startswith("projected_train_time")]
-    assert len(projected) == 2 * len(H.PEAK_BF16_TFLOPS)  # no report: no measured line
-    minutes = total / (H.RECORD_MFU * 989e12) / 60
-    assert (f"projected_train_time: 1 x H200 (989 TFLOP/s bf16 dense each): {minutes:.1f} min at 39.6% of peak "
-            f"(modded-nanogpt record #21's utilization)") in lines
-    old, new = tmp_path / "gpu_check_a" / "gpu_check.json", tmp_path / "gpu_check_b" / "gpu_check.json"
-    for path, r in ((old, report()), (new, report(mode="dry-run (cpu)"))):
-        path.parent.mkdir()
-        path.write_text(json.dumps(r))
-    os.utime(old, (1, 1))  # the newer one is a dry run: skipped
-    mfu = H.measured_mfu(report())[0]
-    want = (f"projected_train_time_measured: 1 x NVIDIA H200: {total / (mfu * 979e12) / 60:.1f} min at "
-            f"{100 * mfu:.1f}% of peak (measured by gpu_check on record_h200: {old})")
-    assert H.describe(cfg, "baseline_h200", trainer)[-1] == want
-    assert H.describe(cfg, "baseline_h200", trainer, str(old))[-1] == want  # --gpu-check PATH
-    for bad in (new, tmp_path / "missing.json"):
-        with pytest.raises(H.ConfigError, match=f"--gpu-check {bad}: "):
-            H.describe(cfg, "baseline_h200", trainer, str(bad))
-
-
-def test_describe_flag_reads_the_report_named_by_gpu_check(tmp_path, capsys):
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(report()))
-    assert T.main(["--preset", "baseline_h200", "--describe", "--gpu-check", str(path)]) == 0
-    assert f"on record_h200: {path})" in capsys.readouterr().out
+    # record #89's table time (1.23 min on 8 x H100, 989 TFLOP/s each) over baseline_h200's FLOPs is 43.0% of peak;
+    # the projection uses record #21's 39.6% (RECORD_MFU)
+    table = T.Schedule(T.Config())
+    flops = sum(r.flops_per_position * r.stage.batch_tokens for r in table.rows[:1285])
+    assert f"{flops:.4e}" == "2.5124e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
+    assert T.RECORD_MFU == 0.396 and T.PEAK_TFLOPS["H200"] == 989.0
 
 
 @pytest.mark.parametrize("argv, chunk", [(["--preset", "record_h200", "--val-tokens", "1000"], 1000),
                                          (["--preset", "cpu_smoke", "--val-seq-len", "99999999"], 16384),
                                          (["--preset", "record_h200"], 262_144)])
-def test_the_val_chunk_is_never_longer_than_the_val_tokens(argv, chunk, capsys):
-    import types
-    assert T.main(argv + ["--describe"]) == 0
-    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("validation: ")]
-    cfg = T.parse_config(argv)[0]
+def test_the_val_chunk_is_never_longer_than_the_val_tokens(capsys, argv, chunk):
+    line = describe(capsys, *argv)["validation"]
+    cfg = H.parse_flags(T.Config, T.PRESETS, argv)[0]
     n = -(-cfg.val_tokens // chunk)
-    assert T.val_chunk(cfg) == chunk and f"in {n:,} document-masked chunks of {chunk:,} tokens" in line, line
-    if cfg.val_tokens <= 16384:  # the batches themselves: one chunk of val_tokens, every label scored once
+    assert T.val_chunk(cfg) == chunk and f"in {n:,} document-masked chunks of {chunk:,}, " in line, line
+    if cfg.val_tokens <= 16384:  # the batches themselves: every label scored once
         val = object.__new__(T.ValData)
         val.n_tokens, val.tokens = cfg.val_tokens, torch.randint(0, 50257, (cfg.val_tokens + 1,))
         batches = list(val.chunks(T.val_chunk(cfg), 1, types.SimpleNamespace(rank=0, world=1)))
@@ -89,26 +99,53 @@ def test_the_val_chunk_is_never_longer_than_the_val_tokens(argv, chunk, capsys):
         assert sum(int((t != T.IGNORE_INDEX).sum()) for _, t in batches) == cfg.val_tokens
 
 
-def test_describe_counts_the_text_trained_on_and_the_log_the_text_read(tmp_path):
-    """--describe's tokens_total is the text the steps train on; a packed loader reads past it (the rest of each
-    sequence's last document, text past a cap) and the log's tokens count what was read: never less."""
-    from conftest import tiny_args
-    argv = tiny_args(tmp_path, "--no-compile", "--max-steps", "3", "--val-every", "0", "--run-id", "t")
-    cfg, _ = T.parse_config(argv)
-    plan = H.plan_summary(cfg, *T.plan(cfg))
-    assert any(ln.startswith("tokens: a packed step also reads, and skips") for ln in plan["lines"])
-    per_step = [int(m.replace(",", "")) for ln in plan["lines"] if "tokens of text trained on per step" in ln
-                for m in [ln.split(") and ", 1)[1].split(" tokens of text trained on per step")[0]]]
-    assert T.main(argv) == 0
-    summary = json.loads((tmp_path / "logs" / "t.json").read_text())
-    assert summary["raw_tokens"] >= 3 * per_step[0] > 0, (summary["raw_tokens"], per_step)
+def test_describe_names_the_one_machine_asked_for(capsys):
+    [line] = describe(capsys, machines="4xH100")["projected"]
+    table = T.Schedule(T.Config())
+    flops = sum(r.flops_per_position * r.stage.batch_tokens for r in table.rows[:1285])
+    seconds = (flops + 1285 * T.optimizer_flops(T.Config())) / (4 * 0.396 * 989e12)
+    assert line == (f"projected_train_time: 4 x H100: {seconds / 60:.1f} min at 39.6% of its 989 TFLOP/s bf16 peak "
+                    f"(record #21's utilization), compile not included")
 
 
-@pytest.mark.parametrize("preset, labels", [
-    ("baseline_h200", ["next-token (no TST)"] * 4),  # no TST phase: the rows are not numbered as one
-    ("record_h200", ["phase 1 (TST full s=4)"] + ["phase 2 (next-token)"] * 4),
-    ("cpu_smoke", ["phase 1 (TST full s=4)"] + ["phase 2 (next-token)"] * 4)])
-def test_describe_labels_a_baselines_stages_next_token_and_numbers_tst_phases(preset, labels):
-    cfg, _ = T.parse_config(["--preset", preset])
-    rows = [ln for ln in H.plan_summary(cfg, *T.plan(cfg))["lines"] if "tokens of text trained on per step" in ln]
-    assert [ln.split(": steps [")[0] for ln in rows] == labels, rows
+# ---------------------------------------------------------------------------------------------
+# the memory estimate against a CPU run's peak
+
+PEAK_PROBE = """
+import sys, torch
+import harness as H, train_gpt as T
+torch.set_num_threads(1)
+cfg = H.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])[0]
+torch.manual_seed(0)
+def hwm():  # this process's peak resident KiB (ru_maxrss would start at the forking parent's peak)
+    return int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:")))
+before = hwm()
+model = T.GPT(cfg)
+opts = T.build_optimizers(model, cfg)
+n = 3 * cfg.seq_len  # stage 3's micro-batch: one sequence of 3 x --seq-len
+ids = torch.randint(0, 50257, (1, n + 1))
+for _ in range(2):  # the second step: every optimizer state exists (Adam's from its first update)
+    model(ids[:, :-1].reshape(1, n, 1), ids[:, 1:].reshape(1, n, 1)).backward()
+    for opt in opts:
+        opt.step()
+print(sum(p.numel() for p in model.parameters()), (hwm() - before) * 1024)
+"""
+
+
+def test_the_memory_estimate_is_within_15_percent_of_a_cpu_runs_peak(capsys):
+    """Measured on an Intel Xeon (1 thread): cpu_smoke (28.7M parameters, stage 3's 2,304 positions) peaks 1,928 MiB
+    above the process's start, estimated 1,878 MiB (the issue 45 core: the same formula)."""
+    with open("/proc/meminfo") as f:  # resident memory reads low when the machine is short of it (pages reclaimed)
+        roomy = int(next(ln.split()[1] for ln in f if ln.startswith("MemAvailable:"))) > 8 * 2**20
+    proc = subprocess.run([sys.executable, "-c", PEAK_PROBE], env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n_params, peak = map(int, proc.stdout.split()[-2:])
+    spec = T.MODELS["smoke"]
+    d, V, n = spec.model_dim, spec.vocab_size, spec.n_layer
+    est = 5 * 4 * n_params + 2304 * (3 * V * 4 + 25 * n * d * 2)  # bytes, as --describe counts them
+    line = describe(capsys, "--preset", "cpu_smoke")["memory_estimate"]
+    assert f"peak about {est / 2**30:.1f} GiB" in line, line
+    assert 0.85 < est / peak and (est / peak < 1.15 or not roomy), (est, peak)
+    assert math.isclose(n_params, 28_675_853)
+    assert re.search(r"a train micro-batch of 2,304 positions", line)

@@ -1,9 +1,9 @@
-"""modded-nanogpt HEAD's validation chunks, gradient scale and train layout (issue 36), against float64 references.
+"""modded-nanogpt's validation chunks, gradient scale and train layout (issue 36), against float64 references.
 
-The val loss: chunk i of --val-seq-len tokens on process i mod world, document-masked, the head scored in
-pieces; equal on 1 and 2 processes and to a loop that scores each document of each chunk alone. The
-gradient: the sum over the step's labels (multi-token and prefix columns weighted, unnormalized) over its
-sequence count, equal with 4 micro-steps on one process and 2 on each of two processes.
+The val loss: chunk i of --val-seq-len tokens on process i mod world, document-masked, the head scored in pieces;
+equal on 1 and 2 processes and to a loop that scores each chunk alone. The gradient: the sum over the step's labels
+(multi-token and prefix columns weighted, unnormalized) over its sequence count, equal with 4 micro-steps on one
+process and 2 on each of two processes.
 """
 import os
 import subprocess
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, run_torchrun, subprocess_env
+import harness as H
 import train_gpt as T
+from conftest import REPO, run_torchrun, subprocess_env
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import dist_head_worker as W  # noqa: E402
@@ -35,23 +36,19 @@ def runs(tmp_path_factory):
 
 
 def reference_val_loss():
-    """Each chunk's documents scored one at a time (plain logits, float64 cross-entropy), over the val tokens."""
+    """Each chunk scored alone (the capped logits, float64 cross-entropy over its labels), over the val tokens."""
     cfg, model = W.model_of(W.VAL_ARGS)
     toks, n, C = W.tokens(3, 400), cfg.val_tokens, cfg.val_seq_len
     total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
+    with T.eval_mode(model):
         for lo in range(0, n, C):
             hi = min(lo + C, n)
-            inputs, targets = toks[lo:hi], toks[lo + 1:hi + 1]
-            starts = sorted({0, *(i for i in range(hi - lo) if inputs[i] == T.EOT_TOKEN)}) + [hi - lo]
-            for a, b in zip(starts, starts[1:]):
-                if b > a:
-                    logits = model(inputs[a:b].view(1, -1, 1)).double()[0]
-                    total += F.cross_entropy(logits, targets[a:b], reduction="sum")
+            logits = model(toks[lo:hi].view(1, -1, 1)).double()[0]
+            total += F.cross_entropy(logits, toks[lo + 1:hi + 1], reduction="sum")
     return (total / n).item()
 
 
-def test_val_loss_is_the_same_chunks_on_one_and_two_processes_and_matches_a_per_document_loop(runs):
+def test_val_loss_is_the_same_chunks_on_one_and_two_processes_and_matches_a_per_chunk_loop(runs):
     ref = reference_val_loss()
     one, two = runs["one"]["val_loss"], runs["two"]["val_loss"]
     assert abs(one - two) <= 1e-12 * ref
@@ -61,19 +58,19 @@ def test_val_loss_is_the_same_chunks_on_one_and_two_processes_and_matches_a_per_
 def test_val_loss_differs_when_chunks_are_cut_elsewhere():
     """The reference can fail: chunks of 41 tokens give another val loss (contexts cut elsewhere)."""
     cfg, model = W.model_of(W.VAL_ARGS + ["--val-seq-len", "41"])
-    rt = T.Runtime(rank=0, world=1, device=torch.device("cpu"), compile=False)
+    rt = H.Runtime(rank=0, world=1, device=torch.device("cpu"), compile=False)
     loss = T.evaluate(model, T.ValData(W.Tokens(W.tokens(3, 400)), cfg.val_tokens), "full", 1, cfg, rt)
     assert abs(loss - reference_val_loss()) > 1e-6
 
 
 def reference_grads():
     """d/dW of (1/4) sum over the 4 sequences, positions and columns j of w_j CE(column j), float64; a multi-token
-    column past the sequence's end adds only HEAD's softmax term w_j p to the gradient (its loss: none)."""
+    column past the sequence's end adds only modded-nanogpt's softmax term w_j p to the gradient (its loss: none)."""
     cfg, model = W.model_of(W.GRAD_ARGS)
     inputs, targets, weights = W.grad_batch()
     total = torch.zeros((), dtype=torch.float64)
     for i in range(4):
-        logits = model(inputs[i:i + 1]).double()[0]   # [16, V]
+        logits = model(inputs[i:i + 1]).double()[0]   # [16, V], capped
         logp, lse = F.log_softmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
         for j in range(targets.size(-1)):
             for t in range(targets.size(1)):
@@ -86,37 +83,29 @@ def reference_grads():
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_gradient_is_heads_per_sequence_sum_on_one_process_with_accumulation_and_on_two(runs):
+def test_gradient_is_modded_nanogpts_per_sequence_sum_with_accumulation_and_on_two_processes(runs):
     ref = reference_grads()
     top = max(g.abs().max().item() for g in ref.values())  # float64 noise floor: 1e-12 of the largest gradient
     for name in ("one", "two"):
         grads = runs[name]["grads"]
-        assert set(grads) == set(ref)
+        assert set(grads) == set(ref) and "embed.weight" not in ref  # tied: the head's weight takes both
         for n, g in ref.items():
             assert (grads[n] - g).abs().max().item() <= 1e-9 * g.abs().max().item() + 1e-12 * top, (name, n)
     big = max(ref, key=lambda n: ref[n].abs().max())
-    assert runs["one"]["grads"][big].abs().max() > 0.5 * ref[big].abs().max()  # a mean over the 64 labels is 16x smaller
+    assert runs["one"]["grads"][big].abs().max() > 0.5 * ref[big].abs().max()  # a mean over 64 labels: 16x smaller
 
 
-def test_record_presets_use_heads_train_layout_and_gradient_scale():
-    """baseline_h200: 8 flat sequences a step of 16,384 -> 32,768 -> 49,152 positions; the gradient's
-    sequence count stays 8, so it doubles at stage 2 and grows 1.5x at stage 3 as HEAD's."""
-    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
-    stages = [st for st in T.Schedule(cfg).stages]
-    assert [st.length(cfg.seq_len) for st in stages] == [16384, 32768, 49152, 49152]
-    assert [T.grad_divisor(cfg, st) for st in stages] == [8, 8, 8, 8]
+def test_the_presets_use_modded_nanogpts_train_layout_and_gradient_scale():
+    """baseline_h200: 8 packed sequences a step of 16,384 -> 32,768 -> 49,152 positions; the gradient's divisor
+    stays the sequence count, 8, so it doubles at stage 2 and grows 1.5x at stage 3 as modded-nanogpt's; TST phase
+    1 divides by s labels more a position (full and output modes)."""
+    cfg = H.parse_flags(T.Config, T.PRESETS, ["--preset", "baseline_h200"])[0]
+    stages = T.stages(cfg)
+    assert [st.seq_len for st in stages] == [16384, 32768, 49152, 49152]
+    assert [T.grad_divisor(st) for st in stages] == [8, 8, 8, 8]
     assert T.longest_sequence(cfg) == 262_144 and T.val_chunk(cfg) == 262_144
-    smoke, _ = T.parse_config(["--preset", "cpu_smoke"])
-    assert {st.length(smoke.seq_len) for st in T.Schedule(smoke).stages} == {768}
-    assert T.val_chunk(smoke) == 768
-
-
-def test_describe_prints_the_validation_layout_and_each_stages_train_layout():
-    import harness
-    cfg, _ = T.parse_config(["--preset", "baseline_h200"])
-    lines = harness.plan_summary(cfg, *T.plan(cfg))["lines"]
-    assert any(ln.startswith("validation: 10,485,760 tokens in 40 document-masked chunks of 262,144 tokens")
-               and "5 per process on 8, 40 on 1" in ln for ln in lines)
-    stage_lines = [ln for ln in lines if ln.startswith("next-token (no TST): ")]  # the baseline: no TST phases
-    assert ["(8 sequence(s) of 16,384)" in stage_lines[0], "(8 sequence(s) of 32,768)" in stage_lines[1],
-            "(8 sequence(s) of 49,152)" in stage_lines[2]] == [True] * 3
+    for mode, divisor in (("full", 32), ("output", 32), ("input", 8)):
+        tst = H.parse_flags(T.Config, T.PRESETS, ["--preset", "record_h200", "--tst-mode", mode])[0]
+        assert [T.grad_divisor(st) for st in T.stages(tst)[:2]] == [divisor, 8]
+    smoke = H.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])[0]
+    assert [st.seq_len for st in T.stages(smoke)] == [768, 768, 1536, 2304, 2304] and T.val_chunk(smoke) == 768

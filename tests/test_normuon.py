@@ -119,7 +119,7 @@ def test_cautious_update_matches_reference_with_sign_disagreements():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(12, 9, generator=g, dtype=torch.float64)
     u = torch.randn(12, 9, generator=g, dtype=torch.float64)
-    u[0, :3] = 0.0  # zero update: decays (>= 0, as HEAD's NorMuon)
+    u[0, :3] = 0.0  # zero update: decays (>= 0, as modded-nanogpt's NorMuon)
     w[1, :3] = 0.0  # zero weight: nothing to decay
     agree, disagree = (u * w > 0), (u * w < 0)
     assert agree.sum() > 20 and disagree.sum() > 20  # both cases are exercised
@@ -346,18 +346,18 @@ def test_two_processes_match_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# record #89's groups
+# the groups of the record's parameter roles (record #89)
 
 
-def test_record89_matrix_groups_give_heads_lr_factors_and_blocks():
+def test_matrix_groups_give_modded_nanogpts_lr_factors_and_blocks():
     d, hidden, head_dim = 32, 128, 4
     mats = {n: torch.randn(*s, requires_grad=True) for n, s in
             [("q", (d, d)), ("k", (d, d)), ("v", (d, d)), ("o", (d, d)), ("fc", (hidden, d)), ("proj", (d, hidden))]}
     for aurora in (False, True):
-        groups = A.record89_matrix_groups([("q", mats["q"]), ("k", mats["k"])], [("v", mats["v"]), ("o", mats["o"])],
-                                          [("fc", mats["fc"])], [("proj", mats["proj"])], head_dim, aurora=aurora)
+        groups = A.matrix_groups([("q", mats["q"]), ("k", mats["k"])], [("v", mats["v"]), ("o", mats["o"])],
+                                 [("fc", mats["fc"])], [("proj", mats["proj"])], head_dim, aurora=aurora)
         opt = A.NorMuon(groups, pp_iterations=2)  # a stray default must not turn Aurora on for attention
-        total = {}  # total lr factor: lr_mul * sqrt(max(1, rows/cols)) of the block, as HEAD's table
+        total = {}  # total lr factor: lr_mul * sqrt(max(1, rows/cols)) of the block, as modded-nanogpt's table
         for g, by_shape in zip(opt.param_groups, opt._by_shape):
             for (rows, cols), index in by_shape.items():
                 for i in index:
@@ -368,14 +368,14 @@ def test_record89_matrix_groups_give_heads_lr_factors_and_blocks():
         assert [total[n][2] for n in ("q", "k", "v", "o", "fc", "proj")] == [0, 0, 0, 0, K, K]
 
 
-def test_record89_adam_groups():
+def test_adam_groups():
     e, s = torch.randn(10, 4, requires_grad=True), torch.randn(3, requires_grad=True)
-    groups = A.record89_adam_groups({"embed": [e], "scalars": [s], "smear_gate": []})
+    groups = A.adam_groups({"embed": [e], "scalars": [s], "smear_gate": []})
     assert [(g["role"], g["betas"], g["lr"], g["weight_decay"]) for g in groups] == [
         ("embed", (0.5, 0.95), 0.008, 0.005 * 150), ("scalars", (0.9, 0.99), 0.008 * 5, 0.0)]
     A.CautiousAdam(groups)  # accepted as they are
     with pytest.raises(ValueError, match="unknown Adam role 'gates'"):
-        A.record89_adam_groups({"gates": [s]})
+        A.adam_groups({"gates": [s]})
 
 
 def test_compiled_normuon_matches_eager():
