@@ -80,6 +80,7 @@ no group or several, ``--plot`` into a missing folder, an unknown image type or 
 no log at all could be read.
 """
 import argparse
+import ast
 import dataclasses
 import glob
 import hashlib
@@ -437,17 +438,29 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
 # ----------------------------------------------------------------------------------------------
 # Runs that measured different things are never pooled
 
-def operational_fields():
+TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py")
+
+
+def operational_fields(path=TRAINER):
     """``train_gpt.OPERATIONAL``: the config fields that change how a run executes, not what it computes.
 
-    Imported only when a log has a config line (train_gpt imports torch, ~2 s); raises
-    ImportError when the trainer beside ``records/`` cannot be imported.
+    Read from the trainer's source with ``ast`` (its literal set, never run: importing train_gpt would import
+    torch, seconds per call), only when a log has a config line. Raises ImportError naming the file when it
+    cannot be read or holds no literal ``OPERATIONAL = frozenset({...})``.
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import train_gpt
-    return frozenset(train_gpt.OPERATIONAL)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = ast.parse(f.read()).body
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ImportError(f"cannot read {path} ({e})") from None
+    for node in body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "OPERATIONAL" for t in node.targets):
+            value = node.value.args[0] if isinstance(node.value, ast.Call) and node.value.args else node.value
+            try:
+                return frozenset(ast.literal_eval(value))
+            except ValueError:
+                break
+    raise ImportError(f"{path} holds no literal OPERATIONAL = frozenset({{...}})")
 
 
 def run_defining(config, operational):
@@ -1458,8 +1471,8 @@ def main(argv=None):
     except OSError as e:
         return error(e)
     except ImportError as e:  # train_gpt.OPERATIONAL is needed to compare configs (see run_defining)
-        return error(f"cannot import train_gpt.py beside records/ to tell run-defining config fields from "
-                     f"operational ones ({e}); install the requirements: pip install -r requirements.txt")
+        return error(f"cannot read train_gpt.py's OPERATIONAL beside records/ to tell run-defining config fields "
+                     f"from operational ones ({e}); run compare.py from a checkout of this repository")
     if not runs:
         return error("no train_gpt.py or modded-nanogpt log found in " + ", ".join(args.paths)
                      + " (see the warnings above)")

@@ -546,6 +546,18 @@ def place_tokenizer(repo, tmp):
     return None
 
 
+ARGV_MARK = "verify argv: "
+# The rerun's process: the logged code's folder first on sys.path (not the launch folder: nothing there may shadow
+# it), its config_to_argv (in train_gpt.py up to the 2026-12-03 logs, in harness.py since), the flags on stderr's
+# first line, then its train_gpt.py run as __main__ with them.
+RUNNER = ("import json, os, runpy, sys; code = sys.argv[1]; "
+          "sys.path[:] = [code] + [p for p in sys.path if p not in ('', os.getcwd())]; import train_gpt; "
+          "to_argv = getattr(train_gpt, 'config_to_argv', None) or __import__('harness').config_to_argv; "
+          "argv = to_argv(json.loads(sys.argv[2])); "
+          f"print({ARGV_MARK!r} + json.dumps(argv), file=sys.stderr, flush=True); "
+          "sys.argv = [os.path.join(code, 'train_gpt.py')] + argv; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False, run_id="verify"):
     """Run the first ``steps`` steps of the logged ``config`` with the logged ``sources`` on CPU
     (compiled with ``compile``), its log ``tmp/<run_id>.txt``.
@@ -554,6 +566,9 @@ def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False
     ``run_dir`` with ``threads`` torch threads (``OMP_NUM_THREADS``; None keeps the caller's).
     Returns ``(cmd, proc, error)``; ``error`` is a message when the logged code could not turn
     the config into flags. Ctrl-C kills the rerun (``subprocess.run``) and propagates.
+
+    One process (``RUNNER``) turns the config into the logged code's flags and runs its train_gpt.py as
+    ``__main__`` with them, as ``python <tmp>/train_gpt.py <flags>`` would (torch is imported once, not twice).
     """
     # Never touch the logged run's checkpoints or resume from them; a short CPU run into tmp.
     for key, value in dict(resume="", checkpoint_dir=os.path.join(tmp, "checkpoints"), save_every=0,
@@ -561,18 +576,14 @@ def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False
                            compile=compile, log_dir=tmp, run_id=run_id).items():
         if key in config:
             config[key] = value
-    # config_to_argv of the logged code: its flags are the ones that code understands (in train_gpt.py up to
-    # 2026-12-03, in harness.py since the lean core)
-    to_argv = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_gpt; "
-               "to_argv = getattr(train_gpt, 'config_to_argv', None) or __import__('harness').config_to_argv; "
-               "print(json.dumps(to_argv(json.loads(sys.argv[2]))))")
-    got = subprocess.run([sys.executable, "-c", to_argv, tmp, json.dumps(config)], cwd=tmp,
-                         capture_output=True, text=True)
-    if got.returncode != 0 or not got.stdout.strip():
-        return None, None, "config_to_argv of the logged code failed:\n" + got.stderr.strip()[-2000:]
-    cmd = [sys.executable, os.path.join(tmp, ENTRY)] + json.loads(got.stdout.strip().splitlines()[-1])
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    return cmd, subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True), None
+    proc = subprocess.run([sys.executable, "-c", RUNNER, tmp, json.dumps(config)], cwd=run_dir, env=env,
+                          capture_output=True, text=True)
+    first, _, rest = proc.stderr.partition("\n")
+    if not first.startswith(ARGV_MARK):
+        return None, None, "config_to_argv of the logged code failed:\n" + proc.stderr.strip()[-2000:]
+    proc.stderr = rest
+    return [sys.executable, os.path.join(tmp, ENTRY)] + json.loads(first[len(ARGV_MARK):]), proc, None
 
 
 def same_loss(a, b, tol):
