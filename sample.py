@@ -2,14 +2,15 @@
 
     python sample.py --checkpoint checkpoints/<run_id>/step_000100.pt --prompt "The" --max-new-tokens 20 --seed 0
 
-The checkpoint (written by ``train_gpt.py --save-every/--save-final/--save-on-interrupt``) holds
-the weights and the run's config; the model is ``train_gpt.GPT`` built from that config, so a
-checkpoint of any trainer version whose config fields this one knows can be read. Whatever TST
-phase the run was saved in, the model runs in next-token mode: one token per position
-(``[1, T, 1]`` inputs), the logits of the last position give the next token. The attention
-window is the one of the saved step. The prompt is encoded with GPT-2's BPE from the
-repository's own files (``data/gpt2_bpe``, no network) after an ``<|endoftext|>``, as every
-training document starts; the context is cut to the run's ``seq_len`` newest tokens.
+The checkpoint (written by ``train_gpt.py --save-every/--save-final``, or by a signal when checkpoints
+are on) holds the weights and the run's config; the model is ``train_gpt.GPT`` built from that config,
+whose ``--model`` names its spec in ``train_gpt.MODELS``. Whatever TST phase the run was saved in, the
+model runs in next-token mode: one token per position (``[1, T, 1]`` inputs), the logits of the last
+position give the next token. The attention windows and the tie of the embedding to the head are those
+of the saved step (the stage table's row; the embedding unties after ``train_gpt.split_step``). The
+prompt is encoded with GPT-2's BPE from the repository's own files (``data/gpt2_bpe``, no network) after
+an ``<|endoftext|>``, as every training document starts; the context is cut to the newest tokens of the
+sequence length the model was training at (the saved step's stage).
 
 Each new token is drawn from ``softmax(logits / temperature)`` over GPT-2's 50,257 ids (the
 padding rows of the embedding are never drawn), restricted to the ``--top-k`` most likely;
@@ -25,14 +26,14 @@ import glob
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 INTERRUPTED = "sample.py: interrupted: nothing printed (the text is printed once every token is drawn)"
 try:  # importing torch takes a second or more: a Ctrl-C during it is the same one line
     import torch
 
-    # Everything taken from the trainer, in one place: the model, its config, the checkpoint reader.
-    from harness import ConfigError, load_checkpoint
-    from train_gpt import EOT_TOKEN, GPT, Config, Schedule, split_step
+    # Everything taken from the trainer, in one place: the model, its config and specs, the stage table.
+    from train_gpt import EOT_TOKEN, GPT, MODELS, Config, Schedule, split_step
 
     import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
     from tokenize_text import TokenizeError, load_encoder  # noqa: E402
@@ -41,84 +42,97 @@ except KeyboardInterrupt:
     sys.exit(130)
 
 GPT2_VOCAB = EOT_TOKEN + 1  # ids 0..50256 are GPT-2's; rows above are padding to a multiple of 128
+WRITTEN_BY = "give a checkpoints/<run_id>/step_N.pt written by train_gpt.py --save-final or --save-every"
 
 
 class SampleError(Exception):
     """Bad input to sample.py; the message names the flag or file and the fix."""
 
 
-def config_of(state, path):
-    """The ``Config`` a checkpoint was trained with: its saved fields, defaults for fields newer than it.
-
-    Args:
-        state: the dict ``load_checkpoint`` returns.
-        path: the checkpoint's path, for messages.
-    Raises:
-        SampleError: the checkpoint has no config or weights, or fields this trainer does not know.
-    """
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "model" not in state:
-        raise SampleError(f"--checkpoint {path}: holds no model weights and config; give a checkpoint written "
-                          "by train_gpt.py (checkpoints/<run_id>/step_N.pt)")
-    known = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(state["config"]) - known)
-    if unknown:
-        raise SampleError(f"--checkpoint {path}: made by a trainer with config fields this one lacks "
-                          f"({', '.join(unknown)}); sample with that trainer's version of the repository")
-    return Config(**state["config"])
-
-
-def load_model(path, device):
-    """The model of a checkpoint on ``device``, in eval mode, with the attention window of its step and
-    its embedding tied to the head or not as at that step (``--tied-embed`` unties at ``split_step``).
+def read_checkpoint(path):
+    """The dict a checkpoint file holds (``torch.load``, tensors only, on the CPU).
 
     Args:
         path: a ``step_N.pt`` file written by ``train_gpt.py``.
-        device: a ``torch.device``.
-    Returns:
-        ``(model, cfg, step)``.
     Raises:
-        SampleError: the file is missing, not a checkpoint, truncated or corrupt, or its weights
-            do not fit its config.
+        SampleError: the path is a folder or missing, or the file is truncated, corrupt or not a checkpoint.
     """
     if os.path.isdir(path):  # a run's checkpoint folder: name the file to give
         newest = sorted(glob.glob(os.path.join(path, "step_*.pt")))
         raise SampleError(f"--checkpoint {path}: a folder; give one of its checkpoint files"
                           + (f" (the newest: {newest[-1]})" if newest else ": it holds no step_N.pt"))
     if not os.path.isfile(path):
-        raise SampleError(f"--checkpoint {path}: no such file; give a checkpoints/<run_id>/step_N.pt "
-                          "written by train_gpt.py --save-final or --save-every")
+        raise SampleError(f"--checkpoint {path}: no such file; {WRITTEN_BY}")
     try:
-        state = load_checkpoint(path)
-    except ConfigError as e:  # its message names the trainer's --resume flag and resuming: say ours instead
-        text = str(e).split(": ", 1)[-1].replace("resume from an older one", "sample an older one")
-        raise SampleError(f"--checkpoint {path}: {text}") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch raises several kinds for a truncated or foreign file
+        why = (str(e).splitlines() or [""])[0][:120] or type(e).__name__
+        raise SampleError(f"--checkpoint {path}: truncated or unreadable ({type(e).__name__}: {why}); "
+                          f"{WRITTEN_BY}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "model" not in state:
+        raise SampleError(f"--checkpoint {path}: holds no model weights and config; {WRITTEN_BY}")
+    return state
+
+
+def config_of(state, path):
+    """The ``Config`` a checkpoint was trained with (its saved fields, defaults for fields newer than it).
+
+    Args:
+        state: the dict ``read_checkpoint`` returns.
+        path: the checkpoint's path, for messages.
+    Raises:
+        SampleError: fields this trainer does not know, or a ``--model`` spec that ``train_gpt.MODELS`` lacks.
+    """
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(state["config"]) - known)
+    if unknown:
+        raise SampleError(f"--checkpoint {path}: made by a trainer with config fields this one lacks "
+                          f"({', '.join(unknown)}); sample with that trainer's version of the repository")
+    cfg = Config(**state["config"])
+    if cfg.model not in MODELS:
+        raise SampleError(f"--checkpoint {path}: its model spec {cfg.model!r} is not in train_gpt.MODELS "
+                          f"({', '.join(MODELS)}); sample with the code that trained it")
+    return cfg
+
+
+def load_model(path, device):
+    """The model of a checkpoint on ``device``, in eval mode, with the attention windows of its step and its
+    embedding tied to the head or not as at that step.
+
+    Args:
+        path: a ``step_N.pt`` file written by ``train_gpt.py``.
+        device: a ``torch.device``.
+    Returns:
+        ``(model, run)``: ``run.cfg`` the Config, ``run.step`` the saved step, ``run.context`` the positions a
+        forward takes (the sequence length of that step's stage).
+    Raises:
+        SampleError: the file is missing, not a checkpoint, truncated or corrupt, or its weights do not fit its
+            config.
+    """
+    state = read_checkpoint(path)
     cfg = config_of(state, path)
-    if cfg.vocab_size < GPT2_VOCAB:
-        raise SampleError(f"--checkpoint {path}: vocab_size {cfg.vocab_size} is below GPT-2's {GPT2_VOCAB} ids; "
-                          "this sampler speaks GPT-2 BPE only")
     model = GPT(cfg)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         first = (str(e).splitlines() or [""])[0][:160]
         raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({first})") from None
-    step = int(state.get("step", 0))
-    split = split_step(cfg)  # --tied-embed: after this step the embedding is its own weight, as the trainer runs it
-    model.tied = split is not None and step <= split
-    # the window grows over a run: use the stage table's window at the step the weights were saved
-    row = Schedule(cfg)[min(step, cfg.num_iterations)]
+    step = min(int(state.get("step", 0)), cfg.num_iterations)
+    model.tied = step <= split_step(cfg)  # the run unties after this step's update
+    row = Schedule(cfg)[step]  # the windows and RoPE history the weights were trained with
     model.set_window(row.window, row.yarn)
-    return model.to(device).eval(), cfg, step
+    return model.to(device).eval(), SimpleNamespace(cfg=cfg, step=step, context=row.stage.seq_len)
 
 
 @torch.no_grad()
-def generate(model, ids, max_new_tokens, temperature=1.0, top_k=0, generator=None):
+def generate(model, ids, max_new_tokens, context, temperature=1.0, top_k=0, generator=None):
     """Draw ``max_new_tokens`` tokens after ``ids``, one forward per token (no cache: a small tool).
 
     Args:
         model: a ``train_gpt.GPT`` in eval mode.
         ids: the prompt's token ids (ints), at least one.
         max_new_tokens: how many tokens to draw (>= 1).
+        context: the most positions a forward sees (``load_model``'s ``run.context``); older tokens are cut.
         temperature: divides the logits; 0 takes the most likely token.
         top_k: draw among the k most likely ids only (0 = all of GPT-2's 50,257).
         generator: a ``torch.Generator`` on the model's device (the seed), or None.
@@ -126,11 +140,10 @@ def generate(model, ids, max_new_tokens, temperature=1.0, top_k=0, generator=Non
         The list of new token ids, each in ``[0, 50257)``.
     """
     device = next(model.parameters()).device
-    seq_len = model.cfg.seq_len
     out = list(ids)
     for _ in range(max_new_tokens):
-        context = torch.tensor(out[-seq_len:], dtype=torch.int64, device=device).view(1, -1, 1)  # [1, T, 1]
-        logits = model(context)[0, -1, :GPT2_VOCAB].float()  # padding ids are never drawn
+        inputs = torch.tensor(out[-context:], dtype=torch.int64, device=device).view(1, -1, 1)  # [1, T, 1]
+        logits = model(inputs)[0, -1, :GPT2_VOCAB].float()  # padding ids are never drawn
         if temperature == 0:
             token = int(logits.argmax())
         else:
@@ -201,14 +214,14 @@ def _sample(argv):
         args = parse_args(argv)
         device = pick_device(args.device)
         encoder = load_encoder()
-        model, _, _ = load_model(args.checkpoint, device)
+        model, run = load_model(args.checkpoint, device)
     except (SampleError, TokenizeError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     prompt = args.prompt or ""
     ids = [EOT_TOKEN] + encoder.encode_ordinary(prompt)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, generator)
+    new = generate(model, ids, args.max_new_tokens, run.context, args.temperature, args.top_k, generator)
     print(prompt + encoder.decode(new))
     return 0
 

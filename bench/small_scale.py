@@ -1,21 +1,21 @@
-"""Does our method beat the record? Paired equal-FLOP evidence for TST and Aurora on record #89's recipe.
+"""Does our method beat the baseline? Paired equal-FLOP evidence for TST and Aurora on record #89's recipe.
 
-A small GPT (``--preset cpu_smoke``: record #89's recipe -- the stage table, packed batches,
-multi-token and prefix objectives, NorMuon and CautiousAdam, the #89 model at the smoke shape --
-at the shape MODEL below) is trained on a real-text corpus (default ``data/sample``) once per
-*arm* (``baseline89``: the recipe without our methods; ``tst``, ``aurora``, ``tst_aurora`` =
-``record_h200``'s methods; TST variants), *data order* (``--orders`` shuffles written by
+A small GPT (``--preset cpu_baseline``: record #89's recipe -- the stage table, packed batches,
+multi-token and prefix objectives, NorMuon and CautiousAdam, the model's layer roles at the smoke
+shape) is trained on a real-text corpus (default ``data/sample``) once per *arm* (``baseline``: the
+preset as it is; ``tst``, ``aurora``, ``tst_aurora``: with TST, with Aurora, with both, as
+``cpu_smoke`` and ``record_h200`` add them), *data order* (``--orders`` shuffles written by
 ``bench/small_scale_data.py``) and *init seed* (``--seeds``), every arm at the same FLOPs. NorMuon's
-lr is swept on baseline89 first; two arms run again at 3x the steps. Comparisons are paired per
-(order, seed) (``bench/small_scale_stats.py``): mean difference of final val losses, 95%
-t-interval, paired t-test p; and each arm's first val step whose mean is below baseline89's final
-mean at p < 0.01 (``records/compare.py --first-passing``), with the steps saved.
+lr is swept on the baseline first. Comparisons are paired per (order, seed)
+(``bench/small_scale_stats.py``): mean difference of final val losses, 95% t-interval, paired t-test
+p; and each arm's first val step whose mean is below the baseline's final mean at p < 0.01
+(``records/compare.py --first-passing``), with the steps saved.
 
-    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale_89/ (~51 min measured, 2 idle cores)
+    python bench/small_scale.py           # the study: records/cpu/<today>_small_scale/ (about an hour, 2 idle cores)
     python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
-is skipped). The study's results and what they show: docs/RESULTS.md.
+is skipped). The detail (arms, data orders, the sweep, first-passing, the budget): docs/SMALL_SCALE.md.
 """
 import argparse
 import concurrent.futures
@@ -46,63 +46,41 @@ import small_scale_data  # noqa: E402
 import small_scale_stats as sst  # noqa: E402
 
 SAMPLE = os.path.join("data", "sample")  # the repository's real-text sample: the default corpus
-PRESET = "cpu_smoke"  # record #89's recipe and model at the smoke shape, with TST and Aurora (taken off below)
-
-# The study's shape, on top of --preset cpu_smoke (4 layers x 128 wide, 4 heads: its own). seq_len 256
-# with 768 positions per step (stage 1 -> 2 -> 3 sequences) instead of 768 and 2,304: a run of 80 steps
-# (41k positions, 1.8e12 FLOPs) then costs ~2 min on one core, and the study's 57 runs (12 of them 3x
-# long) ~72 min on 2 cores (records/cpu/2026-12-03_small_scale_89/results.md, "Timing"); windows in blocks of 16
-# (the smoke's 32 scaled with the sequence). Val on 4,096 tokens (16 sequences; the same in every run, so
-# paired differences do not carry its sampling noise): at every 10% of the steps, 11 val passes cost a
-# quarter of a run's FLOPs.
-MODEL = dict(seq_len=256, window_block=16, micro_batch_seqs=1)
-
-_NORMUON = ["--optimizer", "normuon"]
-_AURORA = ["--optimizer", "aurora_normuon"]
+PRESET = "cpu_baseline"  # record #89's recipe and model roles at the smoke shape, without our methods
 
 
-def _tst(s, r):
-    return ["--tst-frac", str(r), "--tst-bag-size", str(s)]
+def _methods(*names):
+    """Trainer flags of ``train_gpt.OUR_METHODS``' fields ``names`` (TST: tst_frac and tst_bag_size; Aurora: the
+    optimizer), as cpu_smoke and record_h200 set them."""
+    return [w for k in names for w in ("--" + k.replace("_", "-"), str(trainer_module().OUR_METHODS[k]))]
 
 
-# arm name -> (trainer flags, steps multiplier). baseline89: cpu_smoke without our methods (no TST, NorMuon);
-# tst_aurora: cpu_smoke's (= record_h200's) methods, TST s = 4, r = 0.3 and aurora_normuon.
-ARMS = {
-    "baseline89": (_NORMUON + _tst(1, 0), 1),
-    "tst": (_NORMUON + _tst(4, 0.3), 1),
-    "aurora": (_AURORA + _tst(1, 0), 1),
-    "tst_aurora": (_AURORA + _tst(4, 0.3), 1),
-    "tst_r0.1": (_NORMUON + _tst(4, 0.1), 1),
-    "tst_r0.2": (_NORMUON + _tst(4, 0.2), 1),
-    "tst_s2": (_NORMUON + _tst(2, 0.3), 1),
-    "baseline89_3x": (_NORMUON + _tst(1, 0), 3),
-    "tst_aurora_3x": (_AURORA + _tst(4, 0.3), 3),
-}
-LABELS = {"baseline89": "baseline89", "tst": "+tst", "aurora": "+aurora", "tst_aurora": "+tst+aurora",
-          "tst_r0.1": "+tst r=0.1", "tst_r0.2": "+tst r=0.2", "tst_s2": "+tst s=2",
-          "baseline89_3x": "baseline89 (3x steps)", "tst_aurora_3x": "+tst+aurora (3x steps)"}
-# each arm -> the arm it is paired with (same steps): its baseline
-BASE_OF = {arm: ("baseline89_3x" if mult == 3 else "baseline89") for arm, (_, mult) in ARMS.items()}
-BASELINES = sorted(set(BASE_OF.values()))
-LR_FLAG = "--matrix-lr"  # NorMuon's (and aurora_normuon's) lr, swept on baseline89, used by every arm
+# arm name -> trainer flags on top of the preset: the baseline is cpu_baseline itself
+ARMS = {"baseline": (), "tst": ("tst_frac", "tst_bag_size"), "aurora": ("optimizer",),
+        "tst_aurora": ("tst_frac", "tst_bag_size", "optimizer")}
+LABELS = {"baseline": "baseline", "tst": "+tst", "aurora": "+aurora", "tst_aurora": "+tst+aurora"}
+BASELINE = "baseline"  # every arm is paired with it (same steps, orders and seeds)
+LR_FLAG = "--matrix-lr"  # NorMuon's (and aurora_normuon's) lr, swept on the baseline, used by every arm
 
+# The study's shape is the preset's (the smoke model, seq_len 768, 2,304 positions per step, 100 steps), val on
+# the preset's 16,384 tokens (the same in every run, so paired differences do not carry its sampling noise) at
+# every 10% of the steps for the first-passing curve.
 MODES = {
     "full": dict(
-        # 7 arms x 3 orders x 2 seeds at 80 steps, 2 arms at 240: ~72 min on 2 idle cores (COST)
-        arms=list(ARMS), orders=3, seeds=2, steps=80, batch_tokens=768, val_tokens=4096, val_frac=0.1,
-        sweep=[0.0115, 0.023, 0.046], sweep_extend=1, model={},
-        out=os.path.join("records", "cpu", "{date}_small_scale_89")),
+        # 4 arms x 3 orders x 2 seeds and a 3-point sweep: about an hour on 2 idle cores (COST)
+        arms=list(ARMS), orders=3, seeds=2, steps=100, batch_tokens=2304, val_tokens=16384, val_frac=0.1,
+        sweep=[0.023, 0.046, 0.092], sweep_extend=1, seq_len=None,
+        out=os.path.join("records", "cpu", "{date}_small_scale")),
     "quick": dict(  # the pipeline end to end in seconds (tests/test_small_scale.py): no evidence of anything
-        arms=["baseline89", "tst_aurora", "baseline89_3x", "tst_aurora_3x"], orders=2, seeds=1, steps=5,
-        batch_tokens=48, val_tokens=256, val_frac=0.2, sweep=[0.023], sweep_extend=0,
-        model=dict(model_dim=32, n_head=2, seq_len=16, window_block=4, bigram_vocab=1024),
+        arms=["baseline", "tst_aurora"], orders=2, seeds=1, steps=5, batch_tokens=48, val_tokens=256,
+        val_frac=0.2, sweep=[0.046], sweep_extend=0, seq_len=16,
         out=os.path.join("bench", "out", "small_scale_quick")),
 }
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
 # training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core Intel Xeon (torch 2.13.0 CPU,
 # float32), measured on 2026-12-03 with the machine shared (load 3-14) as CPU-seconds per FLOP (3.8e-11
-# to 4.3e-11) plus ~15% for two runs sharing the memory bus. results.md
+# to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/SMALL_SCALE.md, "Budget". results.md
 # reports the measured time / this estimate of every run.
 COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
 
@@ -124,25 +102,21 @@ def run_name(arm, order, seed):
     return f"{arm}_o{order}_seed{seed}"
 
 
-def steps_of(spec, arm):
-    return spec["steps"] * ARMS[arm][1]
-
-
-def val_every_of(spec, arm):
-    """Val every ``val_frac`` of the arm's steps (at least every step): first-passing needs the curve."""
-    return max(1, int(round(steps_of(spec, arm) * spec["val_frac"])))
+def val_every_of(spec):
+    """Val every ``val_frac`` of the steps (at least every step): first-passing needs the curve."""
+    return max(1, int(round(spec["steps"] * spec["val_frac"])))
 
 
 def trainer_argv(spec, run_dir, run_id, seed, arm, lr, train_files):
     """The trainer command line of one run: the preset, the shape, the mode's base flags, the arm, the lr."""
     argv = [sys.executable, spec["trainer"], "--preset", PRESET, "--device", "cpu", "--no-compile", "--no-bf16",
             "--train-files", train_files, "--val-files", spec["val_files"],
-            "--num-iterations", str(steps_of(spec, arm)), "--batch-tokens", str(spec["batch_tokens"]),
-            "--val-tokens", str(spec["val_tokens"]), "--val-every", str(val_every_of(spec, arm)),
+            "--num-iterations", str(spec["steps"]), "--batch-tokens", str(spec["batch_tokens"]),
+            "--val-tokens", str(spec["val_tokens"]), "--val-every", str(val_every_of(spec)),
             "--log-every", "5", "--seed", str(seed), "--log-dir", run_dir, "--run-id", run_id]
-    for k, v in dict(MODEL, **spec["model"]).items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
-    return argv + list(ARMS[arm][0]) + [LR_FLAG, fmt_lr(lr)] + spec["trainer_args"]
+    if spec["seq_len"] is not None:
+        argv += ["--seq-len", str(spec["seq_len"])]
+    return argv + _methods(*ARMS[arm]) + [LR_FLAG, fmt_lr(lr)] + spec["trainer_args"]
 
 
 def make_job(spec, arm, order, seed, lr, run_dir=None, run_id=None):
@@ -154,15 +128,14 @@ def make_job(spec, arm, order, seed, lr, run_dir=None, run_id=None):
 
 
 def sweep_job(spec, lr):
-    """The lr-sweep run at ``lr``: baseline89 on data order 0, seed 0 (the same flags as its arm run)."""
-    return make_job(spec, "baseline89", 0, 0, lr, os.path.join(spec["out"], "lr_sweep"), f"baseline89_lr{fmt_lr(lr)}_seed0")
+    """The lr-sweep run at ``lr``: the baseline on data order 0, seed 0 (the same flags as its arm run)."""
+    return make_job(spec, BASELINE, 0, 0, lr, os.path.join(spec["out"], "lr_sweep"), f"{BASELINE}_lr{fmt_lr(lr)}_seed0")
 
 
 def arm_jobs(spec, lr):
-    """Every arm x order x seed; the long (3x) runs first so that they do not finish last alone."""
-    jobs = [make_job(spec, arm, order, seed, lr)
+    """Every arm x order x seed."""
+    return [make_job(spec, arm, order, seed, lr)
             for arm in spec["arms"] for order in range(spec["orders"]) for seed in range(spec["seeds"])]
-    return sorted(jobs, key=lambda j: -ARMS[j.key[0]][1])
 
 
 def planned_jobs(spec, lr=None):
@@ -171,8 +144,8 @@ def planned_jobs(spec, lr=None):
 
 
 def is_reused(spec, job):
-    """True for baseline89's (order 0, seed 0) run: the sweep run at the chosen lr, copied, not trained twice."""
-    return job.key[0] == "baseline89" and job.key[2:] == (0, 0) and "baseline89" in spec["arms"]
+    """True for the baseline's (order 0, seed 0) run: the sweep run at the chosen lr, copied, not trained twice."""
+    return job.key[0] == BASELINE and job.key[2:] == (0, 0) and BASELINE in spec["arms"]
 
 
 def est_seconds(job):
@@ -189,7 +162,7 @@ def est_parts(job):
     """
     tg, parts = trainer_module(), []
     for argv in job.argvs:
-        cfg, _ = tg.parse_config(argv[2:])
+        cfg = parse_config(argv[2:])
         n, sched = cfg.num_iterations, tg.Schedule(cfg)
         train = sum(sched[t].stage.batch_tokens * sched[t].flops_per_position for t in range(n))
         points = {0, n} | {t for t in range(1, n + 1) if cfg.val_every and t % cfg.val_every == 0}
@@ -204,7 +177,7 @@ def est_parts(job):
 def print_plan(spec, parallel):
     """Print every group of planned runs with its count and estimated time; return the estimate (s)."""
     sweep, arms = planned_jobs(spec)
-    groups = {"lr sweep (baseline89, order 0, seed 0)": sweep}
+    groups = {f"lr sweep ({BASELINE}, order 0, seed 0)": sweep}
     for job in arms:
         if not is_reused(spec, job):
             groups.setdefault(job.key[0], []).append(job)
@@ -230,12 +203,13 @@ def print_plan(spec, parallel):
 def expected_config(argv):
     """The resolved trainer config of a command line, for the resume check.
 
-    Parsed by the working tree's ``train_gpt.parse_config`` (a snapshot with other defaults
-    then looks changed, and its runs are retrained: the safe side).
+    Parsed by the working tree's trainer (``parse_config``; a snapshot with other defaults then looks
+    changed, and its runs are retrained: the safe side): the fields that define the run, and the data.
     """
     train_gpt = trainer_module()
-    cfg, _ = train_gpt.parse_config(argv[2:])
-    keys = list(train_gpt.RUN_DEFINING) + ["train_files", "val_files", "val_every"]
+    cfg = parse_config(argv[2:])
+    keys = [f.name for f in dataclasses.fields(cfg) if f.name not in train_gpt.OPERATIONAL]
+    keys += ["train_files", "val_files", "val_every"]
     return {k: order_key(getattr(cfg, k)) if k == "train_files" else getattr(cfg, k) for k in keys}
 
 
@@ -249,7 +223,7 @@ def order_key(pattern):
 
 
 TRAINER_FILES = harness.SOURCE_FILES  # what a run's log snapshots
-# GPT-2's tokenizer table, read beside the trainer by --objectives runs (the prefix-token table): copied too
+# GPT-2's tokenizer table, read beside the trainer (the prefix-token objective's table): copied too
 TOKENIZER = os.path.relpath(harness.GPT2_ENCODER_JSON, os.path.dirname(os.path.abspath(harness.__file__)))
 
 
@@ -446,7 +420,7 @@ def fmt_lr(lr):
 
 
 def lr_sweep(spec, ledger):
-    """NorMuon's lr on baseline89 (data order 0, seed 0): the grid, then past an edge optimum, the lowest final.
+    """NorMuon's lr on the baseline (data order 0, seed 0): the grid, then past an edge optimum, the lowest final.
 
     The rule: the lr of the lowest final val loss wins; when it is the grid's lowest or highest, the
     grid grows by one factor-2 step on that side and the rule is applied again, at most
@@ -465,7 +439,7 @@ def lr_sweep(spec, ledger):
         lrs = sorted(rows)
         return lrs, min(lrs, key=lambda x: rows[x][0] if rows[x][0] is not None else math.inf)
 
-    print(f"lr sweep baseline89 ({LR_FLAG}): {', '.join(map(fmt_lr, spec['sweep']))}", flush=True)
+    print(f"lr sweep {BASELINE} ({LR_FLAG}): {', '.join(map(fmt_lr, spec['sweep']))}", flush=True)
     run(list(spec["sweep"]))
     for _ in range(spec["sweep_extend"]):
         lrs, top = best()
@@ -497,11 +471,11 @@ def finals(results, arm):
 
 
 def comparisons(spec, results):
-    """Each planned arm against its baseline (BASE_OF), paired per (order, seed); pairs left out are named."""
+    """Each planned arm against the baseline, paired per (order, seed); pairs left out are named."""
     keys = [(o, s) for o in range(spec["orders"]) for s in range(spec["seeds"])]
     rows = []
     for a in spec["arms"]:
-        b = BASE_OF[a]
+        b = BASELINE
         if a == b or b not in spec["arms"]:
             continue
         va, vb = finals(results, a), finals(results, b)
@@ -510,45 +484,44 @@ def comparisons(spec, results):
                     for k in keys if k not in res["keys"]]
         for (o, s), why in left_out:
             print(f"WARNING: {a} vs {b}: pair (order {o}, seed {s}) left out: {why}", flush=True)
-        rows.append(dict(res, a=a, b=b, at="final", what=f"equal FLOPs: {steps_of(spec, a)} steps of the same "
+        rows.append(dict(res, a=a, b=b, at="final", what=f"equal FLOPs: {spec['steps']} steps of the same "
                                                          "positions", left_out=left_out))
     return rows
 
 
 def first_passing(spec, stats):
-    """Per arm, the first val step whose mean (over its runs) is below its baseline's final mean at p < 0.01.
+    """Per arm, the first val step whose mean (over its runs) is below the baseline's final mean at p < 0.01.
 
     Asked of ``records/compare.py --first-passing --pool-train-data --json`` (one group per arm folder,
-    the one-sided t-test rule), once per baseline with that baseline's final mean as the target.
-    ``steps_saved`` = the baseline's steps minus that step (positive: the arm needs fewer steps to reach
-    the baseline's final val loss). Returns ``{arm: dict(target, step, val_loss, p, steps_saved,
-    runs)}``, or ``{}`` with a warning when compare.py fails.
+    the one-sided t-test rule) with the baseline's final mean as the target. ``steps_saved`` = the
+    baseline's steps minus that step (positive: the arm needs fewer steps to reach the baseline's final
+    val loss). Returns ``{arm: dict(target, step, val_loss, p, steps_saved, runs)}``, or ``{}`` with a
+    warning when compare.py fails.
     """
+    target = stats.get(BASELINE, {}).get("mean")
+    arms = [a for a in spec["arms"] if stats.get(a, {}).get("n")]
+    if BASELINE not in spec["arms"] or target is None or not math.isfinite(target) or not arms:
+        return {}
+    cmd = [sys.executable, os.path.join(REPO, "records", "compare.py"), "--first-passing", "--pool-train-data",
+           "--json", "--target", repr(target), *[os.path.join(spec["out"], a) for a in arms]]
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        groups = json.loads(p.stdout) if p.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        p, groups = None, None
+        print(f"WARNING: compare.py --first-passing failed: {e}", flush=True)
+    if groups is None:
+        if p is not None:
+            print(f"WARNING: compare.py --first-passing failed (exit {p.returncode}): {p.stderr.strip()[-300:]}",
+                  flush=True)
+        return {}
     out = {}
-    for base in BASELINES:
-        target = stats.get(base, {}).get("mean")
-        arms = [a for a in spec["arms"] if BASE_OF[a] == base and stats.get(a, {}).get("n")]
-        if base not in spec["arms"] or target is None or not math.isfinite(target) or not arms:
-            continue
-        cmd = [sys.executable, os.path.join(REPO, "records", "compare.py"), "--first-passing", "--pool-train-data",
-               "--json", "--target", repr(target), *[os.path.join(spec["out"], a) for a in arms]]
-        try:
-            p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-            groups = json.loads(p.stdout) if p.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError, ValueError) as e:
-            p, groups = None, None
-            print(f"WARNING: compare.py --first-passing failed: {e}", flush=True)
-        if groups is None:
-            if p is not None:
-                print(f"WARNING: compare.py --first-passing failed (exit {p.returncode}): {p.stderr.strip()[-300:]}",
-                      flush=True)
-            continue
-        for g in groups:
-            arm = os.path.basename(g["group"].split(" [")[0].rstrip("/"))
-            step = g.get("first_passing_step")
-            out[arm] = dict(target=target, step=step, val_loss=g.get("first_passing_val_loss"),
-                            p=g.get("first_passing_p"), runs=g.get("first_passing_runs"),
-                            steps=steps_of(spec, arm), steps_saved=None if step is None else steps_of(spec, base) - step)
+    for g in groups:
+        arm = os.path.basename(g["group"].split(" [")[0].rstrip("/"))
+        step = g.get("first_passing_step")
+        out[arm] = dict(target=target, step=step, val_loss=g.get("first_passing_val_loss"),
+                        p=g.get("first_passing_p"), runs=g.get("first_passing_runs"), steps=spec["steps"],
+                        steps_saved=None if step is None else spec["steps"] - step)
     return out
 
 
@@ -586,35 +559,31 @@ def pyplot():
 
 
 def curves_plot(stats, arms, passing, path):
-    """Mean val curve of every arm over its runs (left: the 1x arms, right: the 3x), each baseline's final
-    mean dashed, each arm's first-passing step marked; val loss from the second val point on."""
+    """Mean val curve of every arm over its runs, the baseline's final mean dashed, each arm's first-passing step
+    marked; val loss from the second val point on."""
     plt = pyplot()
-    sides = [[a for a in arms if ARMS[a][1] == m and stats.get(a, {}).get("curve")] for m in (1, 3)]
-    sides = [s for s in sides if s]
-    if not sides:
+    shown = [a for a in arms if stats.get(a, {}).get("curve")]
+    if not shown:
         return False
-    fig, axes = plt.subplots(1, len(sides), figsize=(6.5 * len(sides), 5), dpi=110, squeeze=False)
-    for ax, side in zip(axes[0], sides):
-        later = []
-        for arm in side:
-            c = stats[arm]["curve"]
-            line, = ax.plot(c["step"][1:], c["loss"][1:], marker="o", ms=3, label=LABELS[arm])
-            later += c["loss"][1:]
-            fp = passing.get(arm, {})
-            if fp.get("step") is not None:
-                ax.plot([fp["step"]], [fp["val_loss"]], marker="*", ms=14, color=line.get_color(), zorder=4)
-        base = BASE_OF[side[0]]
-        if stats.get(base, {}).get("n"):
-            ax.axhline(stats[base]["mean"], color="black", ls="--", lw=1,
-                       label=f"{LABELS[base]} final mean {stats[base]['mean']:.4f}")
-        ax.set_title(f"{ARMS[side[0]][1]}x steps: arms vs {LABELS[base]}", fontsize=10)
-        ax.set_xlabel("step (star: first step below the dashed line at p < 0.01)")
-        ax.set_ylabel("val loss, mean over data orders x seeds")
-        top = np.percentile(later, 75) if later else None
-        if top is not None:
-            ax.set_ylim(min(later) - 0.02, top + 0.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(6.5, 5), dpi=110)
+    later = []
+    for arm in shown:
+        c = stats[arm]["curve"]
+        line, = ax.plot(c["step"][1:], c["loss"][1:], marker="o", ms=3, label=LABELS[arm])
+        later += c["loss"][1:]
+        fp = passing.get(arm, {})
+        if fp.get("step") is not None:
+            ax.plot([fp["step"]], [fp["val_loss"]], marker="*", ms=14, color=line.get_color(), zorder=4)
+    if stats.get(BASELINE, {}).get("n"):
+        ax.axhline(stats[BASELINE]["mean"], color="black", ls="--", lw=1,
+                   label=f"{LABELS[BASELINE]} final mean {stats[BASELINE]['mean']:.4f}")
+    ax.set_title(f"arms vs {LABELS[BASELINE]}", fontsize=10)
+    ax.set_xlabel("step (star: first step below the dashed line at p < 0.01)")
+    ax.set_ylabel("val loss, mean over data orders x seeds")
+    if later:
+        ax.set_ylim(min(later) - 0.02, np.percentile(later, 75) + 0.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -632,7 +601,7 @@ def own_plot(stats, arms, path, x, target):
         if c:
             ax.plot(c[key], c["loss"], marker="o", ms=3, label=name)
     if target:
-        ax.axhline(target, color="black", ls="--", lw=1, label=f"baseline89 mean final {target:.4f}")
+        ax.axhline(target, color="black", ls="--", lw=1, label=f"{BASELINE} mean final {target:.4f}")
     ax.set_xlabel(label)
     ax.set_ylabel("val loss (mean over data orders and seeds)")
     ax.grid(alpha=0.3)
@@ -704,7 +673,7 @@ def make_plots(out, arms, stats, target, timing):
             except (OSError, subprocess.SubprocessError) as e:
                 print(f"compare.py failed: {e}", flush=True)
         if ok:
-            what += " (records/compare.py; dashed line: baseline89's mean final loss)"
+            what += f" (records/compare.py; dashed line: {BASELINE}'s mean final loss)"
         else:
             own_plot(stats, arms, path, x, target)
             what += " (means, drawn by small_scale.py: records/compare.py was unavailable or failed)"
@@ -778,9 +747,8 @@ def timing_lines(timing):
 
 
 def settings_of(arm, sweep):
-    flags, mult = ARMS[arm]
-    text = " ".join(flags).replace("--optimizer ", "").replace("--", "")
-    return text + (f" {LR_FLAG[2:]} {fmt_lr(sweep['chosen'])}" if sweep else "") + (f", {mult}x steps" if mult > 1 else "")
+    text = " ".join(_methods(*ARMS[arm])).replace("--optimizer ", "").replace("--", "") or "the preset"
+    return text + (f", {LR_FLAG[2:]} {fmt_lr(sweep['chosen'])}" if sweep else "")
 
 
 def val_what(spec):
@@ -790,7 +758,8 @@ def val_what(spec):
 
 def header_lines(spec, stats, corpus):
     """The title and the setup bullets of results.md."""
-    shape = dict(train_module_defaults(), **{**MODEL, **spec["model"]})
+    tg = trainer_module()
+    shape = tg.MODELS[tg.PRESETS[PRESET]["model"]]
     keys = spec["orders"] * spec["seeds"]
     L = ["# Small-scale study: TST and Aurora on record #89's recipe, paired over data orders and seeds "
          f"({spec['mode']} mode)", ""]
@@ -802,13 +771,13 @@ def header_lines(spec, stats, corpus):
         f"repo's at the start, train_gpt.py sha256 {spec['trainer_sha256']}..., not kept in git: every log holds "
         "its source, `python records/verify.py LOG --extract DIR` writes it out; `python records/verify.py LOG "
         "--rerun 10` re-runs a log, rebuilding its data order from `data_recipes.json`).", "",
-        f"* Recipe: `--preset {PRESET}` (record #89's stage table `record89`, document-packed batches, multi-token "
-        "and prefix objectives, NorMuon on the block matrices and CautiousAdam on the rest, the #89 model's layer "
-        f"roles on {shape['n_layer']} layers) at {shape['model_dim']} wide, {shape['n_head']} heads, seq_len "
-        f"{shape['seq_len']}, windows in blocks of {shape['window_block']}; {spec['batch_tokens']} positions per step "
-        f"in stage 3 (a third, two thirds in stages 1, 2); {spec['steps']} steps (3x arms: {3 * spec['steps']}); "
-        "float32, no compile. `baseline89` is the preset without our methods (`--optimizer normuon --tst-frac 0 "
-        "--tst-bag-size 1`); `tst_aurora` has the preset's (= `record_h200`'s) methods.",
+        f"* Recipe: `--preset {PRESET}` (record #89's stage table, document-packed batches, multi-token and prefix "
+        "objectives, NorMuon on the block matrices and CautiousAdam on the rest, the record's layer roles on "
+        f"{shape.n_layer} layers) at {shape.model_dim} wide, {shape.n_head} heads, seq_len "
+        f"{spec['seq_len'] or tg.PRESETS[PRESET]['seq_len']}, windows in blocks of {shape.window_block}; "
+        f"{spec['batch_tokens']} positions per step in stage 3 (a third, two thirds in stages 1, 2); {spec['steps']} "
+        f"steps; float32, no compile. `{BASELINE}` is the preset as it is; `tst_aurora` adds cpu_smoke's (= "
+        "`record_h200`'s) methods, `tst` and `aurora` one of them each.",
         f"* Data: `{spec['train_files']}` ({corpus:,} train tokens) in {spec['orders']} data orders (`pieces`: "
         f"{spec['chunk'] - 1}-token pieces of the stream, each after an EOT, shuffled by the order's seed; recipes "
         f"in `data_recipes.json`), x {spec['seeds']} init seeds = {keys} runs per arm. Val loss on "
@@ -816,16 +785,10 @@ def header_lines(spec, stats, corpus):
         f"{spec['val_frac']:.0%} of a run's steps.",
         f"* lr: NorMuon's `{LR_FLAG}` (also aurora_normuon's) from the sweep below, the same in every arm; the "
         "Adam lrs are the preset's.",
-        "* Comparisons are paired per (order, seed) against the baseline of the same length: mean difference, 95% "
+        "* Comparisons are paired per (order, seed) against the baseline: mean difference, 95% "
         "t-interval, paired t-test p (`scipy.stats.ttest_rel`); lower loss is better; *better*/*worse* only where "
         "the interval excludes 0, else *no measurable difference*. First-passing: `records/compare.py "
         "--first-passing` (one-sided t-test, p < 0.01) against the baseline's final mean.", ""]
-
-
-def train_module_defaults():
-    """The preset's shape fields (n_layer, n_head, model_dim) for the report."""
-    preset = trainer_module().PRESETS[PRESET]
-    return {k: preset[k] for k in ("n_layer", "n_head", "model_dim")}
 
 
 def arm_table(spec, sweep, stats):
@@ -851,7 +814,7 @@ def passing_lines(spec, passing):
         fp = passing.get(arm)
         if fp is None:
             continue
-        base = BASE_OF[arm]
+        base = BASELINE
         if fp["step"] is None:
             step, saved = "never", f"none: not below it within {fp['steps']} steps"
         else:
@@ -863,15 +826,15 @@ def passing_lines(spec, passing):
 
 
 def sweep_lines(spec, sweep):
-    L = ["## LR sweep (baseline89, order 0, seed 0, final val loss; the lowest wins, an edge winner extends the grid "
+    L = [f"## LR sweep ({BASELINE}, order 0, seed 0, final val loss; the lowest wins, an edge winner extends the grid "
          f"by x2 on its side, at most {spec['sweep_extend']} time(s))", "",
          "| flag | lr | final val loss | train time | |", "|---|---|---|---|---|"]
     for lr, loss, t, _ in sweep["rows"]:
         mark = "**chosen**" + (" (edge of grid)" if sweep["edge"] else "") if lr == sweep["chosen"] else ""
         L.append(f"| `{sweep['flag']}` | {fmt_lr(lr)} | {num(loss, '.4f')} | {'-' if t is None else f'{t / 1000:.0f} s'} "
                  f"| {mark} |")
-    if "baseline89" in spec["arms"]:
-        L += ["", "baseline89's order 0, seed 0 is the sweep run at the chosen lr (same flags; its log, copied from "
+    if BASELINE in spec["arms"]:
+        L += ["", f"{BASELINE}'s order 0, seed 0 is the sweep run at the chosen lr (same flags; its log, copied from "
                   "`lr_sweep/`, keeps the sweep's run id)."]
     return L + [""]
 
@@ -893,9 +856,18 @@ def report(spec, sweep, stats, rows, passing, corpus, timing, plots, compare_tex
 
 
 def trainer_module():
-    """The working tree's train_gpt, imported once (its config parser and FLOP count)."""
+    """The working tree's train_gpt, imported once (its config, presets and FLOP count)."""
     import train_gpt
     return train_gpt
+
+
+def parse_config(words):
+    """The trainer's ``Config`` of its command-line words (``harness.parse_flags`` with the trainer's presets, then
+    ``check_config``); ConfigError or argparse's SystemExit as the trainer refuses them."""
+    tg = trainer_module()
+    cfg = harness.parse_flags(tg.Config, tg.PRESETS, words)[0]
+    tg.check_config(cfg)
+    return cfg
 
 
 def shard_tokens(pattern, flag):
@@ -950,7 +922,7 @@ def parse_list(text, flag, kind):
     words = [w.strip() for w in text.split(",")]
     if not text.strip() or any(not w for w in words):
         raise SystemExit(f"{flag} {text!r}: give a comma list without empty items, e.g. "
-                         + ("baseline89,tst" if kind is str else "0.002,0.004"))
+                         + ("baseline,tst" if kind is str else "0.002,0.004"))
     repeated = sorted({w for w in words if words.count(w) > 1})
     if repeated:
         raise SystemExit(f"{flag} {text!r}: {', '.join(repeated)} named more than once; name each once")
@@ -979,7 +951,7 @@ def check_commands(spec):
             err = io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):
-                    tg.parse_config(argv[2:])
+                    parse_config(argv[2:])
             except (tg.ConfigError, SystemExit) as e:
                 msg = str(e) if isinstance(e, tg.ConfigError) else err.getvalue().strip().splitlines()[-1]
                 raise SystemExit(f"run {job.run_id}: the trainer rejects its command: {msg} "
@@ -1000,13 +972,12 @@ def machine_line():
 
 
 def min_steps(spec):
-    """Least --steps every arm's trainer run accepts: its stage table's 3 scheduled steps past
-    --extension-steps and its lr warm-up, over the arm's steps multiplier (read from its parsed config)."""
+    """Least --steps every arm's trainer run accepts: its stage table's 3 scheduled steps past --extension-steps
+    (read from its parsed config)."""
     least = 1
     for arm in spec["arms"]:
         words = trainer_argv(dict(spec, steps=10**6, val_files="x"), "x", "x", 0, arm, 0.01, "x")[2:]
-        cfg, _ = trainer_module().parse_config(words)
-        least = max(least, -(-max(cfg.extension_steps + 3, cfg.warmup_steps) // ARMS[arm][1]))
+        least = max(least, parse_config(words).extension_steps + 3)
     return least
 
 
@@ -1017,17 +988,18 @@ def parse_args(argv=None):
     ap.add_argument("--orders", type=int, default=None, help="data orders per arm (default: 3)")
     ap.add_argument("--seeds", type=int, default=None, help="init seeds per arm and order (default: 2)")
     ap.add_argument("--arms", default=None, help=f"comma list of arms (default: all); from {', '.join(ARMS)}")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run of a 1x arm (default: 100)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 100, the preset's)")
     ap.add_argument("--batch-tokens", type=int, default=None,
-                    help="latent positions per step in stage 3 (a third and two thirds in stages 1, 2; default 768)")
-    ap.add_argument("--val-tokens", type=int, default=None, help="val tokens per eval (default: 8192)")
-    ap.add_argument("--lrs", default=None, help=f"comma list: the sweep grid of {LR_FLAG} (default 0.0115,0.023,0.046)")
+                    help="latent positions per step in stage 3 (a third and two thirds in stages 1, 2; default 2304, "
+                         "the preset's)")
+    ap.add_argument("--val-tokens", type=int, default=None, help="val tokens per eval (default: 16384, the preset's)")
+    ap.add_argument("--lrs", default=None, help=f"comma list: the sweep grid of {LR_FLAG} (default 0.023,0.046,0.092)")
     ap.add_argument("--sweep-extend", type=int, default=None,
                     help="extend the grid by a factor 2 past an edge optimum at most this many times (default 1)")
     ap.add_argument("--train-files", default=os.path.join(SAMPLE, "*_train_*.bin"),
                     help="the corpus: train shards (glob) that the data orders are made from")
     ap.add_argument("--val-files", default=os.path.join(SAMPLE, "*_val_*.bin"), help="val shards (glob)")
-    ap.add_argument("--out", default=None, help="output folder (default: records/cpu/<today>_small_scale_89, "
+    ap.add_argument("--out", default=None, help="output folder (default: records/cpu/<today>_small_scale, "
                                                 "quick: bench/out/small_scale_quick); reuse it to resume")
     ap.add_argument("--trainer-args", default="", help="extra flags appended to every trainer command (quoted)")
     ap.add_argument("--threads", type=int, default=1,
@@ -1063,7 +1035,7 @@ def build_spec(args, argv):
             raise SystemExit(f"{flag} must be >= {low} (got {spec[key]})")
     if args.jobs < 1 or args.threads < 0:
         raise SystemExit(f"--jobs must be >= 1 and --threads >= 0 (got --jobs {args.jobs}, --threads {args.threads})")
-    seq_len = dict(MODEL, **spec["model"])["seq_len"]
+    seq_len = spec["seq_len"] or trainer_module().PRESETS[PRESET]["seq_len"]
     spec["chunk"] = seq_len + 1  # a next-token sequence holds seq_len + 1 tokens: one piece fills it
     if spec["batch_tokens"] % (3 * seq_len):
         raise SystemExit(f"--batch-tokens {spec['batch_tokens']}: must be a multiple of 3 x seq_len {seq_len} "
@@ -1075,7 +1047,7 @@ def build_spec(args, argv):
         raise SystemExit(f"--trainer-args {args.trainer_args!r}: {e}; quote it as one shell word") from None
     # the flags every run sets (and those that would stop or redirect it): appended after them, the last would win
     own = {w for w in trainer_argv(dict(spec, trainer="", val_files="", trainer_args=[]), "", "", 0, "tst_aurora", 0.1, "")
-           if w.startswith("--")} | {"--preset", "--max-steps", "--describe", "--help", "--resume", "--resume-force"}
+           if w.startswith("--")} | {"--preset", "--max-steps", "--describe", "--help", "--resume"}
     taken = [w for w in spec["trainer_args"] if w.split("=", 1)[0] in own]
     if taken:
         raise SystemExit(f"--trainer-args: {taken[0].split('=', 1)[0]} is set by the study itself (each arm, the lr sweep, "
@@ -1120,7 +1092,7 @@ def analyse_and_report(spec, sweep, results, timing_of):
     stats = {arm: arm_stats(results, arm, spec["corpus"]) for arm in spec["arms"]}
     rows = comparisons(spec, results)
     passing = first_passing(spec, stats)
-    target = stats.get("baseline89", {}).get("mean")
+    target = stats.get(BASELINE, {}).get("mean")
     target = target if target is not None and math.isfinite(target) else None
     plots = []
     if curves_plot(stats, spec["arms"], passing, os.path.join(out, "val_curves.png")):
@@ -1130,7 +1102,7 @@ def analyse_and_report(spec, sweep, results, timing_of):
         plots.append((os.path.join(out, "differences.png"), "the paired differences of every comparison in the table "
                                                              "above with at least 2 pairs, with their 95% intervals"))
     timing = timing_of()
-    more, notes, compare_text = make_plots(out, [a for a in spec["arms"] if ARMS[a][1] == 1], stats, target, timing)
+    more, notes, compare_text = make_plots(out, spec["arms"], stats, target, timing)
     if notes and os.path.exists(os.path.join(out, "val_loss_vs_time.png")):  # drawn by an earlier invocation
         os.remove(os.path.join(out, "val_loss_vs_time.png"))
     md = report(spec, sweep, stats, rows, passing, spec["corpus"], timing, plots + more, compare_text, notes)
@@ -1140,7 +1112,7 @@ def analyse_and_report(spec, sweep, results, timing_of):
         r.update(keys=[list(k) for k in r["keys"]], diffs=r["diffs"].tolist(),
                  excluded=[[list(k), why] for k, why in r["excluded"]], left_out=[[list(k), why] for k, why in r["left_out"]])
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(dict(spec={k: v for k, v in spec.items() if k != "order_globs"}, model=MODEL, sweep=sweep,
+        json.dump(dict(spec={k: v for k, v in spec.items() if k != "order_globs"}, preset=PRESET, sweep=sweep,
                        arms=stats, comparisons=rows, first_passing=passing, timing=timing), f, indent=1, default=str)
     with open(os.path.join(out, "command.txt"), "w", encoding="utf-8") as f:
         f.write(spec["command"] + "\n")
@@ -1154,7 +1126,7 @@ def main(argv=None):
     prepare_data(spec, write=False)  # names the data orders; creates nothing yet
     check_commands(spec)
     print(f"small_scale ({spec['mode']}): {len(spec['arms'])} arms x {spec['orders']} data orders x {spec['seeds']} "
-          f"seeds, {spec['steps']} steps (3x arms {3 * spec['steps']}) x {spec['batch_tokens']} positions, val on "
+          f"seeds, {spec['steps']} steps x {spec['batch_tokens']} positions, val on "
           f"{spec['val_tokens']:,} tokens; output {spec['out']}", flush=True)
     print_plan(spec, args.jobs)
     if args.dry_run:  # creates nothing: a later real run must snapshot the code of its own time
@@ -1180,7 +1152,7 @@ def main(argv=None):
         if is_reused(spec, job) and not is_done(job):
             set_aside(job.run_dir, job.run_id)
             copy_run(sweep_job(spec, sweep["chosen"]), job)
-            print(f"  {job.run_id}: = lr_sweep/baseline89_lr{fmt_lr(sweep['chosen'])}_seed0 (same flags), copied",
+            print(f"  {job.run_id}: = lr_sweep/{BASELINE}_lr{fmt_lr(sweep['chosen'])}_seed0 (same flags), copied",
                   flush=True)
     results = {job.key: s for job, s in zip(jobs, run_all(jobs, ledger))}
 

@@ -6,7 +6,8 @@ train_time:...ms ...`` lines, with or without a code snapshot above), ignoring e
 does not know.
 
     python records/compare.py records/2026-01-01_MyRecord          # a folder = one group of runs
-    python records/compare.py A_DIR B_DIR --baseline A_DIR          # B against A: Welch, CI, ratios
+    python records/compare.py A_DIR B_DIR                           # A/B: B against A (Welch, CI, ratios)
+    python records/compare.py A_DIR B_DIR C_DIR --baseline A_DIR    # every group against A
     python records/compare.py --group-by prefix MODDED_LOGS        # <group>__<run id>.txt names
     python records/compare.py --json DIR                            # the tables as JSON
     python records/compare.py --markdown DIR...                     # the tables as Markdown
@@ -45,8 +46,11 @@ first reaches ``--target`` (linear interpolation between the two val points arou
 per group how many runs reached it and the mean and std over those. With ``--baseline A``
 every other group B also gets mean(B) - mean(A) of the final val loss, its 95% confidence
 interval and two-sided p-value from Welch's t-test (``scipy.stats.ttest_ind(B, A,
-equal_var=False)``; at least two runs in each group), and B/A ratios of mean train time,
-FLOPs, tokens and time to target.
+equal_var=False)``; at least two runs in each group), B/A ratios of mean train time,
+FLOPs, tokens and time to target, and one line reading the test (which way, by how much, and
+whether p < 0.05 or the difference is within the seed-to-seed noise). Exactly two PATHs that are one
+group each (``A_DIR B_DIR``: an edit A/B-tested over a few seeds) take the first as the baseline
+without ``--baseline``.
 
 First-passing step (``--first-passing``): per group, the earliest val step at which the mean
 val loss of its complete runs at that step is below ``--target`` at the required significance,
@@ -76,6 +80,7 @@ no group or several, ``--plot`` into a missing folder, an unknown image type or 
 no log at all could be read.
 """
 import argparse
+import ast
 import dataclasses
 import glob
 import hashlib
@@ -197,7 +202,6 @@ class Run:
     group: str = ""
     unreadable: list = dataclasses.field(default_factory=list)  # (line number, text) of step lines not parsed
     snapshot: dict = dataclasses.field(default_factory=dict)  # {file name: sha256} of our log's source snapshot
-    forced: list = dataclasses.field(default_factory=list)  # what each --resume-force start continued past
 
     @property
     def complete(self):
@@ -294,8 +298,6 @@ def parse_lines(lines, path="", group=""):
             continue
         if run.fmt == "ours" and ln.startswith("step:"):  # our step lines all parse; this one is damaged
             run.unreadable.append((number, ln))
-        elif ln.startswith(FORCED):
-            run.forced.append(ln[len(FORCED):])
         elif ln.startswith("status:"):
             f = ln[len("status:"):].split(" reason:", 1)
             run.status = f[0].strip()  # the last one wins: a resumed run writes a later status
@@ -436,17 +438,29 @@ def collect(paths, group_by="auto", warn=None, pool_train_data=False):
 # ----------------------------------------------------------------------------------------------
 # Runs that measured different things are never pooled
 
-def operational_fields():
+TRAINER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py")
+
+
+def operational_fields(path=TRAINER):
     """``train_gpt.OPERATIONAL``: the config fields that change how a run executes, not what it computes.
 
-    Imported only when a log has a config line (train_gpt imports torch, ~2 s); raises
-    ImportError when the trainer beside ``records/`` cannot be imported.
+    Read from the trainer's source with ``ast`` (its literal set, never run: importing train_gpt would import
+    torch, seconds per call), only when a log has a config line. Raises ImportError naming the file when it
+    cannot be read or holds no literal ``OPERATIONAL = frozenset({...})``.
     """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import train_gpt
-    return frozenset(train_gpt.OPERATIONAL)
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = ast.parse(f.read()).body
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ImportError(f"cannot read {path} ({e})") from None
+    for node in body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "OPERATIONAL" for t in node.targets):
+            value = node.value.args[0] if isinstance(node.value, ast.Call) and node.value.args else node.value
+            try:
+                return frozenset(ast.literal_eval(value))
+            except ValueError:
+                break
+    raise ImportError(f"{path} holds no literal OPERATIONAL = frozenset({{...}})")
 
 
 def run_defining(config, operational):
@@ -462,13 +476,6 @@ def run_defining(config, operational):
 
 DATA_KINDS = ("train data", "val data")
 CODE = "code "  # a split's entry for a source file: "code <file name>"
-FORCED = "resume_force: continuing despite differences: "  # the trainer's line at a --resume-force start
-
-
-def forced_label(run):
-    """``no``, or 8 hex digits naming what the run's --resume-force starts continued past: such a run
-    trained part of its steps under settings or data that its config line does not show."""
-    return hashlib.sha256("\n".join(run.forced).encode()).hexdigest()[:8] if run.forced else "no"
 
 
 def data_identity(run):
@@ -516,8 +523,7 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
     ``g [f1=v1 f2=v2]`` (their own values; ``<missing>`` for a field a log lacks); runs whose
     source snapshots differ in a file (its ``### file`` header's sha256) add ``code <file> <sha>``
     (``<missing>`` for a file a snapshot lacks); runs that read other data (``data_identity``;
-    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``);
-    runs that a ``--resume-force`` start took past differences add ``resume_force=<id>`` (``forced_label``).
+    paths alone do not count) add ``train data <id>`` or ``val data <id>`` (``data_labels``).
     Complete runs without a config line (modded-nanogpt logs) mixed with ours go to
     ``g [no config line]``. Each split is reported through ``warn(message)``, naming the fields
     and files. Runs without a config line alone are grouped as given.
@@ -536,7 +542,7 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             continue
         if operational is None:
             operational = operational_fields()
-        defs = {id(r): {**run_defining(r.config, operational), "resume_force": forced_label(r)} for r in configured}
+        defs = {id(r): run_defining(r.config, operational) for r in configured}
         keys = sorted({k for d in defs.values() for k in d})
         differ = [k for k in keys if len({json.dumps(d.get(k, "<missing>")) for d in defs.values()}) > 1]
         code = sorted({n for r in configured for n in r.snapshot})  # none: logs without a snapshot, as given
@@ -561,8 +567,6 @@ def split_mixed_groups(runs, warn=None, pool_train_data=False):
             parts = ", ".join(dict.fromkeys(r.group for r in members))
             hint = ("; --pool-train-data keeps them in one group where the data order is part of the noise "
                     "measured" if differ == ["train data"] else "")
-            if "resume_force" in differ:
-                hint += "; a --resume-force run continued past the differences its 'resume_force:' line names"
             if any(k.startswith(CODE) for k in differ):
                 hint += "; records/verify.py LOG names the first line where a log's code differs from the working tree"
             warn(f"group {g}: its runs {why} (they measured different things); split into {parts}{hint}")
@@ -1053,6 +1057,20 @@ def passing_block(rows, markdown=False):
             + passing_table(rows, markdown) + (gap + "\n".join(notes) if notes else ""))
 
 
+AB_ALPHA = 0.05  # the A/B reading: a difference at two-sided p below this is named a difference
+
+
+def verdict(row):
+    """One sentence reading a group's Welch test against its baseline (``add_baseline``): which way the mean final
+    val loss moved, by how much, and whether that stands out of the seed-to-seed noise at p < ``AB_ALPHA``."""
+    delta, p, (lo, hi) = row["delta_mean"], row["p_welch"], row["delta_ci95"]
+    way = "lower (better)" if delta < 0 else "higher (worse)" if delta > 0 else "equal"
+    judged = (f"a real difference at p < {AB_ALPHA:g}" if p < AB_ALPHA else
+              f"not distinguishable from seed noise at p < {AB_ALPHA:g} (more seeds, or a larger effect, to tell)")
+    return (f"mean final val loss {way} than {row['baseline']}'s by {abs(delta):.4f} (95% CI of the difference "
+            f"[{lo:+.4f}, {hi:+.4f}]), Welch p = {p:.3g}: {judged}")
+
+
 def format_table(rows, markdown=False):
     """Everything the command line prints: the tables, then the incomplete runs (listed, not counted).
 
@@ -1073,7 +1091,7 @@ def format_table(rows, markdown=False):
                       "over the runs):" + gap + per_step_block(rows, markdown))
     based = [r for r in rows if "baseline" in r]
     if based:
-        notes = [f"{bullet}{r['group']}: {r['welch_note']}" for r in based if r.get("welch_note")]
+        notes = [f"{bullet}{r['group']}: {r['welch_note'] if r.get('welch_note') else verdict(r)}" for r in based]
         blocks.append(f"against the baseline {based[0]['baseline']}: difference of mean final val loss "
                       "(group - baseline) with the 95% CI and two-sided p of Welch's t-test; ratios group / "
                       "baseline of mean train time, FLOPs, tokens and time to target:" + gap
@@ -1344,6 +1362,16 @@ def short_runs_warning(row):
             f"sought only at the steps all {row['first_passing_runs']} runs logged ({lacks})")
 
 
+def ab_baseline(paths, rows):
+    """The baseline of an A/B comparison: the first of exactly two PATHs when each is one group (``A_DIR B_DIR``,
+    unsplit), else None (no difference is computed without ``--baseline``)."""
+    names = [os.path.basename(os.path.normpath(os.path.abspath(p))) if os.path.isdir(p)
+             else os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if len(paths) == 2 and len(set(names)) == 2 and [r["group"] for r in rows] == names:
+        return names[0]
+    return None
+
+
 def positive_float(text):
     """argparse type: a finite number above 0 (``--z-sigma``, ``--z-margin``)."""
     value = finite_float(text)
@@ -1443,8 +1471,8 @@ def main(argv=None):
     except OSError as e:
         return error(e)
     except ImportError as e:  # train_gpt.OPERATIONAL is needed to compare configs (see run_defining)
-        return error(f"cannot import train_gpt.py beside records/ to tell run-defining config fields from "
-                     f"operational ones ({e}); install the requirements: pip install -r requirements.txt")
+        return error(f"cannot read train_gpt.py's OPERATIONAL beside records/ to tell run-defining config fields "
+                     f"from operational ones ({e}); run compare.py from a checkout of this repository")
     if not runs:
         return error("no train_gpt.py or modded-nanogpt log found in " + ", ".join(args.paths)
                      + " (see the warnings above)")
@@ -1455,9 +1483,10 @@ def main(argv=None):
     for row in rows:
         if short_runs_warning(row):
             print(f"compare.py: warning: {short_runs_warning(row)}", file=sys.stderr)
-    if args.baseline is not None:
+    baseline = args.baseline if args.baseline is not None else ab_baseline(args.paths, rows)
+    if baseline is not None:
         try:
-            add_baseline(rows, args.baseline)
+            add_baseline(rows, baseline)
         except KeyError as e:
             return error(f"--baseline: {e.args[0]}")
         for row in rows:

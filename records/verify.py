@@ -13,7 +13,7 @@ Checks, in order:
    log that ends before a header's n lines (a cut copy, an interrupted write) is reported as
    truncated; the cut file is then neither hashed, compared nor extracted. Which files a complete
    snapshot holds, the logged code says (its ``SOURCE_FILES``, read, never run: in train_gpt.py
-   in logs of two files, in harness.py in logs of three);
+   in logs of two files, in harness.py in logs of four);
 2. (unless ``--extract``) each stored file equals the working tree's file (``--repo``, default
    the repository that holds this records/ folder), else the first differing line is reported: a
    failure without ``--rerun``, a note with it (the rerun runs the log's own code, so a log made by
@@ -21,10 +21,11 @@ Checks, in order:
 3. with ``--rerun K``: the extracted code is written to a temp dir and run (from ``--run-dir``,
    default the repo root, as the log's data globs are relative to where the run was launched) as
    ``python <tmp>/train_gpt.py <config_to_argv(config)> --max-steps K --device cpu --log-dir <tmp>
-   --run-id verify``, compiled when the logged CPU run was (``--compile``; else ``--no-compile``), with
+   --run-id verify`` (``config_to_argv`` of the logged code: train_gpt.py's up to the 2026-12-03 logs,
+   harness.py's since), compiled when the logged CPU run was (``--compile``; else ``--no-compile``), with
    the logged torch thread count (``--threads``); K is capped at the logged run's steps. GPT-2's
-   ``data/gpt2_bpe/encoder.json`` (read by ``--objectives`` runs, checked against its sha256 and,
-   when the log records it, the ``data tokenizer:`` fingerprint) is copied from ``--repo`` (else this
+   ``data/gpt2_bpe/encoder.json`` (read by runs with the prefix-token objective, checked against its
+   sha256 and, when the log records it, the ``data tokenizer:`` fingerprint) is copied from ``--repo`` (else this
    checkout) beside the code, so verify runs from any folder. The rerun must read data with the
    logged fingerprints, and it recomputes every number of steps 0..K: each logged ``train_loss`` and
    ``val_loss`` at a step <= K, and the step lines' token and FLOP counts. When K reaches the end of
@@ -35,10 +36,6 @@ Checks, in order:
    A small-scale study log (bench/small_scale.py) whose data order is missing (it is git-ignored)
    gets it rebuilt into a temp dir from the study's ``data_recipes.json``; where the corpus is
    missing too, one line names the ``bench/small_scale_data.py`` command that rebuilds it.
-
-A run continued with ``--resume-force`` ran its later steps with settings its logged config does not
-hold: a rerun judges the steps up to the first such resume only, and says so. Two such continuations
-logging the same steps (two histories of one run id) fail the log, naming both.
 
 How close is close enough depends on where the log was made, compared with the rerun's own
 ``cpu:`` / ``gpus:`` line (the case is printed; the method: docs/VERIFY.md):
@@ -91,8 +88,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from compare import (FORCED, SEPARATOR, has_line_end, parse_lines, parse_step_line, read_log_lines,  # noqa: E402
-                     split_snapshot)
+from compare import SEPARATOR, has_line_end, parse_lines, read_log_lines, split_snapshot  # noqa: E402
 
 ENTRY = "train_gpt.py"  # the file a rerun runs; which files a snapshot holds, the log itself says
 SOURCE_LIST_HOLDERS = (ENTRY, "harness.py")  # where a logged trainer keeps its SOURCE_FILES
@@ -108,8 +104,9 @@ DRIFT_CAP = 4.5e-3
 SUMMARY_COUNTS = ("steps", "raw_tokens", "positions", "flops")  # summary fields a full rerun recomputes
 NOT_RERUNNABLE = "train_time, step_avg, peak_memory and compile_time (timings and memory of the logged machine)"
 COMPILED = "compiled run, compiled rerun"  # the case of a compiled CPU log
-# GPT-2's tokenizer table, read by --objectives runs (the prefix-token table): not in a log's snapshot,
-# so a rerun takes it from --repo, checked against the one file GPT-2 published (openai/gpt-2, encoder.json).
+# GPT-2's tokenizer table, read by runs with the prefix-token objective (logs with a "data tokenizer:" line, or of
+# --objectives before that line existed): not in a log's snapshot, so a rerun takes it from --repo, checked against
+# the one file GPT-2 published (openai/gpt-2, encoder.json).
 TOKENIZER = os.path.join("data", "gpt2_bpe", "encoder.json")
 TOKENIZER_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 CPU_RE = re.compile(r"^cpu: (?P<model>.*?)\s+cores: (?P<cores>\d+)\s+torch threads: (?P<threads>\d+)\s*$")
@@ -484,73 +481,6 @@ def machine_differences(logged, here):
     return list(dict.fromkeys(differs))
 
 
-RESUME_RE = re.compile(r"^resume: from .* at step (\d+) ")
-
-
-def starts(lines, rest):
-    """The run's starts, in order: ``[{line, step, forced, steps}]``: the log line (1-based) of the
-    ``resume:`` line (the first start: the line after the snapshot), the step it resumed from (None: step
-    0), the differences a ``--resume-force`` continued past (None: none) and the steps it logged."""
-    out, forced = [dict(line=rest + 1, step=None, forced=None, steps=set())], None
-    for number, ln in enumerate(lines[rest:], rest + 1):
-        m = RESUME_RE.match(ln)
-        if ln.startswith(FORCED):
-            forced = (number, ln[len(FORCED):].strip())
-        elif m:
-            out.append(dict(line=number, step=int(m[1]), forced=forced, steps=set()))
-            forced = None
-        elif (parsed := parse_step_line(ln.rstrip("\r\n"))) and parsed[0] > (out[-1]["step"] or 0):
-            out[-1]["steps"].add(parsed[0])
-    return out
-
-
-def forced_starts(lines, rest):
-    """The starts (``starts``) that continued under ``--resume-force``, in order, each with ``own``: whether an
-    earlier start of this log logged steps (False: the log begins at another run's checkpoint, forced)."""
-    history = starts(lines, rest)
-    forced = [s for s in history if s["forced"]]
-    for s in forced:
-        s["own"] = any(h["steps"] for h in history[:history.index(s)])
-    return forced
-
-
-def borrowed_start(forced):
-    """The report line of a log that begins with a ``--resume-force`` from another checkpoint (``forced_starts``):
-    its logged config made none of its steps from step 0, so a rerun from scratch has nothing to check; else None."""
-    first = min(forced, key=lambda s: s["step"], default=None)
-    if first is None or first["own"]:
-        return None
-    return (f"rerun: skipped: the log begins at the checkpoint of step {first['step']} under --resume-force (line "
-            f"{first['forced'][0]}: {first['forced'][1]}), so no step in it was made by its logged config from step "
-            f"0; verify the log of the run that wrote that checkpoint (steps 0..{first['step']})")
-
-
-def conflicting_continuations(forced):
-    """Messages for each two ``--resume-force`` continuations (``forced_starts``) that log the same steps: two
-    histories of one run id in one log (compare.py reads only the later)."""
-    out = []
-    for i, a in enumerate(forced):
-        for b in forced[i + 1:]:
-            both = sorted(a["steps"] & b["steps"])
-            if both:
-                out.append(f"--resume-force continuations at lines {a['forced'][0]} and {b['forced'][0]} both log "
-                           f"steps {both[0]}..{both[-1]} (with {a['forced'][1]} / {b['forced'][1]}): two histories "
-                           "of one run, of which compare.py reads only the later; keep one (re-run the other under "
-                           "its own --run-id)")
-    return out
-
-
-def forced_limit(forced):
-    """``(step, note)``: the last step the logged config made (the first of the ``--resume-force`` starts
-    ``forced``, see ``forced_starts``) and the report line saying so; ``(None, None)`` for a run without one."""
-    if not forced:
-        return None, None
-    first = min(forced, key=lambda s: s["step"])
-    return first["step"], (f"rerun: the run continues from step {first['step']} under --resume-force (line "
-                           f"{first['forced'][0]}: {first['forced'][1]}): its logged config made steps "
-                           f"0..{first['step']} only, so the rerun checks those and no later step")
-
-
 def is_gpu_log(logged):
     return any(m["device"] not in ("cpu", "?") for m in logged)
 
@@ -605,7 +535,7 @@ def place_tokenizer(repo, tmp):
         with open(src, "rb") as f:
             data = f.read()
     except OSError as e:
-        return (f"{src}: cannot read GPT-2's encoder.json ({e.strerror or e}), which --objectives runs read; "
+        return (f"{src}: cannot read GPT-2's encoder.json ({e.strerror or e}), which the logged run read; "
                 f"pass --repo a checkout of this repository (git checkout -- data/gpt2_bpe)")
     if hashlib.sha256(data).hexdigest() != TOKENIZER_SHA256:
         return (f"{src}: not GPT-2's encoder.json (sha256 {hashlib.sha256(data).hexdigest()[:16]}..., expected "
@@ -616,6 +546,18 @@ def place_tokenizer(repo, tmp):
     return None
 
 
+ARGV_MARK = "verify argv: "
+# The rerun's process: the logged code's folder first on sys.path (not the launch folder: nothing there may shadow
+# it), its config_to_argv (in train_gpt.py up to the 2026-12-03 logs, in harness.py since), the flags on stderr's
+# first line, then its train_gpt.py run as __main__ with them.
+RUNNER = ("import json, os, runpy, sys; code = sys.argv[1]; "
+          "sys.path[:] = [code] + [p for p in sys.path if p not in ('', os.getcwd())]; import train_gpt; "
+          "to_argv = getattr(train_gpt, 'config_to_argv', None) or __import__('harness').config_to_argv; "
+          "argv = to_argv(json.loads(sys.argv[2])); "
+          f"print({ARGV_MARK!r} + json.dumps(argv), file=sys.stderr, flush=True); "
+          "sys.argv = [os.path.join(code, 'train_gpt.py')] + argv; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False, run_id="verify"):
     """Run the first ``steps`` steps of the logged ``config`` with the logged ``sources`` on CPU
     (compiled with ``compile``), its log ``tmp/<run_id>.txt``.
@@ -624,6 +566,9 @@ def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False
     ``run_dir`` with ``threads`` torch threads (``OMP_NUM_THREADS``; None keeps the caller's).
     Returns ``(cmd, proc, error)``; ``error`` is a message when the logged code could not turn
     the config into flags. Ctrl-C kills the rerun (``subprocess.run``) and propagates.
+
+    One process (``RUNNER``) turns the config into the logged code's flags and runs its train_gpt.py as
+    ``__main__`` with them, as ``python <tmp>/train_gpt.py <flags>`` would (torch is imported once, not twice).
     """
     # Never touch the logged run's checkpoints or resume from them; a short CPU run into tmp.
     for key, value in dict(resume="", checkpoint_dir=os.path.join(tmp, "checkpoints"), save_every=0,
@@ -631,16 +576,14 @@ def run_logged_code(config, sources, steps, run_dir, threads, tmp, compile=False
                            compile=compile, log_dir=tmp, run_id=run_id).items():
         if key in config:
             config[key] = value
-    # config_to_argv of the logged code: its flags are the ones that code understands.
-    to_argv = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_gpt; "
-               "print(json.dumps(train_gpt.config_to_argv(json.loads(sys.argv[2]))))")
-    got = subprocess.run([sys.executable, "-c", to_argv, tmp, json.dumps(config)], cwd=tmp,
-                         capture_output=True, text=True)
-    if got.returncode != 0 or not got.stdout.strip():
-        return None, None, "config_to_argv of the logged code failed:\n" + got.stderr.strip()[-2000:]
-    cmd = [sys.executable, os.path.join(tmp, ENTRY)] + json.loads(got.stdout.strip().splitlines()[-1])
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    return cmd, subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True), None
+    proc = subprocess.run([sys.executable, "-c", RUNNER, tmp, json.dumps(config)], cwd=run_dir, env=env,
+                          capture_output=True, text=True)
+    first, _, rest = proc.stderr.partition("\n")
+    if not first.startswith(ARGV_MARK):
+        return None, None, "config_to_argv of the logged code failed:\n" + proc.stderr.strip()[-2000:]
+    proc.stderr = rest
+    return [sys.executable, os.path.join(tmp, ENTRY)] + json.loads(first[len(ARGV_MARK):]), proc, None
 
 
 def same_loss(a, b, tol):
@@ -761,12 +704,11 @@ def coverage(old, last):
             f"{NOT_RERUNNABLE}")
 
 
-def rerun(lines, rest, sources, config, forced, steps, train_files=None, val_files=None, run_dir=None, tol=None,
+def rerun(lines, rest, sources, config, steps, train_files=None, val_files=None, run_dir=None, tol=None,
           threads=None, keep=None, repo=None):
     """Re-run the first ``steps`` steps with the extracted code and compare; returns ``(ok, report lines)``.
 
-    ``config``: the logged config (``logged_config``; None: the log has none, a failure); ``forced``: the log's
-    ``--resume-force`` starts (``forced_starts``), after the first of which the config no longer made the steps.
+    ``config``: the logged config (``logged_config``; None: the log has none, a failure).
     ``tol`` (None: by the machine case, see ``judgement``) bounds |logged - rerun| of the losses;
     ``threads`` (None: the logged run's) sets the rerun's torch threads; ``repo``: the checkout whose
     data/gpt2_bpe/encoder.json the rerun reads (default: the one holding records/). The rerun works in a
@@ -778,7 +720,7 @@ def rerun(lines, rest, sources, config, forced, steps, train_files=None, val_fil
     config = dict(config)  # the rerun overrides some fields (device, log dir, ...) in place
     tmp = tempfile.mkdtemp(prefix="verify_")
     try:
-        ok, report = _rerun_in(tmp, lines, rest, sources, config, forced, steps, (train_files, val_files), run_dir,
+        ok, report = _rerun_in(tmp, lines, rest, sources, config, steps, (train_files, val_files), run_dir,
                                tol, threads, repo or os.path.dirname(HERE))
         if keep:
             shutil.copytree(tmp, keep, dirs_exist_ok=True)
@@ -817,7 +759,7 @@ def second_rerun(config, sources, last, run_dir, threads, tmp, compiled, here, f
     return True, more, measure_drift(first, parse_lines(lines), between)
 
 
-def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, tol, threads, repo):
+def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, threads, repo):
     """``rerun`` with the folder ``tmp`` to work in."""
     # Data globs are relative to where the run was launched (the repo root for run.sh);
     # overrides given to verify.py are relative to the caller, so make them absolute.
@@ -829,13 +771,11 @@ def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, 
     compiled = was_compiled(lines, rest, config) and not is_gpu_log(logged_machines)
     total = old.summary.get("steps")
     last = min(steps, total) if isinstance(total, int) and total > 0 else steps
-    limit, forced_note = forced_limit(forced)
-    if limit is not None and last > limit:
-        last, total = limit, None  # steps after it ran with other settings than the config the rerun has
     cpu_threads = [m["threads"] for m in logged_machines if m["threads"]]
     threads = threads or (cpu_threads[0] if cpu_threads else None)
     write_sources(sources, tmp)
-    if config.get("objectives") and (error := place_tokenizer(repo, tmp)):
+    reads_tokenizer = config.get("objectives") or any(k == "data tokenizer" for k, _ in data_fingerprints(lines, rest))
+    if reads_tokenizer and (error := place_tokenizer(repo, tmp)):
         return False, [f"rerun: {error}"]
     report, fresh_lines = launch(config, sources, last, run_dir, threads, tmp, compiled, "verify")
     if fresh_lines is None:
@@ -854,7 +794,7 @@ def _rerun_in(tmp, lines, rest, sources, config, forced, steps, files, run_dir, 
         if not ok_second:
             return False, report
     text, rule = judgement(logged_machines, here, tol, compiled, measured)
-    report += [f"rerun: machine: {text}", coverage(old, last)] + ([forced_note] if limit is not None else [])
+    report += [f"rerun: machine: {text}", coverage(old, last)]
     checks = [compare_train(old, new, last, rule), compare_val(old, new, last, rule)]
     if isinstance(total, int) and last >= total:
         checks.append(compare_summary(old, new, rule))
@@ -1046,11 +986,7 @@ def main(argv=None):
         print(f"snapshot: {name} {len(text.splitlines())} lines, sha256 {sha256(text)[:16]}... {match}")
     for p in problems:
         print(f"FAIL snapshot: {p}")
-    forced = forced_starts(lines, rest)  # the --resume-force continuations: checked here, they limit the rerun
-    conflicts = conflicting_continuations(forced)
-    for c in conflicts:
-        print(f"FAIL log: {c}")
-    failed = bool(problems or conflicts)
+    failed = bool(problems)
     if args.extract:
         if (problem := extract_to(args.extract, sources)):
             return error(problem)
@@ -1069,16 +1005,13 @@ def main(argv=None):
     if args.rerun and missing:
         print(f"rerun: skipped: the log holds no complete {' / '.join(missing)} to run")
         failed = True
-    elif args.rerun and borrowed_start(forced):
-        print(borrowed_start(forced))
-        failed = True
     elif args.rerun:
         try:
             with tempfile.TemporaryDirectory(prefix="verify_data_") as data_tmp:
                 train_files, note = study_data(args, config, data_tmp)
                 if note:
                     print(note)
-                ok, report = (rerun(lines, rest, sources, config, forced, args.rerun, train_files, args.val_files,
+                ok, report = (rerun(lines, rest, sources, config, args.rerun, train_files, args.val_files,
                                     os.path.abspath(args.run_dir), args.tol, args.threads, args.keep,
                                     os.path.abspath(args.repo))
                               if train_files is not False else (False, []))

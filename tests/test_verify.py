@@ -1,11 +1,14 @@
 """records/verify.py --rerun: which logged numbers a rerun recomputes, and how closely it must match.
 
 One tiny real run (8 steps, val only at steps 0 and 8, one torch thread) is made once per
-session from a copy of the trainer, so edits to the working tree during the session cannot
-make the snapshot and the "working tree" (``--repo``) disagree. Each test edits a copy of its
-log the way a forged record would and checks what verify says.
+session from a copy of the trainer that registers the tests' tiny model (``tiny_tree``), so that
+its log re-runs by itself and edits to the working tree during the session cannot make the
+snapshot and the "working tree" (``--repo``) disagree. Each test edits a copy of its log the way a
+forged record would and checks what verify says. The logs under records/ re-run from their own
+snapshots: one log of each era of the trainer (``ERAS``).
 """
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -17,9 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import harness as H
-import train_gpt as T
-from conftest import REPO, loss_lines, sample_args, subprocess_env, tiny_args
+from conftest import REPO, loss_lines, subprocess_env, tiny_args
+from tiny_tree import trainer_copy
 
 sys.path.insert(0, os.path.join(REPO, "records"))
 import verify  # noqa: E402
@@ -37,13 +39,11 @@ def run_verify(tiny, log, *args, threads="1", tmpdir=None, timeout=900, cwd=REPO
                           cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def tiny_run(tree, run_id, compile_flag, args=None, steps=8):
-    """Run the tiny 8-step config (or ``args``, ``steps`` steps) from a copy of the trainer in ``tree``;
-    dict(log, tree, text, val): its log path, the folder with the code it ran, the log's text and its
-    final val loss as printed."""
-    for name in H.SOURCE_FILES:
-        shutil.copyfile(os.path.join(REPO, name), tree / name)
-    args = args or tiny_args(tree, "--val-every", "0")
+def tiny_run(tree, run_id, compile_flag, steps=8):
+    """Run the tiny 8-step config from a copy of the trainer in ``tree`` (``trainer_copy``); dict(log, tree, text,
+    val): its log path, the folder with the code it ran, the log's text and its final val loss as printed."""
+    trainer_copy(tree)
+    args = tiny_args(tree, "--val-every", "0")
     cmd = [sys.executable, str(tree / "train_gpt.py"), *args, "--device", "cpu", compile_flag, "--run-id", run_id]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(subprocess_env(), OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=1800)
@@ -58,17 +58,6 @@ def tiny_run(tree, run_id, compile_flag, args=None, steps=8):
 def tiny(tmp_path_factory):
     """The tiny run, eager (``tiny_run``)."""
     return tiny_run(tmp_path_factory.mktemp("tiny"), "tiny", "--no-compile")
-
-
-@pytest.fixture(scope="session")
-def smoke(tmp_path_factory):
-    """2 steps of the cpu_smoke preset (record #89's recipe with --objectives: the prefix-token table
-    reads data/gpt2_bpe/encoder.json), val at steps 0 and 2 on 1,536 tokens (``tiny_run``)."""
-    tree = tmp_path_factory.mktemp("smoke")
-    shutil.copytree(os.path.join(REPO, "data", "gpt2_bpe"), tree / "data" / "gpt2_bpe")  # what the code reads
-    args = ["--preset", "cpu_smoke", *sample_args(), "--max-steps", "2", "--val-every", "2", "--val-tokens", "1536",
-            "--log-dir", str(tree / "logs"), "--checkpoint-dir", str(tree / "ckpt")]
-    return tiny_run(tree, "smoke", "--no-compile", args, steps=2)
 
 
 @pytest.fixture(scope="session")
@@ -208,20 +197,19 @@ def test_gpu_log_shows_losses_without_judging_them_unless_tol_is_given(tiny, tmp
     assert "train losses NOT reproduced within 0.01" in proc.stdout
 
 
-def test_an_objectives_log_reruns_from_a_folder_outside_the_repository(smoke, tmp_path):
+def test_a_log_reruns_from_a_folder_outside_the_repository_with_gpt2s_tokenizer(tiny, tmp_path):
     # the rerun's code lies in a temp folder: GPT-2's encoder.json (the prefix-token table) must be found
-    assert '"objectives": true' in smoke["text"] and "data tokenizer: data/gpt2_bpe/encoder.json " in smoke["text"]
+    assert "data tokenizer: data/gpt2_bpe/encoder.json " in tiny["text"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = run_verify(smoke, smoke["log"], "--rerun", 6, cwd=elsewhere)
+    proc = run_verify(tiny, tiny["log"], "--rerun", 2, cwd=elsewhere)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "covers steps 0..2 of 2, the whole run" in proc.stdout
-    assert f"val_loss at step 2: logged {smoke['val']}, rerun {smoke['val']}, diff 0.00e+00: reproduced" in proc.stdout
+    assert "covers steps 0..2 of 8 only" in proc.stdout and "train losses reproduced within 0.0001" in proc.stdout
     # a tokenizer that is not GPT-2's is refused in one line naming the file
     bad = tmp_path / "bad_repo"
-    shutil.copytree(smoke["tree"], bad, ignore=shutil.ignore_patterns("logs", "ckpt"))
+    shutil.copytree(tiny["tree"], bad, ignore=shutil.ignore_patterns("logs", "ckpt"))
     (bad / "data" / "gpt2_bpe" / "encoder.json").write_text("{}")
-    proc = run_verify(dict(smoke, tree=bad), smoke["log"], "--rerun", 1, cwd=elsewhere)
+    proc = run_verify(dict(tiny, tree=bad), tiny["log"], "--rerun", 1, cwd=elsewhere)
     assert proc.returncode == 1 and "encoder.json: not GPT-2's encoder.json" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -524,14 +512,15 @@ def config_line_number(path):
 
 
 @pytest.mark.parametrize("name, sub, says", [
-    ("not_json.txt", (r'^(config: \{.*"n_layer": \d+),', r"\1"),
+    ("not_json.txt", (r'^(config: \{.*"num_iterations": \d+),', r"\1"),
      "the config line is not valid JSON (Expecting ',' delimiter at column "),
-    ("missing.txt", (r'^(config: \{.*)"n_layer": \d+, ', r"\1"),
-     "the config line lacks n_layer, which the logged code's Config has (a rerun would take its default)"),
+    ("missing.txt", (r'^(config: \{.*)"num_iterations": \d+, ', r"\1"),
+     "the config line lacks num_iterations, which the logged code's Config has (a rerun would take its default)"),
     ("unknown.txt", (r"^config: \{", 'config: {"zeta": 1, "alpha": 2, '),
      "the config line has alpha, zeta, which the logged code's Config lacks (a rerun would ignore them)"),
-    ("null.txt", (r'^(config: \{.*"n_layer": )\d+', r"\1null"),
-     "the config line holds null for n_layer, which the logged code never writes (a rerun would take its default)"),
+    ("null.txt", (r'^(config: \{.*"num_iterations": )\d+', r"\1null"),
+     "the config line holds null for num_iterations, which the logged code never writes (a rerun would take its "
+     "default)"),
 ])
 def test_a_damaged_config_line_is_one_error_line_naming_the_log_line_and_what_is_wrong(tiny, tmp_path, name, sub,
                                                                                       says):
@@ -545,11 +534,11 @@ def test_a_damaged_config_line_is_one_error_line_naming_the_log_line_and_what_is
 
 
 def test_a_not_json_config_line_names_the_column_of_the_fault(tiny, tmp_path):
-    bad = edited(tiny, tmp_path, "bad.txt", (r'^(config: \{.*"n_layer": \d+),', r"\1"))
+    bad = edited(tiny, tmp_path, "bad.txt", (r'^(config: \{.*"num_iterations": \d+),', r"\1"))
     line = bad.read_text().splitlines()[config_line_number(bad) - 1]
     column = int(re.search(r"at column (\d+)\)", run_verify(tiny, bad, "--rerun", 1, timeout=120).stderr)[1])
     assert line[column - 1:].startswith('"') and line[:column - 1].rstrip().endswith(re.search(
-        r'"n_layer": \d+', line)[0])  # the 1-based column of the key after n_layer's value, where ',' is missing
+        r'"num_iterations": \d+', line)[0])  # the 1-based column of the key after its value, where ',' is missing
 
 
 def test_every_committed_log_holds_exactly_its_logged_codes_config_fields():
@@ -568,38 +557,6 @@ def test_every_committed_log_holds_exactly_its_logged_codes_config_fields():
     assert checked > 200
 
 
-# ----------------------------------------------------------------------------------------------
-# --resume-force continuations: the logged config made the steps before them only
-
-def test_resume_force_continuations_limit_the_rerun_and_two_of_them_fail(tmp_path, monkeypatch):
-    """A run resumed from step 2 with another lr (--resume-force) into its own log, then once more with a
-    third lr: the log holds two histories of steps 3..8. verify fails it, naming both; the log cut
-    before the second continuation passes, its rerun judging steps 0..2 only (what its config made).
-    Today's trainer refuses such continuations (harness.check_forced_log); earlier code wrote them."""
-    monkeypatch.setattr(H, "check_forced_log", lambda path, step: None)
-
-    def run(*extra):
-        return T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "c", *extra))
-    assert run("--max-steps", "4", "--save-every", "2") == 0
-    ckpt = str(tmp_path / "ckpt" / "c" / "step_000002.pt")
-    assert run("--resume", ckpt, "--resume-force", "--matrix-lr", "0.1") == 0
-    assert run("--resume", ckpt, "--resume-force", "--matrix-lr", "0.2") == 0
-    log = tmp_path / "logs" / "c.txt"
-    both = run_verify(dict(tree=REPO), log, "--rerun", 8)
-    assert both.returncode == 1 and both.stdout.strip().endswith("FAILED"), both.stdout + both.stderr
-    [line] = [ln for ln in both.stdout.splitlines() if ln.startswith("FAIL log: ")]
-    assert "both log steps 3..8" in line and "matrix_lr: checkpoint" in line and "now 0.1 /" in line, line
-    lines = log.read_text().splitlines(keepends=True)
-    second = max(i for i, ln in enumerate(lines) if ln.startswith("resume_force: continuing"))
-    one = tmp_path / "one.txt"
-    one.write_text("".join(lines[:second]))
-    proc = run_verify(dict(tree=REPO), one, "--rerun", 8)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rerun: the run continues from step 2 under --resume-force" in proc.stdout
-    assert "covers steps 0..2 of 8 only" in proc.stdout and "summary" not in proc.stdout.split("covers", 1)[1].split(
-        "\n", 1)[1]
-
-
 def test_a_rerun_shorter_than_the_logs_train_loss_interval_names_the_k_that_works():
     """The study's logs write a train loss every 5 steps: --rerun 2 has nothing to compare, and says which K has."""
     log = os.path.join(REPO, "records", "cpu", "2026-12-03_small_scale_89", "baseline89", "baseline89_o0_seed0.txt")
@@ -609,15 +566,89 @@ def test_a_rerun_shorter_than_the_logs_train_loss_interval_names_the_k_that_work
            "or more" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_a_log_that_begins_at_another_runs_checkpoint_under_resume_force_is_not_rerun(tmp_path):
-    """Run d starts from run c's step-2 checkpoint with another lr: its config line is d's, steps 1..2 are c's;
-    a rerun from step 0 under d's config would check nothing of d's, and says so (exit 1), naming c's log."""
-    assert T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "c", "--max-steps", "2", "--save-final")) == 0
-    ckpt = str(tmp_path / "ckpt" / "c" / "step_000002.pt")
-    assert T.main(tiny_args(tmp_path, "--no-compile", "--run-id", "d", "--resume", ckpt, "--max-steps", "2",
-                            "--resume-force", "--matrix-lr", "0.1")) == 0
-    proc = run_verify(dict(tree=REPO), tmp_path / "logs" / "d.txt", "--rerun", 4)
-    assert proc.returncode == 1 and proc.stdout.strip().endswith("FAILED"), proc.stdout + proc.stderr
-    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("rerun: ")]
-    assert line.startswith("rerun: skipped: the log begins at the checkpoint of step 2 under --resume-force"), line
-    assert "verify the log of the run that wrote that checkpoint (steps 0..2)" in line
+# ----------------------------------------------------------------------------------------------
+# every era of the trainer: a log under records/ re-runs from its own snapshot (the smallest log of each era, whose
+# trainer API -- its snapshot's files, where SOURCE_FILES and config_to_argv live, its Config fields -- differs)
+
+CPU = os.path.join(REPO, "records", "cpu")
+ERAS = {  # era: (log, K: the first logged train loss or a few steps, its Config's field count, snapshot files)
+    "2026-11-29 cpu_smoke, record #21's recipe": (
+        os.path.join(CPU, "2026-11-29_cpu_smoke_no_tst", "no_tst_seed0.txt"), 3, 54, 2),
+    "2026-11-29 data orders": (os.path.join(CPU, "2026-11-29_small_scale_orders", "muon", "muon_o0_seed1.txt"), 5, 65, 2),
+    "2026-11-30 record #21 cost study": (os.path.join(CPU, "2026-11-30_small_scale_cost", "cur_seed1.txt"), 5, 66, 2),
+    "2026-12-01 model #89 flags": (
+        os.path.join(CPU, "2026-12-01_small_scale_model89", "aurora", "aurora_o0_seed0.txt"), 5, 92, 4),
+    "2026-12-03 study of record #89's recipe": (
+        os.path.join(CPU, "2026-12-03_small_scale_89", "aurora", "aurora_o0_seed0.txt"), 5, 99, 4),
+}
+
+
+def shared_realtext():
+    """The folder above which ``shared/data/realtext`` lies (the corpus the 2026-11-29 logs trained on, outside the
+    repository: CI has it at ../shared), or None."""
+    d = REPO
+    while os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+        if os.path.isdir(os.path.join(d, "shared", "data", "realtext")):
+            return os.path.join(d, "shared")
+    return None
+
+
+def test_the_eras_are_every_trainer_api_under_records():
+    """Every log under records/ was made by a trainer whose Config has one of the eras' field counts (a new era
+    needs a log in ERAS), and each era's log is the smallest of its snapshot."""
+    fields, smallest = {}, {}
+    for d, _, names in os.walk(CPU):
+        for name in (n for n in names if n.endswith(".txt")):
+            path = os.path.join(d, name)
+            sources, _, _ = verify.extract(verify.read_log_lines(path))
+            if sources:
+                code = tuple(sorted(verify.sha256(t) for t in sources.values()))
+                fields.setdefault(len(verify.config_fields(sources)), set()).add(code)
+                smallest[code] = min(smallest.get(code, (math.inf, "")), (os.path.getsize(path), path))
+    assert sorted(fields) == sorted(n for _, _, n, _ in ERAS.values()), (
+        f"Config field counts under records/: {sorted(fields)}; a new era of the trainer needs its smallest log in ERAS")
+    for log, _, n, files in ERAS.values():
+        sources, _, _ = verify.extract(verify.read_log_lines(log))
+        code = tuple(sorted(verify.sha256(t) for t in sources.values()))
+        assert len(verify.config_fields(sources)) == n and len(sources) == files and smallest[code][1] == log
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_a_log_of_each_era_reruns_from_its_own_snapshot(era, tmp_path):
+    log, k, _, files = ERAS[era]
+    extra = []
+    if "cpu_smoke" in era:  # its data globs are ../shared/data/realtext/*, relative to where it was launched
+        shared = shared_realtext()
+        if shared is None:
+            pytest.skip("no shared/data/realtext above the repository (the corpus of the 2026-11-29 logs)")
+        extra = ["--run-dir", shared]  # <shared>/../shared/data/realtext is the logged glob
+    # --tol: the losses within 2e-3 (another CPU model drifts ~1e-4 by step 5), so no second rerun measures the drift
+    proc = run_verify(dict(tree=REPO), log, "--rerun", k, "--tol", "2e-3", *extra)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+    assert "note: the log was made by other code than this working tree's; the rerun runs the log's own code" in out
+    assert f"covers steps 0..{k} of " in out and "val_loss at step 0: logged 10.8" in out and "reproduced" in out
+    assert re.search(r"train losses reproduced within 0.002 \([1-9]\d* step\(s\) compared\)", out), out[-2000:]
+    assert out.rstrip().endswith("OK")
+    src = tmp_path / "src"  # --extract writes the code that ran, byte for byte (each file's sha256 is its header's)
+    proc = run_verify(dict(tree=REPO), log, "--extract", src)
+    assert proc.returncode == 0 and len(os.listdir(src)) == files, proc.stdout + proc.stderr
+    headers = dict(re.findall(r"^### file (\S+) lines=\d+ sha256=([0-9a-f]{64})$", open(log).read(), re.M))
+    assert {n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in os.listdir(src)} == headers
+
+
+def test_a_log_of_the_lean_trainer_reruns_and_verify_reads_its_lines(tiny):
+    """The log of today's trainer (the tiny fixture): the header lines verify and compare read, and a full rerun."""
+    lines = verify.read_log_lines(tiny["log"])
+    sources, problems, rest = verify.extract(lines)
+    assert problems == [] and list(sources) == list(__import__("harness").SOURCE_FILES)
+    head = [ln.split(":", 1)[0] for ln in lines[rest + 1:] if not ln.startswith(("step:", "compile:"))][:16]
+    assert {"python", "world_size", "command", "git", "preset", "config", "data train", "data val",
+            "data tokenizer", "model"} <= set(head), head
+    assert [k for k, _ in verify.data_fingerprints(lines, rest)] == ["data train"] * 3 + ["data val", "data tokenizer"]
+    assert verify.logged_config(lines, rest, sources)["model"] == "tiny"
+    assert lines[-1].startswith("status:complete") and any(ln.startswith("summary: final_val_loss:") for ln in lines)
+    run = verify.parse_lines(lines)
+    assert [p["step"] for p in run.val] == [0, 8] and len(run.train) == 8
+    assert all(p["phase"] == 2 and p["tokens"] > 0 for p in run.train) and run.val[-1]["flops"] == run.flops > 0
