@@ -11,26 +11,34 @@ Sections, in this order (each starts only while the budget leaves it room; every
    --steps steps covering every stage of the stage table, both TST phases and both sides of the head's
    untie, a 262,144-token val chunk at the start and the end; per stage the median ms/step without its
    first two steps, tokens/s, MFU, memory, the full run's time projected stage by stage; each warm-up
-   item's compile time goes into the JSON as the trainer logs it (a run cut short says how far it got);
+   item's compile time goes into the JSON as the trainer logs it (a run cut short says how far it got).
+   On a box with N >= 2 GPUs (--nproc: the largest of 2, 4, 8 it has) each timing run is the trainer under
+   torchrun with N processes, and after the first one its ranks' warm-up skew (the trainer's log line) and a
+   communication profile: the same preset again under torchrun, steps 4-6 under torch.profiler on every rank,
+   each collective's NCCL kernel time (reduce-scatter, all-gather, all-reduce) per step and share of the step
+   (bench/gpu_comm.py);
 3. kernel agreement (float32 or FP8, random inputs): fp8_linear vs float64 at current scales and at the
    presets' fixed head and delayed down-projection scales (record shapes on CUDA), the two FP8 head-gradient
    layouts timed (CUDA), FlexAttention vs masked SDPA, the trainer's loss vs float64, and on the check model
    (the smoke model's layer roles at 64 wide: CHECK_MODEL) FlexAttention vs SDPA and compiled vs eager (CUDA);
-4. a one-step torch.profiler breakdown and max_memory_reserved;
-5. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
+   then a one-step torch.profiler breakdown and max_memory_reserved; then on CUDA FlexAttention's TRITON and
+   FLASH backends at the record's attention shapes (forward and forward + backward ms, difference vs SDPA);
+4. trainer agreement runs of the check model: CPU fp32 vs device fp32, bf16 vs fp32, and bf16 + FP8
    vs bf16 where the GPU has FP8 (compute capability 8.9+; else said skipped);
-6. report: three files in $OUT (else --out), the JSON and the logs' archive rewritten after every
+5. report: three files in $OUT (else --out), the JSON and the logs' archive rewritten after every
    section and while a run is waited for (a kill keeps what was measured): gpu_check.json,
    gpu_check_summary.txt, gpu_check_logs.tar.gz; the summary (<= 3,000 characters: timing, PASS/FAIL,
-   what was cut) printed last. Issue 46's rows (triton vs flash attention; reduce-scatter, all-gather and
-   all-reduce shares) are named in the JSON, not run yet (``pending_rows``).
+   what was cut) printed last. Issue 46's rows (``attention_backends``, ``communication``) are in the JSON
+   whatever ran, each saying why when it did not (``pending_rows``: on the CPU, on one GPU).
 Exit status: 0 all passed, 1 an agreement check failed, 2 anything else (crash, budget, missing phase).
 Details (what to read, tolerances, the projection, where the time goes): docs/GPU_CHECK.md.
 """
 import argparse
 import collections
 import datetime
+import functools
 import getpass
+import glob
 import json
 import os
 import platform
@@ -51,8 +59,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from _paths import REPO  # noqa: E402
+from _paths import BENCH, REPO, use  # noqa: E402
+use(BENCH)  # this folder's tools by name, however this module was imported
 TRAINER = os.path.join(REPO, "train_gpt.py")
+import gpu_kernels  # noqa: E402 -- the in-process checks (run as a subprocess; here: why a row cannot run)
+from gpu_comm import COLLECTIVES, communication_rows  # noqa: E402 -- the torchrun profile's rows
 from data.shard_format import EOT_TOKEN, write_shard  # noqa: E402 -- the one shard writer
 from records.compare import parse_step_line  # noqa: E402 -- the one step-line parser
 try:  # a broken trainer must not stop the environment and device checks from reporting
@@ -140,21 +151,60 @@ FP32_POLAR = ("import aurora_opt, torch; "
 LAUNCH = "import sys, train_gpt; sys.exit(train_gpt.main(sys.argv[2:]))"  # argv: -c, train_gpt.py, ARGV
 
 
+def torchrun_procs(n_gpus):
+    """Processes of the timing runs on a box with ``n_gpus`` GPUs: the largest of 2, 4, 8 it has (a step's 8
+    sequences split evenly, as run.sh), else 1 (no torchrun)."""
+    return max((n for n in (2, 4, 8) if n <= n_gpus), default=1)
+
+
+def trainer_command(argv, patches=(), nproc=1):
+    """The command of one trainer run: ``python -u train_gpt.py ARGV``, or with ``patches`` (statements run first in
+    the trainer's process) ``python -u -c "PATCHES; LAUNCH" train_gpt.py ARGV``; with ``nproc`` > 1 the same under
+    ``python -m torch.distributed.run --standalone --nproc_per_node=N`` (the trainer's own launch, run.sh's; patched:
+    torchrun's --no-python starting ``python -u -c ...`` in each process)."""
+    launch = ["-c", "; ".join([*patches, LAUNCH])] if patches else []
+    if nproc <= 1:
+        return [sys.executable, "-u", *launch, TRAINER, *argv]
+    torchrun = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if not patches:
+        return [*torchrun, TRAINER, *argv]  # torchrun starts ``python -u train_gpt.py ARGV`` itself
+    return [*torchrun, "--no-python", sys.executable, "-u", *launch, TRAINER, *argv]
+
+
+def descendants(pid):
+    """Process ids of ``pid``'s children, their children, ... (Linux ``/proc``; [] elsewhere or once gone)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for path in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(path, encoding="ascii") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 class TrainerRun:
-    """``python -u train_gpt.py ARGV`` in its own process group; its output is echoed with a prefix.
+    """``python -u train_gpt.py ARGV`` (``trainer_command``) in its own process group; its output is echoed with a
+    prefix.
 
     ``wait(deadline)`` stops it at ``deadline`` (``time.monotonic()`` seconds): SIGTERM to its
-    group (the trainer then closes its log as incomplete), SIGKILL 20 s later if needed.
+    group (the trainer then closes its log as incomplete; torchrun passes it to its processes), SIGKILL 20 s later
+    if needed, to torchrun's processes too (each leads its own session).
     ``on_line(line)``: called with each console line as it comes (from the reader thread).
     ``patches``: statements run before the trainer in its process (``EAGER_BACKEND``, ``FP32_POLAR``).
+    ``nproc``: processes under torchrun (1: none); the console is rank 0's, the log is rank 0's.
     """
 
     running = []  # runs not yet waited for, stopped on Ctrl-C
     STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL this long after
 
-    def __init__(self, name, argv, out_dir, echo=True, on_line=None, patches=()):
+    def __init__(self, name, argv, out_dir, echo=True, on_line=None, patches=(), nproc=1):
         self.name, self.argv, self.echo, self.on_line = name, list(argv), echo, on_line
-        self.patches = list(patches)
+        self.patches, self.nproc = list(patches), nproc
         self.log_dir = os.path.join(out_dir, "logs")
         self.console_path = os.path.join(self.log_dir, f"{name}.console.txt")
         self.proc, self.rc, self.timed_out, self.wall_s, self.stop_at_s = None, None, False, 0.0, None
@@ -166,8 +216,7 @@ class TrainerRun:
             path = os.path.join(self.log_dir, self.name + ext)
             if os.path.exists(path):
                 os.remove(path)
-        launch = ["-c", "; ".join([*self.patches, LAUNCH])] if self.patches else []
-        cmd = [sys.executable, "-u", *launch, TRAINER, *self.argv]
+        cmd = trainer_command(self.argv, self.patches, self.nproc)
         print(f"[{self.name}] $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
         self.t0 = time.monotonic()
         self.console = open(self.console_path, "w", encoding="utf-8")
@@ -209,12 +258,18 @@ class TrainerRun:
 
     def stop(self):
         if self.proc.poll() is None:
+            workers = descendants(self.proc.pid) if self.nproc > 1 else []  # torchrun's: each its own session
             self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=self.STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()
+            for pid in workers:  # none outlives the run (a GPU held by one would fail the next section)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def wait(self, deadline):
         try:
@@ -283,6 +338,14 @@ GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+)
 COMPILE_RE = re.compile(r"^compile: warm-up took (\d+)ms \(not in train_time\), (\d+) graph")
 PLAN_RE = re.compile(r"^compile: warm-up plan: (\d+) model graph keys?, (\d+) optimizers?")
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
+# several processes: each rank's warm-up time, gathered after the warm-up (the ranks meet at the first collective)
+SKEW_RE = re.compile(r"^compile: warm-up per rank (\d+)-(\d+)ms, skew (\d+)ms \(--dist-timeout ([0-9.]+)s\)")
+
+
+def skew_of(m):
+    """The warm-up's spread over ranks (``SKEW_RE``'s match): {min_ms, max_ms, skew_ms, dist_timeout_s}."""
+    return dict(min_ms=int(m.group(1)), max_ms=int(m.group(2)), skew_ms=int(m.group(3)),
+                dist_timeout_s=float(m.group(4)))
 
 
 def graph_item(m):
@@ -302,12 +365,13 @@ def parse_log(text):
     Returns dict ``train`` (list of {step, loss, train_time_ms, phase, tokens}), ``val`` (list of {step, loss,
     loss_tst}), ``compile_ms`` (the warm-up's total, float or None), ``warm_up_graphs`` (graphs it compiled, or
     None), ``warm_up_plan`` (``plan_of``, or None), ``switch_step`` (int or None), ``status`` (the ``status:``
-    line), ``compile_graphs`` (the warm-up's items: {what, ms, graphs}). ``train_time_ms`` is ``step_avg * step``
-    (0.01 ms resolution per step) rather than the integer ``train_time`` field.
+    line), ``compile_graphs`` (the warm-up's items: {what, ms, graphs}), ``warm_up_skew`` (``skew_of``: several
+    processes, or None). ``train_time_ms`` is ``step_avg * step`` (0.01 ms resolution per step) rather than the
+    integer ``train_time`` field.
     """
     body = text.split(SEPARATOR + "\n", 1)[1] if SEPARATOR and SEPARATOR + "\n" in text else text
     out = dict(train=[], val=[], compile_ms=None, warm_up_graphs=None, warm_up_plan=None, switch_step=None,
-               status=None, compile_graphs=[])
+               status=None, compile_graphs=[], warm_up_skew=None)
     for line in body.splitlines():
         parsed = parse_step_line(line)
         if parsed:
@@ -327,6 +391,8 @@ def parse_log(text):
             out["warm_up_plan"] = plan_of(m)
         elif m := SWITCH_RE.match(line):
             out["switch_step"] = int(m.group(1))
+        elif m := SKEW_RE.match(line):
+            out["warm_up_skew"] = skew_of(m)
         elif line.startswith("status:"):
             out["status"] = line.split()[0].split(":", 1)[1]
     return out
@@ -923,15 +989,18 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
 
     ``end``: ``time.monotonic()`` at which the run is stopped. ``live``: its entry of the report, kept up to date
     while it runs (``note_progress``) and completed in place with the results (returned). ``window``: its entry of
-    the report's timing window (``started_s`` given; ``stopped_s``, ``cut_short`` set here).
+    the report's timing window (``started_s`` given; ``stopped_s``, ``cut_short`` set here). With ``args.nproc`` > 1
+    the run is under torchrun (rank 0's log and clock; MFU against that many GPUs' rates).
     """
     base, argv = timing_argv(args, preset, data, device.type, out_dir)
     if T is None:
         raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = config_of(argv)
+    T.grad_accum_steps(cfg, args.nproc)  # ConfigError naming what divides a step, before any process starts
     table = T.Schedule(cfg)
     run = TrainerRun(f"timing_{preset}", argv, out_dir, on_line=lambda line: note_progress(live, line, run.t0),
-                     patches=[REGISTER_CHECK] * args.dry_run + [EAGER_BACKEND] * eager_backend(args, preset))
+                     patches=[REGISTER_CHECK] * args.dry_run + [EAGER_BACKEND] * eager_backend(args, preset),
+                     nproc=args.nproc)
     res = run.start().wait(end)  # stopping it (SIGTERM, 20 s, SIGKILL) and the report fit in the reserve
     window.update(stopped_s=round(window["started_s"] + res["wall_s"], 1), cut_short=res["timed_out"])
     if len(res["compile_graphs"]) < len(live["compile_graphs"]):  # a killed trainer's log may miss its last lines
@@ -939,8 +1008,9 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
     for g, seen in zip(res["compile_graphs"], live["compile_graphs"]):  # when each item's line came
         if g["what"] == seen["what"]:
             g["at_s"] = seen["at_s"]
-    matmul = (micro or {}).get("matmul", {}).get("tflops")
-    nominal = env.get("nominal_bf16_tflops") if env else None
+    per_gpu = lambda rate: rate * args.nproc if rate else None  # noqa: E731 -- a step's FLOPs are all ranks'
+    matmul = per_gpu((micro or {}).get("matmul", {}).get("tflops"))
+    nominal = per_gpu(env.get("nominal_bf16_tflops") if env else None)
     rows = step_times(res["train"], lambda i: (table[i].flops_per_position * table[i].stage.batch_tokens,
                                                table[i].stage.batch_tokens))
     for r in rows:
@@ -950,7 +1020,7 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
               for st in table.stages}
     s = res["summary"] or {}
     kept = ("name", "argv", "rc", "timed_out", "wall_s", "stop_at_s", "log", "status")
-    out = dict(run={k: res[k] for k in kept},
+    out = dict(run={k: res[k] for k in kept}, nproc=args.nproc, warm_up_skew=res["warm_up_skew"],
                preset=preset, steps_requested=args.steps, steps_logged=len(rows),
                switch_step=res["switch_step"], compile_time_ms=s.get("compile_time_ms", res["compile_ms"]),
                warm_up_graphs=res["warm_up_graphs"], warm_up_plan=res["warm_up_plan"] or live.get("warm_up_plan"),
@@ -1027,9 +1097,25 @@ def check_rows(res):
                  ("correct", "  max |loss diff| (tolerance)", f"{fmt(c['max_abs_diff'])} ({c['tol']})", "")]
     if not cc.get("checks"):
         rows.append(("correct", "trainer agreement runs", "did not run", ""))
-    for group in ("attention_backends", "communication"):  # issue 46's rows, named before they run
-        rows += [("pending", c["name"], "not run" if c["passed"] is None else c["passed"], "")
-                 for c in (res.get(group) or {}).values()]
+    for c in (res.get("attention_backends") or {}).values():  # issue 46's rows, named before they run
+        if c.get("skipped") and not c.get("ms_forward"):
+            rows.append(("pending", c["name"], "not run", ""))
+            continue
+        rows.append(("attention", f"{c['name']} vs sdpa (max rel diff; tolerance {c.get('tol')})",
+                     f"{'PASS' if c['passed'] else 'FAIL' if c['passed'] is False else 'refused'} "
+                     f"{fmt(c['max_rel_diff_vs_sdpa'])}", ""))
+        rows += [("attention", f"  {shape} positions x window: forward / forward + backward",
+                  slash(ms, (c.get("ms_forward_backward") or {}).get(shape)), "ms")
+                 for shape, ms in (c.get("ms_forward") or {}).items()]
+    for c in (res.get("communication") or {}).values():
+        if c.get("skipped"):
+            rows.append(("pending", c["name"], "not run", ""))
+        elif c["name"] == "warm_up_skew":
+            rows.append(("comm", "warm-up skew between ranks (per rank min / max)",
+                         f"{fmt(c['seconds'])} ({slash(c['per_rank']['min_s'], c['per_rank']['max_s'])})", "s"))
+        else:
+            rows.append(("comm", f"{c['name']}: ms/step (share of the step), mean of {c['ranks_measured']} ranks",
+                         f"{fmt(c['ms_per_step'])} ({pct(c['share_of_step'])}%)", "ms"))
     return rows
 
 
@@ -1192,13 +1278,59 @@ def check_line(c):
             f"{note}")
 
 
-def pending_line(res):
-    """One summary line naming issue 46's rows that did not run (``pending_rows``), or None."""
-    rows = [c for group in ("attention_backends", "communication") for c in (res.get(group) or {}).values()
-            if c["passed"] is None]
+def issue46_lines(res):
+    """Summary lines of issue 46's rows: one line naming them all when none ran on the CPU, else FlexAttention's
+    backends (``attention_lines``) and the communication profile (``communication_lines``)."""
+    rows = [c for group in ("attention_backends", "communication") for c in (res.get(group) or {}).values()]
     if not rows:
-        return None
-    return f"  {rows[0]['skipped'].split(':')[0]} (issue 46): {', '.join(c['name'] for c in rows)}"
+        return []
+    if all((c.get("skipped") or "").startswith("not run on the CPU") for c in rows):
+        return [f"  not run on the CPU (issue 46): {', '.join(c['name'] for c in rows)}"]
+    return attention_lines(res) + communication_lines(res)
+
+
+def attention_lines(res):
+    """FlexAttention's backends: per backend ms forward / forward + backward at each shape and the difference
+    against SDPA, or why it did not run."""
+    lines = ["ATTENTION (FlexAttention bf16, ms forward / forward + backward at positions x window; max diff vs SDPA)"]
+    for c in (res.get("attention_backends") or {}).values():
+        timed = ", ".join(f"{k}: {fmt(v)}/{fmt((c.get('ms_forward_backward') or {}).get(k))}"
+                          for k, v in (c.get("ms_forward") or {}).items())
+        if c.get("skipped"):
+            lines.append(f"  {c['backend']}: {c['skipped'][:150]}" + (f" (timed before: {timed})" if timed else ""))
+            continue
+        lines.append(f"  {'PASS' if c['passed'] else 'FAIL'} {c['backend']}: {timed}; max diff "
+                     f"{fmt(c['max_rel_diff_vs_sdpa'])} (tolerance {c['tol']})")
+    return lines
+
+
+def communication_lines(res):
+    """The communication profile: per collective its NCCL ms per step and share of the step, min-max over ranks;
+    the ranks' ms/step; the warm-up's skew; or why they did not run (one line when all rows say the same)."""
+    rows = list((res.get("communication") or {}).values())
+    reasons = {c.get("skipped") for c in rows}
+    if len(reasons) == 1 and None not in reasons:
+        return [f"COMMUNICATION: {reasons.pop()[:150]}"]
+    meta = res.get("communication_run") or {}
+    first, last = meta.get("profiled_steps") or (None, None)
+    lines = [f"COMMUNICATION ({meta.get('world', '?')} GPUs, torchrun; {meta.get('preset', '')} steps {first}-{last} "
+             f"profiled; NCCL kernel ms a step, min-max over ranks, and share of the step)"]
+    per_rank = [v for v in (meta.get("per_rank_ms_per_step") or {}).values() if v is not None]
+    if per_rank:
+        other = max((v for v in (meta.get("other_nccl_ms_per_step") or {}).values() if v), default=0.0)
+        lines.append(f"  ms/step per rank (profiled): {fmt(min(per_rank))}-{fmt(max(per_rank))}"
+                     + (f"; other NCCL kernels up to {fmt(other)} ms a step (names in the ranks' files)"
+                        if other >= 0.01 else ""))
+    for c in rows:
+        if c.get("skipped"):
+            lines.append(f"  {c['name']}: {c['skipped'][:150]}")
+        elif c["name"] == "warm_up_skew":
+            lines.append(f"  warm-up skew {fmt(c['seconds'])} s between ranks ({fmt(c['per_rank']['min_s'])}-"
+                         f"{fmt(c['per_rank']['max_s'])} s; --dist-timeout {c['dist_timeout_s']:g} s)")
+        else:
+            ms, share = c["spread"]["ms_per_step"], c["spread"]["share_of_step"] or [None, None]
+            lines.append(f"  {c['name']}: {fmt(ms[0])}-{fmt(ms[1])} ms ({pct(share[0])}-{pct(share[1])}%)")
+    return lines
 
 
 def short_summary(res):
@@ -1208,7 +1340,9 @@ def short_summary(res):
     lines = [f"==== gpu_check summary: {res['mode']}, {env.get('gpu') or env.get('cpu')}, torch {env.get('torch')}, "
              f"compile {'on' if str(env.get('compile', '')).startswith('on') else 'off'}, inductor cache warm before: "
              f"{fmt(env.get('inductor_cache_warm'))} ====",
-             f"TIMING (until {tw['timing_until_s']:.0f} s of {tw['budget_s']:.0f}, the last {tw['reserve_s']:.0f} s "
+             "TIMING" + (f" on {res['args']['nproc']} GPUs under torchrun, rank 0's clock, MFU per GPU"
+                         if (res["args"].get("nproc") or 1) > 1 else "")
+             + f" (until {tw['timing_until_s']:.0f} s of {tw['budget_s']:.0f}, the last {tw['reserve_s']:.0f} s "
              f"the report's; ms/step: stage median without its first {DROP_FIRST_STEPS} steps; MFU vs matmul "
              f"{m.get('tflops')} TFLOP/s / datasheet)"]
     for preset in res["args"]["presets"]:
@@ -1218,7 +1352,7 @@ def short_summary(res):
     lines.append("CHECKS")
     agreement = ((res.get("correctness") or {}).get("checks") or {}).values()
     lines += [check_line(c) for c in list((res.get("kernels") or {}).values()) + list(agreement)]
-    lines += [line for line in [pending_line(res)] if line]
+    lines += issue46_lines(res)
     cut = list(res.get("skipped") or [])
     cut += [f"timing {p} stopped at the budget ("
             + ("in its warm-up" if not tm.get("steps_logged") else f"after {tm['steps_logged']} steps") + ")"
@@ -1274,8 +1408,9 @@ RESERVE_S = (30.0, 45.0)
 # Seconds a later section needs at least to start (dry run, CUDA): a section that would not fit is
 # skipped and named in the report. The kernel checks and the profile run as one subprocess stopped
 # at the deadline, so no section outlives the budget. On CUDA they compile FlexAttention and the
-# check model (cold: ~1-2 min): they run only in what the timing runs left.
-MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0)}
+# check model (cold: ~1-2 min): they run only in what the timing runs left. The communication profile (several
+# GPUs only: never in a dry run) starts the first preset again on every GPU, its compile cache warm.
+MIN_SECTION_S = {"kernels": (20.0, 100.0), "agreement": (40.0, 60.0), "communication": (60.0, 90.0)}
 
 
 def min_budget_s(cuda):
@@ -1295,14 +1430,15 @@ def profile_config(preset, device):
 
 
 def kernels_and_profile(device, args, out_dir, deadline):
-    """Kernel agreement checks, then the one-step profile (``bench/gpu_kernels.py``), stopped at ``deadline``.
+    """Kernel agreement checks, then the one-step profile, then on CUDA FlexAttention's backends
+    (``bench/gpu_kernels.py``), stopped at ``deadline``.
 
     Args:
         device: torch.device they run on. args: this script's arguments (--dry-run, --preset).
         out_dir: where ``kernels.json`` is written. deadline: ``time.monotonic()`` seconds.
 
     Returns:
-        ``(kernels, profile)``: what the subprocess wrote (either may be None if cut short).
+        ``(kernels, profile, attention_backends)``: what the subprocess wrote (any may be None if cut short).
 
     Raises:
         RuntimeError: it failed without writing any result.
@@ -1310,7 +1446,8 @@ def kernels_and_profile(device, args, out_dir, deadline):
     path = os.path.join(out_dir, "kernels.json")
     if os.path.exists(path):
         os.remove(path)
-    cmd = [sys.executable, "-u", KERNELS, "--device", str(device), "--json", path, "--preset", args.presets[0]]
+    cmd = [sys.executable, "-u", KERNELS, "--device", str(device), "--json", path, "--preset", args.presets[0],
+           "--parts", "kernels,profile" + ",attention" * (device.type == "cuda")]
     proc = subprocess.Popen(cmd + (["--dry-run"] if args.dry_run else []), cwd=REPO, env=child_env(),
                             start_new_session=True)
     try:
@@ -1332,7 +1469,7 @@ def kernels_and_profile(device, args, out_dir, deadline):
             out = json.load(f)
     if not out and proc.returncode != 0:
         raise RuntimeError(f"bench/gpu_kernels.py exit status {proc.returncode} before any result")
-    return out.get("kernels"), out.get("profile")
+    return out.get("kernels"), out.get("profile"), out.get("attention_backends")
 
 
 def timing_need_s(prev):
@@ -1341,31 +1478,136 @@ def timing_need_s(prev):
     return 1.25 * ((prev or {}).get("run") or {}).get("wall_s", 0.0)
 
 
-# Issue 46's rows (8 GPUs; FlashAttention-4 through FlexAttention): named in the JSON now, filled in when the sharded
-# optimizer and --attention-backend land
+# Issue 46's rows: FlexAttention's two CUDA backends (gpu_kernels.attention_backend_check, the kernel section's last
+# part) and, on several GPUs, each collective's share of a step (gpu_comm: a profiled torchrun run of the first preset)
+# and the warm-up's skew between ranks (its timing run's log)
 ATTENTION_BACKENDS = ("triton", "flash")  # FlexAttention's own Triton kernels; its FLASH backend (flash-attn-4)
-COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")  # the sharded optimizer's two, the gradients' one
+PROFILE_WARM, PROFILE_STEPS = 3, 3  # the communication profile: steps unrecorded first (the first after the warm-up
+                                    # still grows the allocator), then recorded
 
 
-def pending_rows(device):
-    """``(attention_backends, communication)``: issue 46's rows, each ``passed`` None and ``skipped`` saying why.
+def pending_rows(device, nproc=1):
+    """``(attention_backends, communication)``: issue 46's rows before they run, each ``passed`` None and ``skipped``
+    saying why (replaced by the measurement when it runs).
 
-    attention_backends ``{backend: row}``: forward and backward ms at the record's shapes and the max relative
-    difference against masked SDPA, per backend (``--attention-backend``, issue 46 item 2). communication
-    ``{collective or "warm_up_skew": row}``: per collective ms per step and share of the step on each rank, and the
-    warm-up's skew between ranks (the same command under torchrun on N GPUs, with the sharded optimizer: items 1, 3).
+    attention_backends ``{backend: row}``: forward and forward + backward ms at the record's shapes and the max
+    relative difference against masked SDPA, per backend (``gpu_kernels.attention_backend_check``). communication
+    ``{collective or "warm_up_skew": row}``: per collective ms per step and share of the step on each rank
+    (``gpu_comm.communication_rows``), and the warm-up's skew between ranks (``skew_row``); ``nproc``: processes of
+    the timing runs (1: one GPU, nothing to communicate).
     """
     cpu = device.type != "cuda"
-    attention = ("not run on the CPU: FlexAttention's Triton and FLASH kernels need a CUDA GPU; " if cpu else
-                 "not run: ") + "the FLASH backend comes with --attention-backend (issue 46 item 2)"
-    comm = ("not run on the CPU: NCCL collectives between GPUs under torchrun; " if cpu else "not run: ") + (
-        "reduce-scatter and all-gather come with the sharded optimizer and the N-GPU timing (issue 46 items 1, 3)")
-    backends = {b: dict(name=f"attention_{b}", passed=None, skipped=attention, backend=b, ms_forward=None,
-                        ms_backward=None, max_rel_diff_vs_sdpa=None) for b in ATTENTION_BACKENDS}
+    attention = {b: _try(functools.partial(gpu_kernels.attention_unavailable, device, b))
+                 or "not run: the kernel section did not reach it (the budget, or it failed before)"
+                 for b in ATTENTION_BACKENDS}
+    comm = ("not run on the CPU: NCCL collectives between GPUs under torchrun" if cpu else
+            "not run: one GPU" if nproc <= 1 else "not run: the communication profile did not run (the budget)")
+    skew = comm if cpu or nproc <= 1 else "not run: the first timing run did not finish its warm-up"
+    backends = {b: dict(name=f"attention_{b}", passed=None, skipped=attention[b], backend=b, ms_forward=None,
+                        ms_forward_backward=None, max_rel_diff_vs_sdpa=None) for b in ATTENTION_BACKENDS}
     collectives = {c: dict(name=c, passed=None, skipped=comm, ms_per_step=None, share_of_step=None, per_rank=None)
                    for c in COLLECTIVES}
-    collectives["warm_up_skew"] = dict(name="warm_up_skew", passed=None, skipped=comm, seconds=None, per_rank=None)
+    collectives["warm_up_skew"] = dict(name="warm_up_skew", passed=None, skipped=skew, seconds=None, per_rank=None)
     return backends, collectives
+
+
+def skew_row(skew, preset):
+    """The ``warm_up_skew`` row from a timing run's ``warm_up_skew`` (``skew_of``; None: not logged, and why)."""
+    if not skew:
+        return dict(name="warm_up_skew", passed=None, seconds=None, per_rank=None, preset=preset,
+                    skipped=f"not run: the timing run of {preset} logged no per-rank warm-up line (stopped in its "
+                            f"warm-up, or not compiled)")
+    return dict(name="warm_up_skew", passed=None, skipped=None, seconds=round(skew["skew_ms"] / 1e3, 1),
+                per_rank=dict(min_s=round(skew["min_ms"] / 1e3, 1), max_s=round(skew["max_ms"] / 1e3, 1)),
+                dist_timeout_s=skew["dist_timeout_s"], preset=preset,
+                share_of_dist_timeout=round(skew["skew_ms"] / 1e3 / skew["dist_timeout_s"], 4))
+
+
+def comm_window(cfg, warm=PROFILE_WARM, steps=PROFILE_STEPS):
+    """``(warm, steps)`` of the communication profile of a run of ``cfg``: ``steps`` recorded after ``warm``, all in
+    its stage table's first stage (one graph shape) when it is long enough, else fewer (at least one)."""
+    first = T.Schedule(cfg).stages[0]
+    return warm, max(1, min(steps, first.end - warm))
+
+
+def comm_argv(args, preset, data, device_kind, out_dir):
+    """``(argv, warm, steps)``: ``preset``'s timing run (``timing_argv``: its stage table, its warm-up) stopped after
+    ``comm_window``'s steps, as run ``comm_<preset>``."""
+    _, argv = timing_argv(args, preset, data, device_kind, out_dir)
+    warm, steps = comm_window(config_of(argv)[0])
+    return argv + ["--max-steps", str(warm + steps), "--run-id", f"comm_{preset}"], warm, steps
+
+
+def profile_patch(pattern, warm, steps):
+    """The launcher patch of the communication profile (``gpu_comm.install``): each rank writes
+    ``pattern.format(rank=r)``."""
+    return (f"import sys; sys.path.insert(0, {BENCH!r}); import gpu_comm; "
+            f"gpu_comm.install({pattern!r}, {warm}, {steps})")
+
+
+def comm_profile(name, argv, nproc, warm, steps, out_dir, deadline, patches=()):
+    """Run the trainer on ``argv`` (run id ``name``) under torchrun with ``nproc`` processes, profiled
+    (``profile_patch``), until ``deadline``; the ranks' files merged into rows.
+
+    Returns:
+        ``(rows, meta)``: rows ``{collective: row}`` (``gpu_comm.communication_rows``); meta: the run (exit status,
+        wall time, log), world, profiled_steps (first, last; 1-based), per_rank_ms_per_step, warm_up_skew (this
+        run's own, its cache warm from the timing run).
+    """
+    pattern = os.path.join(out_dir, "logs", name + ".rank{rank}.json")
+    os.makedirs(os.path.dirname(pattern), exist_ok=True)
+    for r in range(nproc):  # never read a stale profile of an earlier check
+        if os.path.exists(pattern.format(rank=r)):
+            os.remove(pattern.format(rank=r))
+    run = TrainerRun(name, argv, out_dir, patches=[*patches, profile_patch(pattern, warm, steps)], nproc=nproc)
+    res = run.start().wait(deadline)
+    ranks = []
+    for r in range(nproc):
+        if os.path.exists(pattern.format(rank=r)):
+            with open(pattern.format(rank=r), encoding="utf-8") as f:
+                ranks.append(json.load(f))
+    why = ("stopped at the budget before writing its profile" if res["timed_out"] else
+           f"no profile written (trainer exit status {res['rc']}; see logs/{name}.console.txt)")
+    rows = communication_rows(ranks, nproc, why)
+    ranks.sort(key=lambda r: r["rank"])
+    meta = dict(run={k: res[k] for k in ("name", "argv", "rc", "timed_out", "wall_s", "log", "status")}, world=nproc,
+                profiled_steps=[warm + 1, warm + steps], warm_up_skew=res["warm_up_skew"],
+                per_rank_ms_per_step={r["rank"]: r["ms_per_step"] for r in ranks},
+                # NCCL kernels of no named collective (gpu_comm.collective_of): their names are in the ranks' files
+                other_nccl_ms_per_step={r["rank"]: (r.get("collectives") or {}).get("other", {}).get("ms_per_step")
+                                        for r in ranks})
+    return rows, meta
+
+
+def communication(device, data, args, preset, out_dir, deadline):
+    """Section: ``preset``'s timing run on ``args.nproc`` GPUs, a few steps profiled on every rank (``comm_profile``):
+    each collective's NCCL kernel time per step and share of the step, per rank."""
+    argv, warm, steps = comm_argv(args, preset, data, device.type, out_dir)
+    print(f"profiling steps {warm + 1}-{warm + steps} of {preset} on {args.nproc} processes (torchrun)", flush=True)
+    rows, meta = comm_profile(f"comm_{preset}", argv, args.nproc, warm, steps, out_dir, deadline)
+    return rows, dict(meta, preset=preset)
+
+
+def comm_section(section, res, device, args, data, out_dir, preset, end, room):
+    """Several GPUs, after ``preset``'s timing run: the ``warm_up_skew`` row from its log, then (if ``room``) the
+    communication profile (``communication``) into the ``communication`` rows and ``communication_run``; it leaves
+    the kernel and agreement sections their minimums when all fit, else may take the time up to ``end``."""
+    tm = res["timing"].get(preset) or {}
+    res["communication"]["warm_up_skew"] = skew_row(tm.get("warm_up_skew"), preset)
+    skew = res["communication"]["warm_up_skew"]
+    if skew["seconds"] is not None and skew["share_of_dist_timeout"] > 0.5:
+        res["warnings"].append(f"warm-up skew {skew['seconds']} s between ranks is over half of --dist-timeout "
+                               f"({skew['dist_timeout_s']:g} s): a colder or busier box may time out")
+    if not room("communication"):
+        return
+    cuda = device.type == "cuda"
+    later = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
+    comm_end = end - later if end - time.monotonic() >= MIN_SECTION_S["communication"][cuda] + later else end
+    got = section(f"communication profile ({preset} on {args.nproc} GPUs: reduce-scatter, all-gather, all-reduce)",
+                  communication, device, data, args, preset, out_dir, comm_end)
+    if got:
+        rows, res["communication_run"] = got
+        res["communication"].update(rows)
 
 
 def run_sections(section, res, device, args, data, check_data, out_dir, deadline):
@@ -1412,14 +1654,18 @@ def run_sections(section, res, device, args, data, check_data, out_dir, deadline
         else:
             live["status"] = "failed (see errors)"
             window["stopped_s"] = window["stopped_s"] or since_start()
+        if i == 0 and args.nproc > 1:  # several GPUs: the communication profile before a second timing run
+            comm_section(section, res, device, args, data, out_dir, preset, end, room)
     if room("kernels"):
         # they leave the trainer agreement runs their minimum when both fit, else take it all
         need = MIN_SECTION_S["kernels"][cuda] + MIN_SECTION_S["agreement"][cuda]
         kernels_end = end - MIN_SECTION_S["agreement"][cuda] if end - time.monotonic() >= need else end
-        both = section("kernel agreement (fp8 at current, fixed and delayed scales, the head-gradient layouts; flex "
-                       "vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs eager), one-step profile",
-                       kernels_and_profile, device, args, out_dir, kernels_end)
-        res["kernels"], res["profile"] = both or (None, None)
+        got = section("kernel agreement (fp8 at current, fixed and delayed scales, the head-gradient layouts; flex "
+                      "vs sdpa, loss vs float64; check model: flex vs sdpa, compiled vs eager), one-step profile"
+                      + ", attention backends" * cuda, kernels_and_profile, device, args, out_dir, kernels_end)
+        res["kernels"], res["profile"], attention = got or (None, None, None)
+        if attention:  # measured (CUDA): each backend's row replaces its placeholder
+            res["attention_backends"].update(attention)
     if room("agreement"):
         res["correctness"] = section("trainer agreement (cpu vs device fp32; bf16 vs fp32; bf16 + fp8 vs bf16)",
                                      correctness, device, check_data, args, out_dir, end)
@@ -1455,6 +1701,10 @@ def parse_args(argv):
                    help="torch.compile in the timing run (default: the trainer's, on with CUDA; with --dry-run the "
                         "first preset's run under Dynamo alone, backend 'eager', the others off)")
     p.add_argument("--trainer-args", default="", help="extra train_gpt.py words for the timing run and projection")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (one GPU each) of the timing runs and the communication profile, under torchrun "
+                        "when > 1: 1, 2, 4 or 8 (default: the largest of 2, 4, 8 GPUs the box has, else 1; 1 with "
+                        "--dry-run)")
     p.add_argument("--matmul-n", type=int, default=8192, help="matmul size n of the n^3 benchmark")
     p.add_argument("--correct-steps", type=int, default=CHECK_STEPS, help="steps of the agreement checks' runs")
     p.add_argument("--correct-timeout-s", type=float, default=180.0,
@@ -1477,6 +1727,9 @@ def parse_args(argv):
                 f"{' with --dry-run' if d else ''} (kernel checks, agreement runs, report); give at least that")
     explicit = any(a == "--out" or a.startswith("--out=") for a in (sys.argv[1:] if argv is None else argv))
     args.out_flag = "$OUT" if os.environ.get("OUT") and not explicit else "--out"
+    if args.nproc is not None and (args.nproc not in (1, 2, 4, 8) or (d and args.nproc != 1)):
+        p.error(f"--nproc {args.nproc}: give 1, 2, 4 or 8" + (" (the dry run times one CPU process: 1)" if d else ""))
+    args.nproc = args.nproc or (1 if d else torchrun_procs(torch.cuda.device_count()))
     if args.steps < 4 or args.correct_steps < 4:
         p.error("--steps and --correct-steps must be >= 4 (the stage table's three stages and its extension step)")
     return args
@@ -1506,7 +1759,8 @@ def final_status(res):
     (a kernel or the training runs), 2 for any other error (a run cut short by the budget among them), else 0."""
     if STOP["reason"]:
         res["errors"].append(STOP["reason"])
-    kernels_failed = [c["name"] for c in (res["kernels"] or {}).values() if c["passed"] is False]
+    kernels_failed = [c["name"] for c in [*(res["kernels"] or {}).values(), *(res.get("attention_backends") or {})
+                                          .values()] if c["passed"] is False]  # a backend off SDPA fails too
     res["errors"] += [f"kernel agreement: {n} failed" for n in kernels_failed]
     if not (res["correctness"] and res["correctness"]["passed"]):
         res["errors"] += ([f"agreement: {f}" for f in res["correctness"]["failures"]] if res["correctness"]
@@ -1518,8 +1772,27 @@ def final_status(res):
     res["status"] = "ok" if res["exit_code"] == 0 else "failed"
 
 
+def pick_device(args, res):
+    """The device checked: the CPU (--dry-run), CUDA device 0 (its errors in ``res`` when there is none: None)."""
+    if args.dry_run:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        res["errors"].append("no CUDA device visible (torch.cuda.is_available() is False); "
+                             "use --dry-run to check this script on CPU")
+        return None
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    POLL_GPU["on"] = True
+    return device
+
+
 def main(argv=None):
     args = parse_args(argv)
+    have = torch.cuda.device_count()
+    if args.nproc > max(1, have):  # before anything runs: one line, exit 2
+        fix = f"give --nproc {torchrun_procs(have)} or leave it out" if have else "run it on a GPU box (or --dry-run)"
+        print(f"gpu_check.py: --nproc {args.nproc}: this box has {have} GPU(s); {fix}", file=sys.stderr)
+        return 2
     # SIGTERM/SIGHUP (a job runner's timeout) unwind like Ctrl-C: the trainer runs, which live in
     # their own sessions, are stopped and the report is still written.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -1540,7 +1813,7 @@ def main(argv=None):
                command=" ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
                args=vars(args), errors=[], warnings=[], section_wall_s={}, env=None, microbench=None,
                correctness=None, timing={}, kernels=None, profile=None, skipped=[], attention_backends=None,
-               communication=None)
+               communication=None, communication_run=None)
     reserve = RESERVE_S[not args.dry_run]  # seconds from the check's start, below: what a cut-short run reports
     res["timing_window"] = dict(started=res["started"], budget_s=args.budget_s, reserve_s=reserve,
                                 timing_until_s=args.budget_s - reserve, runs={})
@@ -1560,20 +1833,12 @@ def main(argv=None):
             res["section_wall_s"][name] = round(time.monotonic() - t0, 1)
             save(res, out_dir, work)
     try:
-        if args.dry_run:
-            device = torch.device("cpu")
-        elif torch.cuda.is_available():
-            device = torch.device("cuda", 0)
-            torch.cuda.set_device(device)
-            POLL_GPU["on"] = True
-        else:
-            device = None
-            res["errors"].append("no CUDA device visible (torch.cuda.is_available() is False); "
-                                 "use --dry-run to check this script on CPU")
+        device = pick_device(args, res)
         use_compile = args.compile if args.compile is not None else (device is not None and device.type == "cuda")
         if device is not None:
-            print(f"gpu_check: {res['mode']}, budget {args.budget_s:.0f} s, out {out_dir}")
-            res["attention_backends"], res["communication"] = pending_rows(device)
+            print(f"gpu_check: {res['mode']}, budget {args.budget_s:.0f} s, out {out_dir}"
+                  + (f", timing on {args.nproc} GPUs under torchrun" if args.nproc > 1 else ""))
+            res["attention_backends"], res["communication"] = pending_rows(device, args.nproc)
             res["env"] = section("environment", environment, device, use_compile)
             if res["env"] and eager_backend(args, args.presets[0]):
                 res["env"]["compile"] += f"; the {args.presets[0]} timing run under Dynamo alone (backend 'eager')"

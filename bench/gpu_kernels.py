@@ -19,6 +19,10 @@ injects one):
   phase-2 batch at their stage-table windows and YaRN tables, float32: FlexAttention vs masked SDPA (compiled on
   CUDA: loss and every gradient; eager forward on CPU: the logits) and, on CUDA, compiled vs eager (loss and every
   gradient).
+* ``attention_backend_check`` (CUDA): ``kernels.attend`` under a FlexAttention block mask compiled with each of
+  FlexAttention's backends (TRITON; FLASH, FlashAttention-4, where ``kernels.flash_unavailable_reason`` allows), bf16 at
+  the record's shapes: forward and forward + backward ms, and the max difference against float32 masked SDPA; a
+  backend that raises is a row saying ``refused: ...``.
 * ``profile_step``: one training step (bf16 and FP8 as the trainer runs them on CUDA, no autocast) under
   ``torch.profiler`` split into attention, mask build, MLP, head + loss (forward), backward, optimizer,
   communication; ``max_memory_reserved``.
@@ -28,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -596,6 +601,174 @@ def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backw
             "compiled_vs_eager_fp32": _model_check("compiled_vs_eager_fp32", compiled, flex, tol, grad_tol, **info)}
 
 
+# ----------------------------------------------------------------------------------------------
+# FlexAttention's CUDA backends (issue 46): TRITON (its Triton templates) and FLASH (FlashAttention-4's CuTe DSL kernels,
+# the flash-attn-4 package), the trainer's ``kernels.attend`` compiled under each, at the record's shapes
+
+ATTENTION_REF_LEN = 4096  # the SDPA reference's positions: its dense [T, T] bool mask (16 MiB) and float32 math fit
+# bf16 kernels vs the float32 SDPA of the same bf16 inputs: the output rounds to 8 significand bits (2^-9 relative) and
+# both backends round the probabilities (and dS) to bf16 for their products; a mask that drops or adds a document's keys
+# moves whole rows by O(1). A window off by one moves a row by ~1/window only: the float32 ``flex_vs_sdpa`` row (1e-4)
+# is the exact mask check, this one the backends' arithmetic.
+ATTENTION_TOL = 3e-2
+ATTENTION_DOC = 1000  # mean document length of the random documents, tokens (FineWeb's is about 1,000)
+ATTENTION_ON_CPU = "not run on the CPU: FlexAttention's Triton and FLASH kernels need a CUDA GPU"
+
+
+def attention_shapes(T):
+    """``(lengths, windows, heads, head_dim, scale)`` of the record's attention: stage 1's and stage 3's sequence (one
+    a micro-batch), stage 3's (long, short) windows in positions, the model's heads, head size and logit scale."""
+    cfg = T.Config()
+    spec, recipe, table = T.spec_of(cfg), T.recipe_stages(cfg), T.Schedule(cfg)
+    third = next(st for st in table.stages if st.seq_len == recipe[2].seq_len)
+    return ((recipe[0].seq_len, recipe[2].seq_len), tuple(table[third.start].window), spec.n_head, spec.head_dim,
+            spec.attn_scale)
+
+
+def attention_unavailable(device, backend):
+    """Why FlexAttention's ``backend`` ("triton", "flash") cannot be measured on ``device``, or None."""
+    if device.type != "cuda":
+        return ATTENTION_ON_CPU
+    import kernels
+    why = kernels.flash_unavailable_reason(device) if backend == "flash" else None
+    return f"not run: {why}" if why else None
+
+
+def refusal(err):
+    """``"refused: <type>: <first line>"`` of the innermost cause of ``err`` (Dynamo and inductor wrap a backend's own
+    error, whose first line is the one that says why)."""
+    inner, seen = err, {id(err)}
+    while (nxt := getattr(inner, "inner_exception", None) or inner.__cause__) is not None and id(nxt) not in seen:
+        inner = nxt
+        seen.add(id(nxt))
+    line = next((x.strip() for x in str(inner).splitlines() if x.strip()), "")
+    return f"refused: {type(inner).__name__}: {line[:200]}"
+
+
+def attention_inputs(gen, length, heads, head_dim, device, dtype, grad):
+    """``(doc_ids int64 [1, length], q, k, v [1, heads, length, head_dim] in dtype)``: documents of ~``ATTENTION_DOC``
+    tokens, unit normal inputs (``requires_grad`` as ``grad``)."""
+    ids = random_documents(gen, 1, length, max(1, round(length / ATTENTION_DOC) - 1), device)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen).to(device, dtype).requires_grad_(grad)
+               for _ in range(3))
+    return ids, q, k, v
+
+
+def attention_diffs(attend, ids, q, k, v, windows, scale, grad):
+    """Max relative differences of ``attend`` (``kernels.attend``, compiled) under FlexAttention block masks
+    (``kernels.build_attention_mask``) vs float32 SDPA of the same inputs under the dense mask
+    (``kernels.attention_mask``), per window w: the output (``out_<w>``) and, with ``grad``, the gradients of a
+    random output gradient (``dq_<w>``, ``dk_<w>``, ``dv_<w>``)."""
+    import kernels
+    diffs, leaves = {}, [t.detach().float().requires_grad_(grad) for t in (q, k, v)]
+    for w in windows:
+        out = attend(q, k, v, kernels.build_attention_mask(ids, torch.tensor(w, device=ids.device), True), scale)
+        ref = F.scaled_dot_product_attention(*leaves, attn_mask=kernels.attention_mask(ids, w)[:, None], scale=scale)
+        diffs[f"out_{w}"] = _max_rel(out.detach(), ref.detach())
+        if grad:
+            g = torch.randn_like(ref)
+            got = torch.autograd.grad(out, (q, k, v), g.to(out.dtype))
+            want = torch.autograd.grad(ref, leaves, g)
+            diffs.update({f"d{x}_{w}": _max_rel(a, b) for x, a, b in zip("qkv", got, want)})
+    return diffs
+
+
+def median_ms(fn, device, trials, iters):
+    """Median over ``trials`` of the mean ms of ``iters`` calls of ``fn`` (CUDA events on CUDA), after two untimed
+    calls (the first compiles)."""
+    from gpu_check import time_ms  # the one timer
+    fn()
+    fn()
+    return round(statistics.median(time_ms(fn, iters, device) for _ in range(trials)), 4)
+
+
+def attention_times(attend, gen, shapes, device, dtype, grad, trials, iters, row):
+    """Forward and (``grad``) forward + backward ms of ``attend`` at each (length, window) of ``shapes``
+    (``attention_shapes``' order), into ``row``'s ``ms_forward`` and ``ms_forward_backward`` (keyed
+    ``"<length>x<window>"``) as each is measured: a backend refusing a later shape keeps the earlier ones."""
+    import kernels
+    lengths, windows, heads, head_dim, scale = shapes
+    for length in lengths:
+        ids, q, k, v = attention_inputs(gen, length, heads, head_dim, device, dtype, grad)
+        g = torch.randn(q.shape, generator=gen).to(device, dtype)
+        for w in windows:
+            mask = kernels.build_attention_mask(ids, torch.tensor(w, device=device), True)
+            forward = lambda: attend(q, k, v, mask, scale)  # noqa: E731
+            row["ms_forward"][f"{length}x{w}"] = median_ms(forward, device, trials, iters)
+            if grad:
+                row["ms_forward_backward"][f"{length}x{w}"] = median_ms(
+                    lambda: torch.autograd.grad(forward(), (q, k, v), g), device, trials, iters)
+        del ids, q, k, v, g
+
+
+def attention_backend_check(T, device, backend, shapes=None, ref_len=ATTENTION_REF_LEN, tol=ATTENTION_TOL, trials=5,
+                            iters=3, seed=0, dtype=torch.bfloat16, compile_fn=None, backward=None, run_here=False):
+    """One ``attention_backends`` row of gpu_check: ``kernels.attend`` under a FlexAttention BlockMask, compiled with
+    ``kernels.FLEX_BACKEND`` = ``backend`` (``torch._dynamo.reset()`` before and after: no graph of the other backend
+    is reused), timed at the record's shapes and compared with masked SDPA.
+
+    Args:
+        T: the trainer module. device: torch.device (CUDA; elsewhere the row says why it did not run, unless
+            ``run_here``). backend: "triton" or "flash".
+        shapes: ``(lengths, windows, heads, head_dim, scale)`` (default ``attention_shapes``: 16,384 and 49,152
+            positions, windows 1,408 and 640, 6 heads of 128).
+        ref_len: positions of the comparison with SDPA (a dense [T, T] mask), at each window. tol: its largest max
+            relative difference (``ATTENTION_TOL``). trials, iters: timing (``median_ms``). seed: the inputs' seed.
+        dtype: the inputs' dtype (bf16, as the trainer on CUDA). compile_fn: what compiles ``kernels.attend``
+            (default ``torch.compile(f, dynamic=False)``). backward: time and compare gradients too (default: on
+            CUDA; FlexAttention has no CPU backward). run_here: run on ``device`` whatever it is (the tests: eager on
+            a CPU).
+
+    Returns:
+        dict: name ``attention_<backend>``, backend, passed (max_rel_diff_vs_sdpa <= tol; None when it did not run
+        or was refused), skipped (why not run; ``"refused: <type>: <first line>"`` when the backend raised, with
+        what it had measured kept), tol, ms_forward and ms_forward_backward (``{"<length>x<window>": ms}``),
+        max_rel_diff_vs_sdpa, diffs (``attention_diffs``), shapes.
+    """
+    import kernels
+    row = dict(name=f"attention_{backend}", backend=backend, passed=None, skipped=None, tol=tol, ms_forward=None,
+               ms_forward_backward=None, max_rel_diff_vs_sdpa=None, diffs=None)
+    why = None if run_here else attention_unavailable(device, backend)
+    if why:
+        return dict(row, skipped=why)
+    shapes = shapes or attention_shapes(T)
+    grad = device.type == "cuda" if backward is None else backward
+    row["shapes"] = dict(zip(("lengths", "windows", "heads", "head_dim", "scale"), shapes), ref_len=ref_len,
+                         dtype=str(dtype).replace("torch.", ""), mean_document=ATTENTION_DOC)
+    gen = torch.Generator().manual_seed(seed)
+    saved = kernels.FLEX_BACKEND[0], torch._dynamo.config.recompile_limit
+    kernels.FLEX_BACKEND[0] = backend.upper()  # read when a graph is traced
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = max(saved[1], 64)  # a graph per length, on purpose
+    attend = (compile_fn or (lambda f: torch.compile(f, dynamic=False)))(kernels.attend)
+    try:
+        ids, q, k, v = attention_inputs(gen, ref_len, *shapes[2:4], device, dtype, grad)
+        diffs = attention_diffs(attend, ids, q, k, v, shapes[1], shapes[4], grad)
+        row.update(diffs={n: float(f"{d:.3g}") for n, d in diffs.items()}, max_rel_diff_vs_sdpa=max(diffs.values()))
+        del ids, q, k, v
+        row["ms_forward"], row["ms_forward_backward"] = {}, {} if grad else None
+        attention_times(attend, gen, shapes, device, dtype, grad, trials, iters, row)
+    except Exception as err:  # noqa: BLE001 -- a backend refusing a graph is this row's result, not a crash
+        row["skipped"] = refusal(err)
+    finally:
+        kernels.FLEX_BACKEND[0], torch._dynamo.config.recompile_limit = saved
+        torch._dynamo.reset()
+    if row["skipped"] is None:
+        row["passed"] = row["max_rel_diff_vs_sdpa"] <= tol
+    return row
+
+
+def print_attention(row):
+    """One line: the backend's row, its times and difference, or why it did not run."""
+    if row["skipped"]:
+        print(f"{row['name']}: {row['skipped']}" + (f" (measured before: {row['ms_forward']})"
+                                                   if row["ms_forward"] else ""), flush=True)
+        return
+    print(f"{row['name']}: {'PASS' if row['passed'] else 'FAIL'} (max relative diff vs SDPA "
+          f"{row['max_rel_diff_vs_sdpa']:.2e} vs tolerance {row['tol']}); ms forward {row['ms_forward']}, forward + "
+          f"backward {row['ms_forward_backward']}", flush=True)
+
+
 PROFILE_PARTS = ("mask build", "attention", "MLP", "head + loss", "forward (rest)", "backward", "optimizer",
                  "communication")
 
@@ -801,6 +974,12 @@ def main(argv=None):
               + ", ".join(f"{k} {v:.1f} ms ({100 * pf['share'][k]:.0f}%)" for k, v in pf["ms"].items())
               + f"; max_memory_reserved {pf['max_memory_reserved_mib']} MiB", flush=True)
         write_json(args.json, out)
+    if "attention" in args.parts:  # last: a backend's crash can leave the CUDA context unusable
+        out["attention_backends"] = {}
+        for backend in G.ATTENTION_BACKENDS:
+            out["attention_backends"][backend] = row = attention_backend_check(T, device, backend)
+            print_attention(row)
+            write_json(args.json, out)
     return 0
 
 

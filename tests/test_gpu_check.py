@@ -253,11 +253,23 @@ def test_dry_run_json_names_issue_46s_rows_not_run_on_the_cpu(dry_run):
     rows = [*r["attention_backends"].values(), *r["communication"].values()]
     for row in rows:
         assert row["passed"] is None and row["skipped"].startswith("not run on the CPU: "), row
-    assert {"ms_forward", "ms_backward", "max_rel_diff_vs_sdpa"} <= set(r["attention_backends"]["flash"])
+    assert {"ms_forward", "ms_forward_backward", "max_rel_diff_vs_sdpa"} <= set(r["attention_backends"]["flash"])
     assert {"ms_per_step", "share_of_step", "per_rank"} <= set(r["communication"]["all_gather"])
-    attention, comm = gpu_check.pending_rows(torch.device("cuda"))  # on a GPU: not run yet, and why
-    assert all(row["skipped"].startswith("not run: ") for row in [*attention.values(), *comm.values()])
-    assert "--attention-backend" in attention["flash"]["skipped"] and "sharded optimizer" in comm["reduce_scatter"]["skipped"]
+    assert {"seconds", "per_rank"} <= set(r["communication"]["warm_up_skew"])
+    assert r["args"]["nproc"] == 1 and r["communication_run"] is None
+
+
+def test_on_a_gpu_the_rows_say_why_they_did_not_run(monkeypatch):
+    """Before (or without) their measurement: one GPU has nothing to communicate; FLASH without its package says so."""
+    cuda = torch.device("cuda")  # a device object only: nothing here touches a GPU
+    monkeypatch.setattr(kernels, "flash_unavailable_reason", lambda device: "the flash-attn-4 package is not installed")
+    for nproc, comm_why in ((1, "not run: one GPU"), (8, "not run: the communication profile did not run")):
+        attention, comm = gpu_check.pending_rows(cuda, nproc)
+        assert attention["flash"]["skipped"] == "not run: the flash-attn-4 package is not installed"
+        assert attention["triton"]["skipped"].startswith("not run: the kernel section did not reach it")
+        assert all(comm[c]["skipped"].startswith(comm_why) for c in gpu_check.COLLECTIVES)
+    assert comm["warm_up_skew"]["skipped"] == "not run: the first timing run did not finish its warm-up"
+    assert gpu_check.pending_rows(cuda, 1)[1]["warm_up_skew"]["skipped"] == "not run: one GPU"
 
 
 def test_a_timing_run_rewrites_the_json_as_each_graph_compiles_and_a_cut_one_says_how_far(tmp_path, monkeypatch):
@@ -631,7 +643,7 @@ def test_sections_run_in_order_of_value_and_skip_what_the_budget_cannot_fit(monk
     calls = []
     monkeypatch.setattr(gpu_check, "timing", lambda *a: calls.append("timing") or dict(problems=[], warnings=[],
                                                                                       run=dict(wall_s=100.0)))
-    monkeypatch.setattr(gpu_check, "kernels_and_profile", lambda *a: calls.append("kernels") or ({}, {}))
+    monkeypatch.setattr(gpu_check, "kernels_and_profile", lambda *a: calls.append("kernels") or ({}, {}, None))
     monkeypatch.setattr(gpu_check, "correctness", lambda *a: calls.append("agreement") or dict(passed=True))
     section = lambda name, fn, *a: fn(*a)  # noqa: E731
     args = gpu_check.parse_args(["--dry-run"])
@@ -774,3 +786,277 @@ def test_a_budget_below_the_plans_minimum_is_refused_naming_the_minimum(capsys):
         [line] = capsys.readouterr().err.strip().splitlines()
         assert f"--budget-s {least - 1:g}" in line and f"at least {least:g} s" in line, line
         assert gpu_check.parse_args(argv + ["--budget-s", str(least)]).budget_s == least
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 46's rows: several GPUs under torchrun (the command, the warm-up skew, the communication profile) and
+# FlexAttention's two backends; what a CPU runs of them
+
+import types  # noqa: E402
+
+import gpu_comm  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REGISTER_TINY = f"import sys; sys.path.insert(0, {TESTS!r}); import conftest"  # a trainer process's tiny model
+
+
+def test_n_gpus_time_under_torchrun_with_the_trainers_own_launch():
+    assert [gpu_check.torchrun_procs(n) for n in range(11)] == [1, 1, 2, 2, 4, 4, 4, 4, 8, 8, 8]
+    py, trainer, argv = sys.executable, gpu_check.TRAINER, ["--preset", "baseline_h200"]
+    assert gpu_check.trainer_command(argv) == [py, "-u", trainer, *argv]
+    torchrun = [py, "-u", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert gpu_check.trainer_command(argv, (), 8) == [*torchrun, trainer, *argv]  # run.sh's launch
+    code = f"A; B; {gpu_check.LAUNCH}"
+    assert gpu_check.trainer_command(argv, ["A", "B"], 1) == [py, "-u", "-c", code, trainer, *argv]
+    assert gpu_check.trainer_command(argv, ["A", "B"], 8) == [*torchrun, "--no-python", py, "-u", "-c", code, trainer,
+                                                              *argv]
+    args = gpu_check.parse_args([])  # this machine has no GPU: one process
+    assert args.nproc == 1 and gpu_check.parse_args(["--nproc", "4"]).nproc == 4
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "3"], ["--dry-run", "--nproc", "2"]])
+def test_a_bad_process_count_is_refused_in_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(argv)
+    assert e.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"--nproc {argv[-1]}: give 1, 2, 4 or 8" in line
+
+
+@pytest.mark.parametrize("gpus, says", [(0, "this box has 0 GPU(s); run it on a GPU box (or --dry-run)"),
+                                        (3, "this box has 3 GPU(s); give --nproc 2 or leave it out")])
+def test_more_processes_than_gpus_is_refused_before_anything_runs(monkeypatch, capsys, gpus, says):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(gpu_check.tempfile, "mkdtemp", lambda **kw: pytest.fail("a work folder was made"))
+    assert gpu_check.main(["--nproc", "4"]) == 2
+    assert capsys.readouterr().err == f"gpu_check.py: --nproc 4: {says}\n"
+
+
+def test_the_trainers_warm_up_skew_line_is_parsed_into_the_row(monkeypatch):
+    """The line ``train_gpt.warm_up`` logs on several processes (here a one-process gloo group and no graph to
+    compile) is the one gpu_check reads; a measured one becomes the ``warm_up_skew`` row."""
+    import torch.distributed as dist
+    lines = []
+    monkeypatch.setattr(T, "graph_batches", lambda run: {})
+    rt = types.SimpleNamespace(compile=True, distributed=True, world=1, device=torch.device("cpu"), sync=lambda: None)
+    model = types.SimpleNamespace(tied=True, named_buffers=lambda: [], load_state_dict=lambda *a, **k: None)
+    run = types.SimpleNamespace(rt=rt, model=model, opts=[], cfg=T.Config(), log=types.SimpleNamespace(line=lines.append))
+    limit = torch._dynamo.config.recompile_limit  # warm_up raises it (monkeypatch cannot put a torch config back)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        T.warm_up(run, None)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.config.recompile_limit = limit
+    skew = gpu_check.parse_log("\n".join(lines))["warm_up_skew"]
+    assert skew["skew_ms"] == 0 and skew["min_ms"] == skew["max_ms"] and skew["dist_timeout_s"] == 600
+    line = "compile: warm-up per rank 101234-113456ms, skew 12222ms (--dist-timeout 600s)"
+    row = gpu_check.skew_row(gpu_check.parse_log(line)["warm_up_skew"], "baseline_h200")
+    assert row == dict(name="warm_up_skew", passed=None, skipped=None, seconds=12.2, preset="baseline_h200",
+                       per_rank=dict(min_s=101.2, max_s=113.5), dist_timeout_s=600.0, share_of_dist_timeout=0.0204)
+    assert gpu_check.skew_row(None, "p")["skipped"].startswith("not run: the timing run of p logged no per-rank")
+
+
+def fake_profiler(kernels_us):
+    """A finished profiler's stand-in: ``key_averages()`` of device kernels ``{name: (us, calls)}`` plus what a real
+    one lists beside them (host ops, a GPU annotation of the same collective, a compute kernel)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda key, us, n, kind: types.SimpleNamespace(key=key, device_time_total=us, count=n, device_type=kind)  # noqa: E731
+    noise = [ev("nccl:all_reduce", 9e6, 3, cpu), ev("c10d::allreduce_", 9e6, 3, cpu), ev("nccl:all_gather", 9e6, 3, cuda),
+             ev("void at::native::vectorized_elementwise_kernel<4>", 9e6, 3, cuda), ev("ncclCommInit", 9e6, 1, cpu)]
+    return types.SimpleNamespace(key_averages=lambda: [ev(k, us, n, cuda) for k, (us, n) in kernels_us.items()] + noise)
+
+
+def test_nccl_kernels_sum_into_each_collectives_share_per_rank():
+    names = {"ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "reduce_scatter",
+             "ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclWorkElem)": "all_gather",
+             "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
+             "ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)": "all_reduce",
+             "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "other",
+             "void at::native::elementwise_kernel": None, "nccl:all_reduce": None}
+    assert {n: gpu_comm.collective_of(n) for n in names} == names
+    rs, ag, ar1, ar2, sr = list(names)[:5]
+    ranks = []
+    for rank, scale in ((0, 1.0), (1, 2.0)):  # rank 1's kernels take twice as long, its steps 1.5 times
+        prof = fake_profiler({rs: (3000 * scale, 6), ag: (1500 * scale, 6), ar1: (600 * scale, 3), ar2: (300 * scale, 3),
+                              sr: (30.0, 3)})
+        steps = [40.0 * (1 + rank / 2), 38.0 * (1 + rank / 2), 41.0 * (1 + rank / 2)]
+        ranks.append(gpu_comm.rank_result(rank, 2, 4, steps, gpu_comm.device_kernels(prof)))
+    r0 = ranks[0]["collectives"]
+    assert ranks[0]["ms_per_step"] == 40.0 and ranks[1]["ms_per_step"] == 60.0  # the median step
+    assert r0["reduce_scatter"] == dict(ms_per_step=1.0, calls_per_step=2.0, share_of_step=0.025)  # 3 ms / 3 steps
+    assert r0["all_reduce"] == dict(ms_per_step=0.3, calls_per_step=2.0, share_of_step=0.0075)  # both all-reduce kernels
+    assert r0["other"]["ms_per_step"] == 0.01 and len(r0["kernel_names"]) == 5  # no annotation, host op or compute
+    rows = gpu_comm.communication_rows(ranks[::-1], 2)
+    assert list(rows) == list(gpu_comm.COLLECTIVES)
+    ag_row = rows["all_gather"]  # 0.5 ms of 40 on rank 0, 1 ms of 60 on rank 1
+    assert ag_row["ms_per_step"] == pytest.approx(0.75) and ag_row["share_of_step"] == pytest.approx((0.5 / 40 + 1 / 60) / 2,
+                                                                                                     abs=1e-4)
+    assert ag_row["spread"] == dict(ms_per_step=[0.5, 1.0], share_of_step=[0.0125, 0.0167])
+    assert [p["rank"] for p in ag_row["per_rank"]] == [0, 1] and ag_row["per_rank"][1]["step_ms"] == 60.0
+    assert ag_row["skipped"] is None and ag_row["passed"] is None and ag_row["ranks_measured"] == 2
+    one = gpu_comm.communication_rows(ranks[:1], 2, "stopped at the budget")  # a rank without its file is said
+    assert one["all_reduce"]["ranks_measured"] == 1 and one["all_reduce"]["problems"] == ["rank 1: stopped at the budget"]
+    none = gpu_comm.communication_rows([dict(rank=0, error="boom", collectives=None)], 2, "gone")
+    assert none["reduce_scatter"]["skipped"] == "not run: rank 0: boom; rank 1: gone"
+
+
+def test_the_summary_shows_the_measured_issue_46_rows():
+    comm = gpu_comm.communication_rows([gpu_comm.rank_result(r, 2, 4, [50.0], [("ncclDevKernel_AllGather_RING_LL", 5000.0,
+                                                                              2)]) for r in (0, 1)], 2)
+    res = dict(attention_backends=dict(
+        triton=dict(name="attention_triton", backend="triton", passed=True, skipped=None, tol=0.03,
+                    ms_forward={"16384x1408": 1.5}, ms_forward_backward={"16384x1408": 5.25},
+                    max_rel_diff_vs_sdpa=0.004),
+        flash=dict(name="attention_flash", backend="flash", passed=None, tol=0.03, ms_forward={"16384x1408": 1.0},
+                   ms_forward_backward={}, max_rel_diff_vs_sdpa=0.003,
+                   skipped="refused: NotImplementedError: no backward")),
+        communication=dict(comm, warm_up_skew=gpu_check.skew_row(dict(min_ms=90_000, max_ms=100_000, skew_ms=10_000,
+                                                                      dist_timeout_s=600.0), "baseline_h200")),
+        communication_run=dict(world=2, preset="baseline_h200", profiled_steps=[4, 6], per_rank_ms_per_step={0: 50.0,
+                                                                                                           1: 50.0},
+                               other_nccl_ms_per_step={0: 0.0, 1: 0.5}))
+    text = "\n".join(gpu_check.issue46_lines(res))
+    assert "  PASS triton: 16384x1408: 1.50/5.25; max diff 4.000e-03 (tolerance 0.03)" in text
+    assert "  flash: refused: NotImplementedError: no backward (timed before: 16384x1408: 1.00/-)" in text
+    assert "COMMUNICATION (2 GPUs, torchrun; baseline_h200 steps 4-6 profiled;" in text
+    assert "  ms/step per rank (profiled): 50.00-50.00; other NCCL kernels up to 0.50 ms a step" in text
+    assert "  all_gather: 5.00-5.00 ms (10.0-10.0%)" in text and "  reduce_scatter: 0.00-0.00 ms (0.0-0.0%)" in text
+    assert "  warm-up skew 10.00 s between ranks (90.00-100.00 s; --dist-timeout 600 s)" in text
+    table = gpu_check.render_table([(s, i, gpu_check.fmt(v), u) for s, i, v, u in gpu_check.check_rows(res)])
+    assert "attention_triton vs sdpa" in table and "all_gather: ms/step (share of the step), mean of 2 ranks" in table
+    res["communication"] = gpu_check.pending_rows(torch.device("cuda"), 1)[1]
+    assert "COMMUNICATION: not run: one GPU" in gpu_check.issue46_lines(res)
+    res["attention_backends"]["triton"]["passed"] = False  # a backend off SDPA fails the check (exit 1)
+    res.update(kernels=None, correctness=dict(passed=True), errors=[])
+    gpu_check.final_status(res)
+    assert res["exit_code"] == 1 and "kernel agreement: attention_triton failed" in res["errors"]
+
+
+def test_the_communication_profile_runs_steps_of_the_first_stage_of_the_timing_run(tmp_path):
+    args = gpu_check.parse_args(["--nproc", "8"])
+    argv, warm, steps = gpu_check.comm_argv(args, "baseline_h200", ["--train-files", "t", "--val-files", "v"], "cuda",
+                                            str(tmp_path))
+    cfg = gpu_check.config_of(argv)[0]  # the last --max-steps and --run-id win
+    assert (warm, steps, cfg.max_steps, cfg.run_id, cfg.num_iterations) == (3, 3, 6, "comm_baseline_h200", 40)
+    assert T.Schedule(cfg).stages[0].end >= 6 and T.grad_accum_steps(cfg, 8) == 1
+    short = dataclasses.replace(cfg, num_iterations=12)  # a first stage of 4 steps: one step recorded
+    assert T.Schedule(short).stages[0].end == 4 and gpu_check.comm_window(short) == (3, 1)
+
+
+def test_a_profiled_torchrun_run_reports_each_ranks_step_and_communication(tmp_path):
+    """The profile's whole path on 2 gloo processes (the tiny model, 4 steps): torchrun with the launcher patches,
+    ``gpu_comm.install`` on each rank, the ranks' files into rows (gloo runs no NCCL kernel: 0 ms, each rank's step
+    measured)."""
+    from conftest import tiny_args
+    argv = tiny_args(tmp_path, "--batch-tokens", "384", "--val-every", "0", "--max-steps", "4", "--run-id", "comm_t")
+    rows, meta = gpu_check.comm_profile("comm_t", argv, 2, 2, 2, str(tmp_path), gpu_check.time.monotonic() + 300,
+                                        patches=[REGISTER_TINY])
+    assert meta["run"]["rc"] == 0 and meta["run"]["status"] == "stopped_early", meta
+    assert meta["profiled_steps"] == [3, 4] and sorted(meta["per_rank_ms_per_step"]) == [0, 1]
+    assert all(ms > 0 for ms in meta["per_rank_ms_per_step"].values())
+    assert meta["other_nccl_ms_per_step"] == {0: 0.0, 1: 0.0}
+    for c in gpu_comm.COLLECTIVES:
+        row = rows[c]
+        assert row["skipped"] is None and row["ranks_measured"] == 2 and row["ms_per_step"] == 0.0, row
+        assert [len(json.loads((tmp_path / "logs" / f"comm_t.rank{r}.json").read_text())["step_ms"]) for r in (0, 1)] == [2, 2]
+
+
+def test_stopping_a_torchrun_run_ends_every_process_it_started(tmp_path, monkeypatch):
+    """Processes that ignore SIGTERM: torchrun's, then each rank's own session, are killed after the grace."""
+    fake = tmp_path / "trainer.py"
+    fake.write_text("import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                    f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                    "time.sleep(300)\n")
+    monkeypatch.setattr(gpu_check, "TRAINER", str(fake))
+    monkeypatch.setattr(gpu_check.TrainerRun, "STOP_GRACE_S", 2.0)
+    run = gpu_check.TrainerRun("t", [], str(tmp_path), echo=False, nproc=2).start()
+    pids = [tmp_path / "pid0", tmp_path / "pid1"]
+    for _ in range(600):
+        if all(p.exists() and p.read_text() for p in pids):
+            break
+        gpu_check.time.sleep(0.1)
+    workers = [int(p.read_text()) for p in pids]
+    res = run.wait(gpu_check.time.monotonic())
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone
+        except OSError:
+            return False
+    for _ in range(50):
+        if not any(alive(p) for p in workers):
+            break
+        gpu_check.time.sleep(0.1)
+    assert res["timed_out"] and not any(alive(p) for p in workers)
+
+
+# FlexAttention's backends: the row on a CPU (eager, float32, forward), its refusals
+
+def test_the_attention_rows_take_the_records_shapes():
+    assert gpu_kernels.attention_shapes(T) == ((16384, 49152), (1408, 640), 6, 128, 0.1)
+
+
+def test_attention_rows_on_a_cpu_and_without_flash_say_why_and_compile_nothing(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled"))
+    for backend in gpu_check.ATTENTION_BACKENDS:
+        row = gpu_kernels.attention_backend_check(T, torch.device("cpu"), backend)
+        assert row["passed"] is None and row["skipped"] == gpu_kernels.ATTENTION_ON_CPU and row["ms_forward"] is None
+    monkeypatch.setattr(kernels, "flash_unavailable_reason", lambda d: "the flash-attn-4 package is not installed")
+    row = gpu_kernels.attention_backend_check(T, torch.device("cuda"), "flash")  # a device object: no GPU touched
+    assert row["skipped"] == "not run: the flash-attn-4 package is not installed" and row["passed"] is None
+
+
+SMALL_ATTENTION = dict(shapes=((256,), (48, 24), 2, 16, 0.25), ref_len=256, tol=1e-4, trials=1, iters=1,
+                       dtype=torch.float32, compile_fn=lambda f: f, backward=False, run_here=True)
+
+
+@EAGER_FLEX
+def test_the_attention_row_times_each_shape_and_fails_on_a_window_off_by_one(monkeypatch):
+    row = gpu_kernels.attention_backend_check(T, torch.device("cpu"), "triton", **SMALL_ATTENTION)
+    assert row["passed"] is True and row["max_rel_diff_vs_sdpa"] < 1e-5 and set(row["diffs"]) == {"out_48", "out_24"}
+    assert set(row["ms_forward"]) == {"256x48", "256x24"} and row["ms_forward_backward"] is None
+    assert kernels.FLEX_BACKEND[0] == "TRITON"  # put back
+    build = kernels.build_attention_mask
+    monkeypatch.setattr(kernels, "build_attention_mask", lambda ids, w, flex: build(ids, w + 1, flex))
+    bad = gpu_kernels.attention_backend_check(T, torch.device("cpu"), "triton", **SMALL_ATTENTION)
+    assert bad["passed"] is False and bad["max_rel_diff_vs_sdpa"] > 1e-3
+
+
+def test_a_backend_raising_at_compile_is_a_refused_row_not_a_crash():
+    def compile_fn(f):
+        def call(*a, **k):
+            if kernels.FLEX_BACKEND[0] == "FLASH":  # as Dynamo wraps inductor's refusal
+                inner = RuntimeError("BACKEND='FLASH' but flash attention cannot be used: CUTE flash attention "
+                                     "library is not available.\nmore")
+                raise RuntimeError("backend='inductor' raised:\nRuntimeError: ...") from inner
+            return f(*a, **k)
+        return call
+    row = gpu_kernels.attention_backend_check(T, torch.device("cpu"), "flash", **dict(SMALL_ATTENTION,
+                                                                                        compile_fn=compile_fn))
+    assert row["passed"] is None and row["ms_forward"] is None
+    assert row["skipped"] == ("refused: RuntimeError: BACKEND='FLASH' but flash attention cannot be used: CUTE flash "
+                              "attention library is not available.")
+    assert kernels.FLEX_BACKEND[0] == "TRITON"
+
+
+def test_several_gpus_profile_communication_after_the_first_timing_run(monkeypatch):
+    calls = []
+    skew = dict(min_ms=1000, max_ms=1500, skew_ms=500, dist_timeout_s=600.0)
+    monkeypatch.setattr(gpu_check, "timing", lambda *a: calls.append("timing") or dict(
+        problems=[], warnings=[], run=dict(wall_s=10.0), warm_up_skew=skew))
+    comm_rows = {c: dict(name=c, skipped=None) for c in gpu_check.COLLECTIVES}
+    monkeypatch.setattr(gpu_check, "communication", lambda *a: calls.append("communication") or (comm_rows, {"w": 2}))
+    monkeypatch.setattr(gpu_check, "kernels_and_profile", lambda *a: calls.append("kernels") or ({}, {}, None))
+    monkeypatch.setattr(gpu_check, "correctness", lambda *a: calls.append("agreement") or dict(passed=True))
+    args = gpu_check.parse_args(["--dry-run"])
+    args.nproc = 2
+    cpu = torch.device("cpu")
+    res = dict(microbench=None, env=None, errors=[], warnings=[], skipped=[], kernels=None, profile=None,
+               correctness=None, timing={}, timing_window=dict(runs={}), communication_run=None)
+    res["attention_backends"], res["communication"] = gpu_check.pending_rows(cpu, 2)
+    gpu_check.run_sections(lambda name, fn, *a: fn(*a), res, cpu, args, [], [], "", gpu_check.time.monotonic() + 500)
+    assert calls == ["timing", "communication", "timing", "kernels", "agreement"]
+    assert res["communication"]["all_gather"] is comm_rows["all_gather"] and res["communication_run"] == {"w": 2}
+    assert res["communication"]["warm_up_skew"]["seconds"] == 0.5
