@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -235,8 +236,7 @@ def keep_freed_blocks():
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return
-    libc.mallopt(-4, 0)
-    libc.mallopt(-1, 2**31 - 1)
+    libc.mallopt(-4, 0), libc.mallopt(-1, 2**31 - 1)  # M_MMAP_MAX, M_TRIM_THRESHOLD
 
 
 def compiled_graphs():
@@ -425,8 +425,8 @@ class RunLog:
     def summary_line(self, counters, final):
         """The run's summary: its last val loss (``final_val_loss`` only for a run that reached step N), the
         counters (train_time_ms, steps, raw_tokens, positions, flops) and the peak memory."""
-        peak = (torch.cuda.max_memory_allocated(self.rt.device) if self.rt.device.type == "cuda"
-                else _max_rss_bytes()) / 2**20
+        peak = (torch.cuda.max_memory_allocated(self.rt.device) if self.rt.device.type == "cuda"  # else: peak RSS, KiB
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
         self.update(**counters, peak_memory_mib=round(peak, 1), world_size=self.rt.world)
         if final and "last_val_loss" in self.summary:
             self.summary["final_val_loss"] = self.summary.pop("last_val_loss")
@@ -456,11 +456,6 @@ class RunLog:
             if os.path.exists(tmp):
                 os.remove(tmp)
             self.file.close()
-
-
-def _max_rss_bytes():
-    import resource  # the process's peak resident set, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def log_header(log, cfg, rt, data, streams):
@@ -650,6 +645,18 @@ def memory_line(n_params, positions, spec, val_seqs, val_chunk, val_piece):
     return (f"memory_estimate: per GPU, weights, gradients and optimizer state {state / gib:.1f} GiB + a train "
             f"micro-batch of {positions:,} positions {train / gib:.1f} GiB (the validation forward: {val / gib:.1f}): "
             f"peak about {(state + max(train, val)) / gib:.1f} GiB; lower it with --micro-batch-seqs or --seq-len")
+
+
+# Dense bf16 peak TFLOP/s (NVIDIA datasheets, SXM) and the utilization modded-nanogpt's records reach: record #21
+# (2025-01-26) trained 5.517e17 model FLOPs (train_gpt.py's count) in 175.98 s on 8 x H100: 39.6% of peak.
+PEAK_TFLOPS, RECORD_MFU = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}, 0.396
+
+
+def projection_lines(flops, machines):
+    """``--describe``'s projected train time of ``flops`` on each ``(n_gpus, gpu)`` at record #21's utilization."""
+    return [f"projected_train_time: {n} x {gpu}: {flops / (n * RECORD_MFU * PEAK_TFLOPS[gpu] * 1e12) / 60:.1f} min at "
+            f"{100 * RECORD_MFU:.1f}% of its {PEAK_TFLOPS[gpu]:g} TFLOP/s bf16 peak (record #21's utilization), compile "
+            f"not included" for n, gpu in machines]
 
 
 def failure(err, stop, log):

@@ -1,5 +1,5 @@
-"""Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce,
-attention masks (one mask definition for FlexAttention and SDPA).
+"""Fast paths of the speedrun beside train_gpt.py: fused losses, FP8 matmuls, the bucketed all-reduce, RoPE with
+YaRN, attention masks (one mask definition for FlexAttention and SDPA) and the FlexAttention backend.
 
 Each is exact math with a reference test (tests/test_objectives.py, test_fp8.py, test_grad_allreduce.py,
 test_attention.py, test_block_mask.py); nothing here imports the trainer. Record numbers: modded-nanogpt's table.
@@ -10,12 +10,13 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 IGNORE_INDEX = -100  # a label that counts nowhere (padding, the positions past a document's end)
 # A multi-token label past the sequence's end (multi_target_loss): no loss term, but its weight stays in the
-# gradient's softmax term, as HEAD's kernel (record #53: its S_w sums every column's weight at every position)
+# gradient's softmax term, as modded-nanogpt's kernel (record #53: its S_w sums every column's weight at every position)
 PAST_END = -101
 
 
@@ -430,6 +431,61 @@ class GradBuckets:
         self.gathers = []
 
 
+# Rotary embeddings with YaRN and the partial key offset: the attention's position machinery (record #89's)
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE (arXiv 2104.09864; record #89): dims i, i + r/2 of the first r = head_dim/2 rotate
+    at (1/1024)^linspace(0, 1), the rest pass; positions 0..max_len-1. ``scale``: the attention scale, a buffer that
+    ``set_history`` rescales with the tables (YaRN, record #31)."""
+
+    def __init__(self, head_dim, max_len, scale):
+        super().__init__()
+        self.rot = head_dim // 2
+        freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq0).float()
+        self.register_buffer("freq0", freq0, persistent=False)  # float64 on the device: set_history copies nothing
+        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+        self.scale0 = scale
+        self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
+
+    def forward(self, x, paired=False):
+        """x: [B, L, H, head_dim] -> same shape and dtype, rotated at position t; ``paired`` (record #58): head h at
+        2t + h mod 2, so each doubled stream's two heads turn a position apart."""
+        L, r = x.size(1), self.rot
+        cos, sin = self.cos[:, :L], self.sin[:, :L]
+        if paired:
+            pos = 2 * torch.arange(L, device=x.device)[:, None] + torch.arange(x.size(2), device=x.device) % 2
+            cos, sin = self.cos[0, pos, 0][None], self.sin[0, pos, 0][None]  # [1, L, H, r/2]
+        cos, sin = cos.type_as(x), sin.type_as(x)  # bf16 tables in a bf16 run, as modded-nanogpt's
+        x1, x2 = x[..., :r].chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, x[..., r:]), dim=-1)
+
+    @torch.no_grad()
+    def set_history(self, windows):
+        """Tables after YaRN rescales (record #31; alpha 1, beta 32) through the long ``windows``, in place: per
+        old -> new, s = old/new, f <- f (s + r (1 - s)) with r = clamp((old f / 2 pi - 1) / 31, 0, 1), and
+        scale *= 0.2 ln(new/old) + 1."""
+        freq, scale = self.freq0.clone(), self.scale0
+        for old, new in zip(windows, windows[1:]):
+            s = old / new
+            freq *= s + ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1) * (1 - s)
+            scale *= 0.2 * math.log(new / old) + 1
+        positions = torch.arange(self.cos.size(1), dtype=torch.float64, device=freq.device)
+        angles = torch.outer(positions, freq)[None, :, None, :]  # built where the tables live: no host copy
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+        self.scale.fill_(scale)
+
+
+def offset_keys(k):
+    """Partial key offset (record #49): the last half of each key's dims (the unrotated half) taken from the
+    previous position, k [B, L, H, D] -> same, except at position 0 (across documents, as modded-nanogpt)."""
+    h = k.size(-1) // 2
+    own = k[..., h:]
+    return torch.cat((k[..., :h], torch.cat((own[:, :1], own[:, :-1]), dim=1)), dim=-1)
+
+
 # Attention masks (records #12, 2024-11-19: document masks and a sliding window in FlexAttention;
 # #58, 2026-01-07: paired heads). One definition, ``mask_mod``, serves both paths: FlexAttention's
 # block mask on CUDA and, on a CPU (no FlexAttention backward there), the same mask as a bool
@@ -576,6 +632,20 @@ def flash_unavailable_reason(device):
         return "it needs a CUDA GPU"
     major, minor = torch.cuda.get_device_capability(device)
     return None if major in (9, 10) else f"it needs a Hopper or Blackwell GPU (sm_90, sm_100), not sm_{major}{minor}"
+
+
+def choose_flex_backend(requested, device, compiled):
+    """``(backend, why)`` for --attention-backend ``requested``: FLASH where asked for or allowed (auto) and it can run,
+    else TRITON; ``why``: FLASH asked for by name cannot run (the trainer refuses, naming the flag)."""
+    if requested == "triton" or (requested == "auto" and not (compiled and torch.device(device).type == "cuda")):
+        return "TRITON", None  # FLASH's kernels are generated by inductor: a compiled CUDA run only
+    why = flash_unavailable_reason(device)
+    return ("TRITON" if why else "FLASH"), (why if requested == "flash" else None)
+
+
+def flash_refused(requested, err):
+    """Whether ``err`` is FLASH refusing a graph that --attention-backend auto gave it (TRITON then takes over)."""
+    return requested == "auto" and FLEX_BACKEND[0] == "FLASH" and "FLASH" in str(err)
 
 
 def attend(q, k, v, mask=None, scale=None):

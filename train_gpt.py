@@ -1,14 +1,13 @@
 """Train a GPT on FineWeb (GPT-2 tokens) to 3.28 val loss, fast: modded-nanogpt's record #89 plus Aurora and
-Token-Superposition Training (TST).
-
-Read top to bottom: config and presets, the model spec, the stage table, the model, TST, optimizers, data, eval,
-then main() and its loop. harness.py holds the tools it calls (shards, CLI, run log, checkpoints), aurora_opt.py
-the optimizers, kernels.py the fused loss, FP8 matmuls and attention masks; docs/METHODS.md has the math.
+Token-Superposition Training (TST). Read top to bottom: config and presets, the model spec, the stage table, the
+model, TST, optimizers, data, eval, then main() and its loop. harness.py holds the tools it calls (shards, CLI, run
+log, checkpoints), aurora_opt.py the optimizers, kernels.py the fused loss, FP8 matmuls, RoPE and attention masks;
+docs/METHODS.md has the math.
 
     python train_gpt.py                                    # one GPU: record #89's recipe (baseline_h200)
     python train_gpt.py --preset record_h200               # ... plus TST and Aurora
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_h200
-    python train_gpt.py --preset cpu_smoke --train-files 'data/sample/*_train_*.bin' --val-files 'data/sample/*_val_*.bin'
+    python train_gpt.py --preset cpu_smoke                 # a CPU: the smoke model on data/sample, 2 minutes
 """
 import copy
 import dataclasses
@@ -32,10 +31,9 @@ import harness
 from aurora_opt import CautiousAdam, NorMuon, adam_groups, matrix_groups, warm_step
 from harness import ConfigError, DataError
 import kernels
-from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, LayerMasks,
-                     attend, dc_attention, delay_input_scale_, down_scales, fp8_active, fp8_linear,
-                     fp8_unavailable_reason, GradBuckets, layer_masks, multi_target_loss, refresh_down_scales_,
-                     upcast)
+from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, GradBuckets,
+                     LayerMasks, Rotary, attend, dc_attention, delay_input_scale_, down_scales, fp8_active, fp8_linear,
+                     fp8_unavailable_reason, layer_masks, multi_target_loss, offset_keys, refresh_down_scales_, upcast)
 
 # ----------------------------------------------------------------------------------------------
 # Config and presets: every flag a user types (defaults: record #89's run on one H200)
@@ -82,8 +80,7 @@ class Config:
     momentum_cooldown_steps: int = _f(50, "the last this-many steps take momentum back to 0.85 (record #39)", low=0)
     pp_iterations: int = _f(2, "aurora_normuon: row-equalization rounds K of Aurora's polar", low=1)
     pp_beta: float = _f(0.5, "aurora_normuon: row-scale exponent beta", low=0.0)
-    cooldown_frac: float = _f(0.6, "fraction of the scheduled steps with the lr decaying to --lr-floor", low=0.0,
-                              high=1.0)
+    cooldown_frac: float = _f(0.6, "fraction of the scheduled steps the lr decays over", low=0.0, high=1.0)
     lr_floor: float = _f(0.15, "lr multiplier at the end of the cooldown", low=0.0, high=1.0)
     # execution and logs
     seed: int = _f(0, "seed of the weight init")
@@ -94,23 +91,20 @@ class Config:
     compile: bool = _f(None, "torch.compile the model and optimizers; unset: on with CUDA, off on a CPU")
     bf16: bool = _f(None, "bf16 activations, weights cast per matmul; unset: on with CUDA, off on a CPU (float32)")
     fp8: bool = _f(True, "the LM head and MLP matmuls in FP8 while training (sm_89+ GPUs; records #19, #84, #89)")
-    attention_backend: str = _f("auto", "FlexAttention's kernels on CUDA: flash (FlashAttention-4, flash-attn-4 on sm_90"
-                                "/sm_100), triton, or auto (flash where it compiles, else triton); a CPU runs SDPA",
-                                choices=("auto", "triton", "flash"))
+    attention_backend: str = _f("auto", "FlexAttention's kernels on CUDA: flash (FlashAttention-4, sm_90/sm_100), "
+                                "triton, or auto (flash where it can)", choices=("auto", "triton", "flash"))
     dist_timeout: int = _f(600, "seconds a collective may wait before the run fails (torchrun)", low=1)
     # checkpoints
     checkpoint_dir: str = _f("checkpoints", "checkpoints go to <dir>/<run_id>/step_NNNNNN.pt")
     save_every: int = _f(0, "checkpoint every this many steps (0 = never)", low=0)
     save_final: bool = _f(False, "checkpoint at the end of the run")
-    resume: str = _f("", "checkpoint file to continue from, or 'auto' (the newest of --run-id under "
-                         "--checkpoint-dir)")
+    resume: str = _f("", "checkpoint file to continue from, or 'auto': the newest of --run-id in --checkpoint-dir")
 
 
 # Fields that change how a run executes, not what it computes: --resume accepts a checkpoint that differs in these.
 OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_steps", "val_every", "val_batch_seqs",
                          "log_every", "log_dir", "run_id", "device", "compile", "bf16", "fp8", "attention_backend",
-                         "dist_timeout",
-                         "checkpoint_dir", "save_every", "save_final", "resume"})
+                         "dist_timeout", "checkpoint_dir", "save_every", "save_final", "resume"})
 
 CPU_DATA = dict(train_files="data/sample/*_train_*.bin", val_files="data/sample/*_val_*.bin")
 # The CPU presets: record #89's recipe and model roles at the smoke shape on the repository's real-text sample, 2
@@ -197,11 +191,6 @@ MODELS = {
                        xsa=(1,), attn_gate=(3,), dc=(3,), ve_layers=(1, 3), value_embeds=2, skip=(1, 2),
                        attn_state_layer=2, bigram_vocab=16_384, mudd_gates=2, window_block=32),
 }
-
-
-def spec_of(cfg):
-    """The ``ModelSpec`` a config names (--model)."""
-    return MODELS[cfg.model]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,7 +285,7 @@ class Schedule:
     """The stage table of a config: ``rows[step]`` for steps 0..N (row N: the final validation's windows)."""
 
     def __init__(self, cfg):
-        self.stages, spec, N = stages(cfg), spec_of(cfg), cfg.num_iterations
+        self.stages, spec, N = stages(cfg), MODELS[cfg.model], cfg.num_iterations
         self.rows, yarn = [], ()
         for step in range(N + 1):
             stage = next((s for s in self.stages if s.start <= step < s.end), self.stages[-1])
@@ -381,7 +370,7 @@ def flops_per_position(spec, window, seq_len):
 def optimizer_flops(cfg):
     """FLOPs of one optimizer step's orthogonalizations: Polar Express, 5 iterations of ``4 m^2 n + 2 m^3`` on each
     m x n block (m <= n), K of them on the MLP matrices under aurora_normuon (Aurora's row equalization)."""
-    spec = spec_of(cfg)
+    spec = MODELS[cfg.model]
     d, hidden, hd = spec.model_dim, spec.mlp_ratio * spec.model_dim, spec.head_dim
     n_attn = spec.n_layer - len(spec.no_attn)
     polar = lambda m, n: 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # noqa: E731
@@ -405,51 +394,6 @@ def linear(x, w):
     return F.linear(x, w.type_as(x))
 
 
-class Rotary(nn.Module):
-    """Half-truncated RoPE (arXiv 2104.09864; record #89): dims i, i + r/2 of the first r = head_dim/2 rotate
-    at (1/1024)^linspace(0, 1), the rest pass; positions 0..max_len-1. ``scale``: the attention scale, a buffer that
-    ``set_history`` rescales with the tables (YaRN, record #31)."""
-
-    def __init__(self, head_dim, max_len, scale):
-        super().__init__()
-        self.rot = head_dim // 2
-        freq0 = (1 / 1024) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freq0).float()
-        self.register_buffer("freq0", freq0, persistent=False)  # float64 on the device: set_history copies nothing
-        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
-        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
-        self.scale0 = scale
-        self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
-
-    def forward(self, x, paired=False):
-        """x: [B, L, H, head_dim] -> same shape and dtype, rotated at position t; ``paired`` (record #58): head h at
-        2t + h mod 2, so each doubled stream's two heads turn a position apart."""
-        L, r = x.size(1), self.rot
-        cos, sin = self.cos[:, :L], self.sin[:, :L]
-        if paired:
-            pos = 2 * torch.arange(L, device=x.device)[:, None] + torch.arange(x.size(2), device=x.device) % 2
-            cos, sin = self.cos[0, pos, 0][None], self.sin[0, pos, 0][None]  # [1, L, H, r/2]
-        cos, sin = cos.type_as(x), sin.type_as(x)  # bf16 tables in a bf16 run, as modded-nanogpt's
-        x1, x2 = x[..., :r].chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, x[..., r:]), dim=-1)
-
-    @torch.no_grad()
-    def set_history(self, windows):
-        """Tables after YaRN rescales (record #31; alpha 1, beta 32) through the long ``windows``, in place: per
-        old -> new, s = old/new, f <- f (s + r (1 - s)) with r = clamp((old f / 2 pi - 1) / 31, 0, 1), and
-        scale *= 0.2 ln(new/old) + 1."""
-        freq, scale = self.freq0.clone(), self.scale0
-        for old, new in zip(windows, windows[1:]):
-            s = old / new
-            freq *= s + ((old * freq / (2 * math.pi) - 1) / 31).clamp(0, 1) * (1 - s)
-            scale *= 0.2 * math.log(new / old) + 1
-        positions = torch.arange(self.cos.size(1), dtype=torch.float64, device=freq.device)
-        angles = torch.outer(positions, freq)[None, :, None, :]  # built where the tables live: no host copy
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
-        self.scale.fill_(scale)
-
-
 def document_ids(tokens):
     """int64 ``[..., T]`` -> ``[..., T]``: the number of EOTs at or before each position (an EOT opens its document)."""
     return (tokens == EOT_TOKEN).cumsum(dim=-1)
@@ -462,14 +406,6 @@ def latent_document_ids(inputs):
     return document_ids(inputs.reshape(B, L * k)).view(B, L, k)[..., -1]
 
 
-def offset_keys(k):
-    """Partial key offset (record #49): the last half of each key's dims (the unrotated half) taken from the
-    previous position, k [B, L, H, D] -> same, except at position 0 (across documents, as modded-nanogpt)."""
-    h = k.size(-1) // 2
-    own = k[..., h:]
-    return torch.cat((k[..., :h], torch.cat((own[:, :1], own[:, :-1]), dim=1)), dim=-1)
-
-
 def route(param, group, role=None):
     """Tag ``param`` where it is created: ``group`` "matrix" (NorMuon) or "adam" with its CautiousAdam ``role``
     (record #89's table, ``aurora_opt.ADAM_ROLES``); ``build_optimizers`` reads only the tags."""
@@ -480,24 +416,15 @@ def route(param, group, role=None):
 def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     """A bias-free ``nn.Linear`` (uniform init, std 0.5/sqrt(d_in); ``zero``: zeros) routed to ``group``."""
     lin = nn.Linear(d_in, d_out, bias=False)
-    route(lin.weight, group, role)
-    with torch.no_grad():
-        if zero:  # an output projection at zero: its block starts as the identity
-            lin.weight.zero_()
-        else:
-            bound = math.sqrt(3.0) * 0.5 / math.sqrt(d_in)
-            lin.weight.uniform_(-bound, bound)
+    bound = math.sqrt(3.0) * 0.5 / math.sqrt(d_in)
+    with torch.no_grad():  # zero: an output projection, so its block starts as the identity (draws no numbers)
+        route(lin.weight, group, role).zero_() if zero else lin.weight.uniform_(-bound, bound)
     return lin
 
 
 def scalar(t, role="scalars"):
     """A learned vector or scalar, CautiousAdam's ``role``."""
     return route(nn.Parameter(t), "adam", role)
-
-
-def longest_sequence(cfg):
-    """Most positions one forward sees: stage 3's train sequence (3 x --seq-len) or the val chunk."""
-    return max(3 * cfg.seq_len, val_chunk(cfg))
 
 
 class CausalSelfAttention(nn.Module):
@@ -515,18 +442,14 @@ class CausalSelfAttention(nn.Module):
         self.lambdas = scalar(torch.tensor([0.5, 1.0]))  # W_qkv x lam[0] (with QK-norm: V alone), W_o x lam[1]
         self.dc_window = DC_WINDOW if layer in spec.dc else 0
 
-    def weight(self, w, j, x):
-        """Weight ``w`` in x's dtype times ``lambdas[j]`` (modded-nanogpt scales the weight, not the output); cast
-        first, so the product's backward keeps the bf16 copy, not the float32 master."""
-        return self.lambdas[j] * w.type_as(x)
-
     def forward(self, x, mask, ve=None, ve_gate=None, xsa_alpha=None, attn_gate=None, dc=None):
         """x, ve ``[B, L, d]``, ``mask`` a ``LayerMasks`` (``GPT.masks_for``); per token ``ve_gate`` ``[B, L, H, 1]``,
         ``xsa_alpha`` and ``attn_gate`` ``[B, L, H]`` (the gate MLPs, #85); ``dc`` the DC lanes ``(w1, w2)``."""
         B, L, _ = x.shape
         H, D = self.n_head, self.head_dim
         shape = (B, L, H, D)
-        qkv = F.linear(x, self.weight(torch.cat((self.q.weight, self.k.weight, self.v.weight)), 0, x))  # one matmul
+        # the lambdas scale the weights (as modded-nanogpt), cast first: the backward keeps the bf16 copy, not float32
+        qkv = F.linear(x, self.lambdas[0] * torch.cat((self.q.weight, self.k.weight, self.v.weight)).type_as(x))
         q, k, v = (t.view(shape) for t in qkv.chunk(3, dim=-1))
         if ve is not None:
             ve = ve.view(shape).type_as(v)
@@ -549,7 +472,7 @@ class CausalSelfAttention(nn.Module):
             y = y - alpha * (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8) * v
         if attn_gate is not None:
             y = y * attn_gate.reshape(B, L, H, 1).type_as(y)
-        return F.linear(y.reshape(B, L, -1), self.weight(self.proj.weight, 1, y))
+        return F.linear(y.reshape(B, L, -1), self.lambdas[1] * self.proj.weight.type_as(y))
 
 
 class MLP(nn.Module):
@@ -573,8 +496,7 @@ class MLP(nn.Module):
 
 
 def fp8_refresh(model, step):
-    """After optimizer ``step`` (-1: at init): the MLP down-projections' FP8 weight scales (current over the first
-    16 steps, then delayed; ``refresh_down_scales_``)."""
+    """After optimizer ``step`` (-1: at init): the MLP down-projections' FP8 weight scales (refresh_down_scales_)."""
     for block in model.blocks:
         if block.mlp.down_scales is not None:
             refresh_down_scales_(block.mlp.down_scales, block.mlp.proj.weight, step < DOWN_BOOTSTRAP_STEPS)
@@ -584,6 +506,7 @@ BIGRAM_SIGN_ROWS = 8192  # rows of record #83's sign table
 MUDD_SCALE = 0.1  # MUDD coefficients are the MLP's output times this
 GATE_START = {"attn": 0.25, "bigram": 0.05, "skip": 0.5, "dc1": 1.0}  # record #85's gate lanes at init
 VE_GATE_IN = 6  # channels of the attention input and of the value embedding that the VE gate reads
+VAL_PIECE = 16_384  # positions whose logits eval holds at once (a 262,144-token chunk's: 26 GB in bf16)
 
 
 def injects(spec, layer):
@@ -656,17 +579,15 @@ def embed_tokens(table, inputs):
 
 
 class GPT(nn.Module):
-    """Record #89's decoder whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1).
-
-    ``forward(inputs, targets=None, weights=None)``: inputs int64 ``[B, L, k]`` (k = s: a bag, embedded as its mean),
-    targets int64 ``[B, L, j]`` (-100: ignored) -> float32 capped logits ``[B, L, V]``, or with targets the float32
-    loss *sum* (``loss_sum``; ``weights`` ``[j]`` of the target columns in training). ``dtype``: the activations'
-    (bf16 on CUDA, as modded-nanogpt; None on a CPU: the weights' own, float32 and exactly repeatable); weights are
-    cast per matmul (``linear``). The embedding reads the head's weight while ``tied`` (until ``untie``)."""
+    """Record #89's decoder whose inputs may be bags of tokens (TST phase 1, docs/METHODS.md §1). ``forward``: inputs
+    int64 ``[B, L, k]`` (k = s: a bag, embedded as its mean), targets int64 ``[B, L, j]`` (-100: ignored) -> float32
+    capped logits ``[B, L, V]``, or with targets the float32 loss *sum* (``loss_sum``; ``weights`` ``[j]`` of the
+    target columns in training). ``dtype``: the activations' (bf16 on CUDA, as modded-nanogpt; None on a CPU: the
+    weights' own, float32, exactly repeatable); weights cast per matmul (``linear``). ``tied``: until ``untie``."""
 
     def __init__(self, cfg, dtype=None):
         super().__init__()
-        spec = spec_of(cfg)
+        spec = MODELS[cfg.model]
         self.spec, self.dtype, d, V = spec, dtype, spec.model_dim, spec.vocab_size
         self.ve_of_layer = {layer: i % spec.value_embeds for i, layer in enumerate(spec.ve_layers)}
         self.embed = nn.Embedding(V, d)
@@ -674,8 +595,8 @@ class GPT(nn.Module):
         route(self.embed.weight, "adam", "embed")
         for table in self.value_embeds:
             nn.init.normal_(route(table.weight, "adam", "value_embeds"), std=0.01)  # small, as the record's
-        # one RoPE table for every layer: 2 x the longest sequence (paired layers run doubled sequences)
-        self.rotary = Rotary(spec.head_dim, 2 * longest_sequence(cfg), spec.attn_scale)
+        # one RoPE table for every layer: 2 x the longest sequence, stage 3's or a val chunk (paired layers double it)
+        self.rotary = Rotary(spec.head_dim, 2 * max(3 * cfg.seq_len, val_chunk(cfg)), spec.attn_scale)
         self.blocks = nn.ModuleList(Block(spec, i, self.rotary, cfg.fp8) for i in range(spec.n_layer))
         self.init_inputs(spec)
         self.lm_head = _linear(d, V, zero=True, group="adam", role="lm_head")
@@ -774,8 +695,9 @@ class GPT(nn.Module):
         srcs = (start, snaps[spec.attn_state_layer], snaps[n - 2], ves[0], snaps[spec.skip[0]])
         x = rms_norm(x + sum(m * src for m, src in zip(mu, srcs)))
         head = self.lm_head.weight
-        if targets is not None and not self.training:  # the metric: a long val chunk's logits in pieces
-            return sum(loss_sum(linear(xp, head), tp) for xp, tp in head_pieces(x, targets))
+        if targets is not None and not self.training:  # the metric: a long val chunk's logits in pieces of VAL_PIECE
+            n = max(1, VAL_PIECE // x.size(0))
+            return sum(loss_sum(linear(xp, head), tp) for xp, tp in zip(x.split(n, dim=1), targets.split(n, dim=1)))
         if fp8_active(self.head_scales is not None, x, head):  # record #19's FP8 head, its fixed scales (#89)
             logits = fp8_linear(x, head, fp8_grad=True, scales=self.head_scales)
         else:
@@ -844,15 +766,6 @@ class GPT(nn.Module):
             v = v + (gate * ve.view(B, L, H, d // H)).view(B, L, d)
         x = (1 + mu[5]) * x + mu[3] * start + mu[4] * state
         return x, v, (mu[8], mu[9], mu[12], mu[13], mu[10], mu[11], x.new_ones(()))
-
-
-VAL_PIECE = 16_384  # positions whose logits eval holds at once (a 262,144-token chunk's: 26 GB in bf16)
-
-
-def head_pieces(x, targets):
-    """x ``[B, L, d]`` and targets ``[B, L, j]`` in matching pieces of about ``VAL_PIECE`` positions (along L)."""
-    n = max(1, VAL_PIECE // x.size(0))
-    return zip(x.split(n, dim=1), targets.split(n, dim=1))
 
 
 def loss_sum(logits, targets, weights=None):
@@ -1060,40 +973,20 @@ class ValData:
         self.tokens = torch.from_numpy(stream.read(0, n_tokens + 1))
 
     def batches(self, mode, bag_size, seq_len, batch_seqs, rt):
-        """This rank's ``[batch_seqs, ...]`` batches of an objective (fixed shapes; labels past ``n_tokens`` ignored,
-        so the mean is exactly over the first ``n_tokens`` labels). Next-token (s = 1, the metric): ``chunks``."""
-        if bag_size == 1:
-            yield from self.chunks(seq_len, batch_seqs, rt)
-            return
+        """This rank's int64 batches ``[batch_seqs, ...]`` of an objective (``make_batch``; s = 1: the metric's chunks
+        of ``seq_len``): sequence i on rank i mod world, as many forwards on every rank, so any process count scores
+        the same sequences (modded-nanogpt: 262,144 tokens per rank of 8); labels past ``n_tokens`` are ignored."""
         seq_tokens, advance = sequence_layout(mode, bag_size, seq_len)
-        n_seqs = -(-self.n_tokens // advance)
-        per_rank = -(-n_seqs // (rt.world * batch_seqs)) * batch_seqs
+        per_rank = -(-self.n_tokens // (advance * rt.world * batch_seqs)) * batch_seqs
         length = (per_rank * rt.world - 1) * advance + seq_tokens
-        tokens = torch.zeros(length, dtype=torch.int64)
+        tokens = torch.full((length,), EOT_TOKEN, dtype=torch.int64)  # padding: its labels are ignored
         tokens[:self.n_tokens + 1] = self.tokens
         label_ok = torch.zeros(length, dtype=torch.bool)
         label_ok[1:self.n_tokens + 1] = True
         seqs, oks = tokens.unfold(0, seq_tokens, advance), label_ok.unfold(0, seq_tokens, advance)
-        for start in range(rt.rank * per_rank, (rt.rank + 1) * per_rank, batch_seqs):
-            inputs, targets = make_batch(seqs[start:start + batch_seqs], mode, bag_size)
-            _, ok = make_batch(oks[start:start + batch_seqs], mode, bag_size)
-            yield inputs, torch.where(ok, targets, IGNORE_INDEX)
-
-    def chunks(self, chunk, batch_seqs, rt):
-        """This rank's metric batches int64 ``[batch_seqs, chunk, 1]``: chunk i (tokens [i chunk, (i + 1) chunk) and
-        their next tokens) on rank i mod world, so any process count scores the same chunks (modded-nanogpt: 262,144
-        per rank of 8); as many forwards on every rank, labels past ``n_tokens`` or in padding ignored."""
-        n = -(-self.n_tokens // chunk)
-        per_rank = -(-(-(-n // rt.world)) // batch_seqs) * batch_seqs
-        length = per_rank * rt.world * chunk + 1
-        tokens = torch.full((length,), EOT_TOKEN, dtype=torch.int64)
-        tokens[:self.n_tokens + 1] = self.tokens
-        label_ok = torch.zeros(length, dtype=torch.bool)
-        label_ok[1:self.n_tokens + 1] = True
-        seqs, oks = tokens.unfold(0, chunk + 1, chunk), label_ok.unfold(0, chunk + 1, chunk)
         for group in torch.arange(rt.rank, per_rank * rt.world, rt.world).split(batch_seqs):
-            inputs, targets = make_batch(seqs[group], "full", 1)
-            yield inputs, torch.where(make_batch(oks[group], "full", 1)[1], targets, IGNORE_INDEX)
+            inputs, targets = make_batch(seqs[group], mode, bag_size)
+            yield inputs, torch.where(make_batch(oks[group], mode, bag_size)[1], targets, IGNORE_INDEX)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1106,7 +999,7 @@ def build_optimizers(model, cfg, compile=False, shard=None):
     blocks = dict(model.blocks.named_parameters())
     pick = lambda *ends: [(f"blocks.{n}", p) for n, p in blocks.items() if n.endswith(ends)]  # noqa: E731
     groups = matrix_groups(pick("attn.q.weight", "attn.k.weight"), pick("attn.v.weight", "attn.proj.weight"),
-                           pick("mlp.fc.weight"), pick("mlp.proj.weight"), spec_of(cfg).head_dim,
+                           pick("mlp.fc.weight"), pick("mlp.proj.weight"), MODELS[cfg.model].head_dim,
                            aurora=cfg.optimizer == "aurora_normuon", pp_iterations=cfg.pp_iterations)
     matrices = NorMuon(groups, lr=cfg.matrix_lr, weight_decay=cfg.matrix_wd, momentum=cfg.momentum,
                        pp_beta=cfg.pp_beta, compile=compile)
@@ -1201,7 +1094,6 @@ def eval_mode(model):
         model.train(was_training)
 
 
-@torch.no_grad()
 def evaluate(model, val, mode, bag_size, cfg, rt):
     """Mean loss over the val tokens for an objective (s = 1: the metric), in eval mode."""
     total = torch.zeros((), device=rt.device, dtype=torch.float64)
@@ -1280,18 +1172,6 @@ def build_run(cfg, rt, log, data, resume):
     return run
 
 
-def attention_backend(cfg, rt):
-    """FlexAttention's backend (``kernels.FLEX_BACKEND``): FLASH where --attention-backend asks or allows it and it can
-    run (``kernels.flash_unavailable_reason``), else TRITON; ConfigError for flash where it cannot run."""
-    if cfg.attention_backend == "triton" or (cfg.attention_backend == "auto" and not (rt.compile and rt.device.type
-                                                                                       == "cuda")):
-        return "TRITON"  # FLASH's kernels are generated by inductor: a compiled CUDA run
-    why = kernels.flash_unavailable_reason(rt.device)
-    if why and cfg.attention_backend == "flash":
-        raise ConfigError(f"--attention-backend flash: {why}; or use --attention-backend triton")
-    return "TRITON" if why else "FLASH"
-
-
 def graph_batches(run):
     """``{key: (inputs, targets, weights, tied, train)}``: one batch per graph the run will call, made by the loop's
     own functions (a copy of the loader, ``Objectives``, ``ValData.batches``), keyed on what a graph guards on."""
@@ -1332,7 +1212,7 @@ def warm_up(run, stop):
             with nullcontext() if train else eval_mode(run.net):
                 loss = run.net(inputs, targets) if weights is None else run.net(inputs, targets, weights)
         except Exception as err:  # noqa: BLE001 -- only FlashAttention-4 refusing a graph under auto is caught
-            if not flash_refused(run.cfg, err):
+            if not kernels.flash_refused(run.cfg.attention_backend, err):
                 raise
             run.log.line(f"attention: FLASH refused a graph ({' '.join(str(err).split())[:160]}); auto falls back "
                          f"to TRITON and compiles again")
@@ -1360,14 +1240,9 @@ def warm_up(run, stop):
     if run.rt.distributed:  # the ranks compile alone and meet at the first collective: their skew vs --dist-timeout
         every = [None] * run.rt.world
         dist.all_gather_object(every, ms)
-        run.log.line(f"compile: warm-up per rank {min(every):.0f}-{max(every):.0f}ms, skew {max(every) - min(every):.0f}"
-                     f"ms (--dist-timeout {run.cfg.dist_timeout}s)")
+        run.log.line(f"compile: warm-up per rank {min(every):.0f}-{max(every):.0f}ms, skew "
+                     f"{max(every) - min(every):.0f}ms (--dist-timeout {run.cfg.dist_timeout}s)")
     return ms
-
-
-def flash_refused(cfg, err):
-    """Whether ``err`` is FlexAttention's FLASH backend refusing a graph while --attention-backend auto chose it."""
-    return cfg.attention_backend == "auto" and kernels.FLEX_BACKEND[0] == "FLASH" and "FLASH" in str(err)
 
 
 def validate(run, step):
@@ -1389,17 +1264,11 @@ def log_stage(run, step):
     was, now = run.schedule[step - 1].stage, run.schedule[step].stage
     tail = f"same weights and optimizer state; tokens:{run.progress.raw_tokens}"
     if (was.phase, now.phase) == (1, 2):
-        run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {was.bag_size} -> 1, mode {was.mode} -> "
-                     f"next-token); {tail}")
-        return
-    changes = [f"{name} {getattr(was, name)} -> {getattr(now, name)}"
-               for name in ("batch_tokens", "seq_len", "doc_cap", "blocks", "lr_mul") if getattr(was, name) != getattr(now, name)]
+        return run.log.line(f"tst_switch: step {step}: phase 1 -> 2 (bag_size {was.bag_size} -> 1, mode {was.mode} -> "
+                            f"next-token); {tail}")
+    changes = [f"{k} {getattr(was, k)} -> {getattr(now, k)}" for k in ("batch_tokens", "seq_len", "doc_cap", "blocks",
+                                                                      "lr_mul") if getattr(was, k) != getattr(now, k)]
     run.log.line(f"stage: step {step}: {', '.join(changes) or 'a new stage'}; {tail}")
-
-
-# Dense bf16 peak TFLOP/s (NVIDIA datasheets, SXM) and the utilization modded-nanogpt's records reach: record #21
-# (2025-01-26) trained 5.517e17 model FLOPs (this file's count) in 175.98 s on 8 x H100: 39.6% of peak.
-PEAK_TFLOPS, RECORD_MFU = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}, 0.396
 
 
 def describe(cfg, preset, machines):
@@ -1430,11 +1299,7 @@ def describe(cfg, preset, machines):
               f"{flops:.4e} model FLOPs + {opt_flops:.3e} in the optimizer's orthogonalizations",
               harness.memory_line(n_params, cfg.micro_batch_seqs * 3 * cfg.seq_len, model.spec, cfg.val_batch_seqs,
                                   chunk, min(chunk, VAL_PIECE))]
-    for n_gpus, gpu in machines:
-        seconds = (flops + opt_flops) / (n_gpus * RECORD_MFU * PEAK_TFLOPS[gpu] * 1e12)
-        lines.append(f"projected_train_time: {n_gpus} x {gpu}: {seconds / 60:.1f} min at {100 * RECORD_MFU:.1f}% of "
-                     f"its {PEAK_TFLOPS[gpu]:g} TFLOP/s bf16 peak (record #21's utilization), compile not included")
-    return "\n".join(lines)
+    return "\n".join(lines + harness.projection_lines(flops + opt_flops, machines))
 
 
 def train(run, stop):
@@ -1511,7 +1376,9 @@ def main(argv=None):
             return 0
         rt = harness.setup_runtime(cfg, grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
         data = harness.find_data(cfg.train_files, cfg.val_files)
-        kernels.FLEX_BACKEND[0] = attention_backend(cfg, rt)
+        kernels.FLEX_BACKEND[0], why = kernels.choose_flex_backend(cfg.attention_backend, rt.device, rt.compile)
+        if why:
+            raise ConfigError(f"--attention-backend flash: {why}; or use --attention-backend triton")
         resume = harness.load_resume(cfg, data, OPERATIONAL) if cfg.resume else None
         log = harness.RunLog(cfg, rt, preset, resume)
         run = build_run(cfg, rt, log, data, resume)

@@ -477,8 +477,8 @@ def environment(device, use_compile):
         ("math", "math_sdp_enabled"), ("cudnn", "cudnn_sdp_enabled")) if hasattr(cb, fn)}
     env["flash_attention_built"] = _try(cb.is_flash_attention_available) if hasattr(
         cb, "is_flash_attention_available") else None
-    # the trainer's --describe table (train_gpt.PEAK_TFLOPS): one datasheet figure per GPU
-    env["nominal_bf16_tflops"] = next((v for k, v in T.PEAK_TFLOPS.items() if k in props.name), None) if T else None
+    # --describe's table (H.PEAK_TFLOPS): one datasheet figure per GPU
+    env["nominal_bf16_tflops"] = next((v for k, v in H.PEAK_TFLOPS.items() if k in props.name), None) if H else None
     return env
 
 

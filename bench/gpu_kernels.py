@@ -400,7 +400,7 @@ def fp8_record_shapes(T, stage=0):
     """(positions of one micro-batch of recipe ``stage`` 0, 1 or 2, model_dim, MLP hidden, vocab) of the record's
     defaults (baseline_h200 and record_h200 share them)."""
     cfg = T.Config()
-    spec = T.spec_of(cfg)
+    spec = T.MODELS[cfg.model]
     return (T.recipe_stages(cfg)[stage].seq_len * cfg.micro_batch_seqs, spec.model_dim,
             spec.mlp_ratio * spec.model_dim, spec.vocab_size)
 
@@ -463,7 +463,7 @@ def step_batch(T, cfg, row, device, seqs=1, mean_doc=40, seed=0):
     inputs, targets = T.make_batch(toks, mode, s)
     weights = None
     if row.stage.phase == 2:
-        prefix = T.prefix_token_table(T.spec_of(cfg).vocab_size)
+        prefix = T.prefix_token_table(T.MODELS[cfg.model].vocab_size)
         targets, weights = T.objective_targets(targets[..., 0], prefix), torch.tensor(T.OBJECTIVE_WEIGHTS[0][0])
     return inputs.to(device), targets.to(device), None if weights is None else weights.to(device)
 
@@ -619,7 +619,7 @@ def attention_shapes(T):
     """``(lengths, windows, heads, head_dim, scale)`` of the record's attention: stage 1's and stage 3's sequence (one
     a micro-batch), stage 3's (long, short) windows in positions, the model's heads, head size and logit scale."""
     cfg = T.Config()
-    spec, recipe, table = T.spec_of(cfg), T.recipe_stages(cfg), T.Schedule(cfg)
+    spec, recipe, table = T.MODELS[cfg.model], T.recipe_stages(cfg), T.Schedule(cfg)
     third = next(st for st in table.stages if st.seq_len == recipe[2].seq_len)
     return ((recipe[0].seq_len, recipe[2].seq_len), tuple(table[third.start].window), spec.n_head, spec.head_dim,
             spec.attn_scale)

@@ -15,7 +15,7 @@ p; and each arm's first val step whose mean is below the baseline's final mean a
     python bench/small_scale.py --quick   # the pipeline end to end in tiny runs (the test suite's)
 
 It prints its plan and time estimate before running, and resumes after a crash (a complete run
-is skipped). The detail (arms, data orders, the sweep, first-passing, the budget): docs/SMALL_SCALE.md.
+is skipped). The detail (arms, data orders, the sweep, first-passing, the budget): docs/RESULTS.md.
 """
 import argparse
 import concurrent.futures
@@ -80,7 +80,7 @@ MODES = {
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
 # training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core Intel Xeon (torch 2.13.0 CPU,
 # float32), measured on 2026-12-03 with the machine shared (load 3-14) as CPU-seconds per FLOP (3.8e-11
-# to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/SMALL_SCALE.md, "Budget". results.md
+# to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/RESULTS.md. results.md
 # reports the measured time / this estimate of every run.
 COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
 

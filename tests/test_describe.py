@@ -48,7 +48,7 @@ def test_baseline_h200s_plan_by_hand(capsys):
     assert out["steps"][2].startswith("steps [847, 1270) next-token: 8 x 49,152 positions, 393,216 tokens of text, "
                                       "windows (1408, 640), cap 2048, lr x1.73, ")
     # the peak: float32 weights, gradients and 3 optimizer copies, then stage 3's micro-batch of 49,152 positions: 3
-    # float32 vocabulary rows and 25 bf16 rows of d per layer a position (docs/MEMORY.md), float64 by hand
+    # float32 vocabulary rows and 25 bf16 rows of d per layer a position (docs/OPTIMIZERS.md, "Memory per GPU"), float64 by hand
     state, train = 5 * 4 * 635_886_937 / 2**30, 49_152 * (3 * V * 4 + 25 * layers * d * 2) / 2**30
     assert round(state + train, 1) == 58.8
     assert out["memory_estimate"] == (f"memory_estimate: per GPU, weights, gradients and optimizer state {state:.1f} "
@@ -80,7 +80,7 @@ def test_record_89s_utilization_is_its_time_over_its_flops():
     table = T.Schedule(T.Config())
     flops = sum(r.flops_per_position * r.stage.batch_tokens for r in table.rows[:1285])
     assert f"{flops:.4e}" == "2.5124e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
-    assert T.RECORD_MFU == 0.396 and T.PEAK_TFLOPS["H200"] == 989.0
+    assert H.RECORD_MFU == 0.396 and H.PEAK_TFLOPS["H200"] == 989.0
 
 
 @pytest.mark.parametrize("argv, chunk", [(["--preset", "record_h200", "--val-tokens", "1000"], 1000),
@@ -94,7 +94,7 @@ def test_the_val_chunk_is_never_longer_than_the_val_tokens(capsys, argv, chunk):
     if cfg.val_tokens <= 16384:  # the batches themselves: every label scored once
         val = object.__new__(T.ValData)
         val.n_tokens, val.tokens = cfg.val_tokens, torch.randint(0, 50257, (cfg.val_tokens + 1,))
-        batches = list(val.chunks(T.val_chunk(cfg), 1, types.SimpleNamespace(rank=0, world=1)))
+        batches = list(val.batches("full", 1, T.val_chunk(cfg), 1, types.SimpleNamespace(rank=0, world=1)))
         assert len(batches) == n and batches[0][0].shape[1] == chunk
         assert sum(int((t != T.IGNORE_INDEX).sum()) for _, t in batches) == cfg.val_tokens
 

@@ -24,7 +24,7 @@ def smoke_batch(cfg, seed=0):
     tokens = torch.randint(0, 50257, (1, cfg.seq_len + 1), generator=g)
     tokens[0, ::97] = T.EOT_TOKEN
     inputs, targets = T.make_batch(tokens, "full", 1)
-    columns = T.objective_targets(targets[..., 0], T.prefix_token_table(T.spec_of(cfg).vocab_size))
+    columns = T.objective_targets(targets[..., 0], T.prefix_token_table(T.MODELS[cfg.model].vocab_size))
     return inputs, columns, torch.tensor([1.0, 0.5, 0.25, 0.25])
 
 

@@ -84,7 +84,7 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
 
 def test_the_check_model_is_the_smoke_models_roles_at_64_wide():
     cfg, preset = gpu_check.config_of(gpu_check.CHECK_MODEL)
-    spec, smoke = T.spec_of(cfg), T.MODELS["smoke"]
+    spec, smoke = T.MODELS[cfg.model], T.MODELS["smoke"]
     assert preset == "record_h200" and cfg.model == "check" and cfg.tst_frac > 0 and cfg.optimizer == "aurora_normuon"
     assert spec == dataclasses.replace(smoke, model_dim=64, bigram_vocab=4096, window_block=8) and spec.head_dim == 16
     for role in ("paired_heads", "xsa", "attn_gate", "dc", "ve_layers", "skip"):  # every role of record #89's model

@@ -103,7 +103,7 @@ def test_the_presets_use_modded_nanogpts_train_layout_and_gradient_scale():
     stages = T.stages(cfg)
     assert [st.seq_len for st in stages] == [16384, 32768, 49152, 49152]
     assert [T.grad_divisor(st) for st in stages] == [8, 8, 8, 8]
-    assert T.longest_sequence(cfg) == 262_144 and T.val_chunk(cfg) == 262_144
+    assert 3 * cfg.seq_len < T.val_chunk(cfg) == 262_144  # the val chunk is the longest sequence
     for mode, divisor in (("full", 32), ("output", 32), ("input", 8)):
         tst = H.parse_flags(T.Config, T.PRESETS, ["--preset", "record_h200", "--tst-mode", mode])[0]
         assert [T.grad_divisor(st) for st in T.stages(tst)[:2]] == [divisor, 8]

@@ -96,7 +96,7 @@ def test_resumed_model_has_the_uninterrupted_tables():
     cfg = smoke_cfg()
     rows, spec = T.Schedule(cfg).rows, T.MODELS["smoke"]
     run = T.GPT(cfg)
-    max_len = 2 * T.longest_sequence(cfg)
+    max_len = 2 * max(3 * cfg.seq_len, T.val_chunk(cfg))
     for step, row in enumerate(rows):
         run.set_window(row.window, row.yarn)
         if step in (0, 32, 33, 64, 65, 97, 98, 99, 100):  # stages start at 33, 65, 98
@@ -291,7 +291,7 @@ def test_model_holds_one_table_that_every_attention_layer_uses():
     names = [n for n, _ in model.named_buffers()]
     # named_buffers lists a tensor once however many modules hold it: per-layer tables would show 3
     assert [n for n in names if n.endswith(("cos", "sin"))] == ["rotary.cos", "rotary.sin"]
-    assert model.rotary.cos.shape == (1, 2 * T.longest_sequence(cfg), 1, LAYERS.head_dim // 4)
+    assert model.rotary.cos.shape == (1, 2 * max(3 * cfg.seq_len, T.val_chunk(cfg)), 1, LAYERS.head_dim // 4)
     model = model.double()
     assert model.rotary.cos.dtype == torch.float64 and all(a.rotary.cos is model.rotary.cos for a in layers)
 
@@ -312,7 +312,7 @@ def test_the_shared_table_gives_the_per_layer_tables_result():
     grads = [p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     for block in model.blocks:  # a table built by each layer
-        own = T.Rotary(LAYERS.head_dim, 2 * T.longest_sequence(cfg), LAYERS.attn_scale)
+        own = T.Rotary(LAYERS.head_dim, 2 * max(3 * cfg.seq_len, T.val_chunk(cfg)), LAYERS.attn_scale)
         own.set_history((5, 9))
         assert own.cos is not block.attn.rotary.cos and torch.equal(own.cos, block.attn.rotary.cos)
         block.attn.rotary = own
