@@ -416,9 +416,9 @@ def route(param, group, role=None):
 def _linear(d_in, d_out, zero=False, group="matrix", role=None):
     """A bias-free ``nn.Linear`` (uniform init, std 0.5/sqrt(d_in); ``zero``: zeros) routed to ``group``."""
     lin = nn.Linear(d_in, d_out, bias=False)
-    bound = math.sqrt(3.0) * 0.5 / math.sqrt(d_in)
+    w, bound = route(lin.weight, group, role), math.sqrt(3.0) * 0.5 / math.sqrt(d_in)
     with torch.no_grad():  # zero: an output projection, so its block starts as the identity (draws no numbers)
-        route(lin.weight, group, role).zero_() if zero else lin.weight.uniform_(-bound, bound)
+        w.zero_() if zero else w.uniform_(-bound, bound)
     return lin
 
 
