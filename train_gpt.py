@@ -1139,6 +1139,7 @@ class Run:
     progress: Progress = field(default_factory=Progress)
     split: int = 0
     start: int = 0
+    end: int = 0  # the step this invocation stops after (N, or sooner by --max-steps)
 
 
 def build_run(cfg, rt, log, data, resume):
@@ -1166,6 +1167,7 @@ def build_run(cfg, rt, log, data, resume):
         run.progress = Progress(**resume["counters"])
         model.tied = run.start <= run.split
         log.line(f"resume: from step {run.start} train_time:{run.progress.train_time_ms:.0f}ms")
+    run.end = min(cfg.num_iterations, run.start + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
     n_params = sum(p.numel() for p in model.parameters())
     log.line(f"model: {n_params:,} parameters; {rt.accum} micro-batch(es) x {cfg.micro_batch_seqs} sequence(s) x "
              f"{rt.world} process(es) a step")
@@ -1173,21 +1175,21 @@ def build_run(cfg, rt, log, data, resume):
 
 
 def graph_batches(run):
-    """``{key: (inputs, targets, weights, tied, train)}``: one batch per graph the run will call, made by the loop's
-    own functions (a copy of the loader, ``Objectives``, ``ValData.batches``), keyed on what a graph guards on."""
-    cfg, rt, out = run.cfg, run.rt, {}
+    """``{key: (inputs, targets, weights, tied, train)}``: a batch per graph steps [start, end) and their validations call
+    (--max-steps: only those), made by the loop's own functions, keyed on what a graph guards on."""
+    cfg, rt, out, lo, hi = run.cfg, run.rt, {}, run.start, run.end
     add = lambda i, t, w, tied, train: out.setdefault(  # noqa: E731
         (tuple(i.shape), tuple(t.shape), w is None, tied, train), (i, t, w, tied, train))
-    for st in run.schedule.stages:
+    for st in (st for st in run.schedule.stages if st.start < hi and st.end > lo):
         micro, _ = next_micro_batches(copy.copy(run.loader), st, rt, cfg.micro_batch_seqs)
         micro, weights = run.objectives.batches(micro[:1], st.start, st)
-        for tied in (st.start <= run.split, st.end - 1 <= run.split):  # both sides of an untie inside the stage
+        for tied in (max(st.start, lo) <= run.split, min(st.end, hi) - 1 <= run.split):  # both sides of an untie
             add(*micro[0], weights, tied, True)
     N, evals = cfg.num_iterations, set()
-    for step in {0, N, *(range(cfg.val_every, N, cfg.val_every) if cfg.val_every else ())}:
-        stage = run.schedule[max(step - 1, 0)].stage  # as ``validate``: the metric, and the TST objective in phase 1
-        evals |= {("full", 1, step <= run.split), *([(stage.mode, stage.bag_size, step <= run.split)]
-                                                      * (stage.phase == 1))}
+    for step in range(lo + (lo > 0), hi + 1):
+        if step in (0, N) or (cfg.val_every and step % cfg.val_every == 0):  # where ``train`` validates: the metric,
+            st, tied = run.schedule[max(step - 1, 0)].stage, step <= run.split  # and in phase 1 the TST objective
+            evals |= {("full", 1, tied)} | ({(st.mode, st.bag_size, tied)} if st.phase == 1 else set())
     for mode, s, tied in sorted(evals):
         for inputs, targets in run.val.batches(mode, s, val_chunk(cfg, s), cfg.val_batch_seqs, rt):
             add(rt.to_device(inputs), rt.to_device(targets), None, tied, False)
@@ -1306,8 +1308,7 @@ def train(run, stop):
     """The speedrun: one optimizer step per iteration; validation, log lines and checkpoints outside train_time.
     Returns ``(status, reason)``: complete, stopped_early (--max-steps) or interrupted (a signal)."""
     cfg, rt, log, model, p = run.cfg, run.rt, run.log, run.model, run.progress
-    end = min(cfg.num_iterations, run.start + cfg.max_steps) if cfg.max_steps else cfg.num_iterations
-    checkpoints = cfg.save_every or cfg.save_final
+    end, checkpoints = run.end, cfg.save_every or cfg.save_final
     nan_guard, clock = harness.NanGuard(rt.device), harness.Clock(rt, p)
     if run.start == 0:
         validate(run, 0)

@@ -334,7 +334,7 @@ def refresh_results(archived, every_s=20.0):
 # The trainer's warm-up lines (train_gpt.warm_up): one per item (a model graph key or an optimizer), then the total.
 # PLAN_RE: a line announcing the items before the first, when the trainer logs one (cut short, the report then
 # says "k of n items").
-GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*) took (\d+)ms, (\d+) graph")
+GRAPH_RE = re.compile(r"^compile: (train|val|optimizer) (.*?)(?: attention:(\S+))? took (\d+)ms, (\d+) graph")
 COMPILE_RE = re.compile(r"^compile: warm-up took (\d+)ms \(not in train_time\), (\d+) graph")
 PLAN_RE = re.compile(r"^compile: warm-up plan: (\d+) model graph keys?, (\d+) optimizers?")
 SWITCH_RE = re.compile(r"^tst_switch: step (\d+)")
@@ -349,8 +349,8 @@ def skew_of(m):
 
 
 def graph_item(m):
-    """A warm-up item of the trainer log (``GRAPH_RE``'s match): {what, ms, graphs}."""
-    return dict(what=f"{m.group(1)} {m.group(2)}", ms=int(m.group(3)), graphs=int(m.group(4)))
+    """A warm-up item of the trainer log (``GRAPH_RE``'s match): {what, attention (a model graph's), ms, graphs}."""
+    return dict(what=f"{m.group(1)} {m.group(2)}", attention=m.group(3), ms=int(m.group(4)), graphs=int(m.group(5)))
 
 
 def plan_of(m):

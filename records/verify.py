@@ -38,7 +38,7 @@ Checks, in order:
    missing too, one line names the ``bench/small_scale_data.py`` command that rebuilds it.
 
 How close is close enough depends on where the log was made, compared with the rerun's own
-``cpu:`` / ``gpus:`` line (the case is printed; the method: docs/LOGS.md, "verify.py"):
+``cpu:`` / ``gpus:`` line (the case is printed; the method: docs/LOGS.md):
 * same CPU model, thread count and process count, eager or compiled alike: float32 results are
   bitwise equal, so the losses must match to the print rounding (1e-4);
 * another CPU model, thread count or process count (or a log that does not record its CPU), eager:
@@ -518,10 +518,10 @@ def judgement(logged, here, tol=None, compiled=False, measured=None):
         after = measured.last_train_step
         text = (f"{how}different {', '.join(differs)}: {why}; drift measured on this machine by {by}: {measured}"
                 + (f"; train losses after step {after} shown, not judged" if after is not None else "")
-                + " (docs/LOGS.md, "verify.py")")
+                + " (docs/LOGS.md)")
         return text + given, (measured if tol is None else Tolerance(tol))
     text = (f"different {', '.join(differs)}: float32 sums in another order, the runs drift apart with the step: "
-            f"{DRIFT}, train losses after step {DRIFT.last_train_step} shown, not judged (docs/LOGS.md, "verify.py")")
+            f"{DRIFT}, train losses after step {DRIFT.last_train_step} shown, not judged (docs/LOGS.md)")
     return text + given, (DRIFT if tol is None else Tolerance(tol))
 
 

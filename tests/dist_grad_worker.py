@@ -57,7 +57,7 @@ def main(out):
     ref_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
 
-    kernels.GRAD_BUCKET_BYTES = 8 * 1024  # several buckets in a tiny model
+    buckets = kernels.GradBuckets(model.parameters(), rank, 2, cap_bytes=8 * 1024)  # several buckets, none sharded
     events = []
     real_all_reduce = dist.all_reduce
 
@@ -68,10 +68,9 @@ def main(out):
     model.register_forward_pre_hook(lambda m, args: events.append(("forward", 0)))
     model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: events.append(("head_ready", 0)))
     dist.all_reduce = recording_all_reduce
-    loss = T.accumulate_gradients(model, micro, rt, None, DIVISOR)
+    loss = T.accumulate_gradients(model, micro, rt, None, DIVISOR, buckets)
     dist.all_reduce = real_all_reduce
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    buckets = kernels.grad_buckets(model)
     if rank == 0:
         torch.save(dict(ref_loss=ref_loss, loss=loss, ref_grads=ref_grads, grads=grads, events=events,
                         n_buckets=len(buckets.buckets), n_params=len(list(model.parameters())),

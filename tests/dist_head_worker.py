@@ -72,7 +72,8 @@ def main(out):
     cfg, model = model_of(GRAD_ARGS)
     inputs, targets, weights = grad_batch()
     mine = range(rank * rt.accum, (rank + 1) * rt.accum)  # sequence rank * accum + micro, as the loaders
-    loss = T.accumulate_gradients(model, [(inputs[i:i + 1], targets[i:i + 1]) for i in mine], rt, weights, divisor=4)
+    buckets = T.GradBuckets(model.parameters(), rank, world) if world > 1 else None  # the run's all-reduce
+    loss = T.accumulate_gradients(model, [(inputs[i:i + 1], targets[i:i + 1]) for i in mine], rt, weights, 4, buckets)
     if rank == 0:
         torch.save(dict(val_loss=val_loss, loss=loss,
                         grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}), out)

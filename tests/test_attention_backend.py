@@ -27,8 +27,7 @@ def test_flash_without_flash_attn_4_is_one_line_naming_it(tmp_path):
 def test_auto_on_a_cpu_runs_sdpa_without_a_word(tmp_path):
     cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))
     assert cfg.attention_backend == "auto"
-    rt = H.Runtime(0, 1, torch.device("cpu"), compile=True)
-    assert T.attention_backend(cfg, rt) == "TRITON"  # (not used: a CPU model attends through SDPA)
+    assert kernels.choose_flex_backend(cfg.attention_backend, "cpu", True) == ("TRITON", None)  # unused: SDPA
     assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "auto")) == 0
     log = (tmp_path / "logs" / "auto.txt").read_text().split(H.SEPARATOR)[-2]  # the run, not its source
     assert "attention: SDPA" in log and "FLASH" not in log
@@ -69,7 +68,7 @@ def test_flash_is_not_caught_when_the_user_asked_for_it(tmp_path):
     err = RuntimeError("BACKEND='FLASH' but flash attention cannot be used")
     kernels.FLEX_BACKEND[0] = "FLASH"
     try:
-        assert not T.flash_refused(cfg, err)  # --attention-backend flash: the error is the report
-        assert T.flash_refused(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0], err)
+        assert not kernels.flash_refused(cfg.attention_backend, err)  # --attention-backend flash: the error is the report
+        assert kernels.flash_refused(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0].attention_backend, err)
     finally:
         kernels.FLEX_BACKEND[0] = "TRITON"

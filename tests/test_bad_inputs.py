@@ -56,6 +56,7 @@ CASES = [  # (flags, the line after "train_gpt.py: error: ")
 def test_a_bad_flag_value_is_one_line_naming_the_flag(tmp_path, capsys, monkeypatch, flags, says):
     if flags[0] == "--device":
         monkeypatch.setattr(H.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(T, "MODELS", {k: T.MODELS[k] for k in ("record", "smoke", "tiny")})  # not other tests' specs
     assert unquoted(refused(tmp_path, capsys, *flags)) == unquoted(f"train_gpt.py: error: {says}")
 
 
