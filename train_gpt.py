@@ -32,7 +32,7 @@ from aurora_opt import CautiousAdam, NorMuon, adam_groups, matrix_groups, warm_s
 from harness import ConfigError, DataError
 import kernels
 from kernels import (DC_WINDOW, DOWN_BOOTSTRAP_STEPS, HEAD_SCALES, IGNORE_INDEX, PAST_END, SIGMOID_CAP, GradBuckets,
-                     LayerMasks, Rotary, attend, dc_attention, delay_input_scale_, down_scales, fp8_active, fp8_linear,
+                     Rotary, attend, dc_attention, delay_input_scale_, down_scales, fp8_active, fp8_linear,
                      fp8_unavailable_reason, layer_masks, multi_target_loss, offset_keys, refresh_down_scales_, upcast)
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def attended_keys(seq_len, window):
 
 def matmul_weights(spec):
     """Weights multiplied per latent position by a forward (each matmul's in x out; embeddings are lookups)."""
-    d, H, G = spec.model_dim, spec.n_head, spec.mudd_gates
+    d, H = spec.model_dim, spec.n_head
     attn = [i for i in range(spec.n_layer) if i not in spec.no_attn]
     ve_gated = [i for i in spec.ve_layers if i != spec.n_layer - 1]  # MUDD gates the last layer's VE
     lanes = [sum(w for _, _, w in side) for side in gate_lanes(spec)]

@@ -717,6 +717,10 @@ def rerun(lines, rest, sources, config, steps, train_files=None, val_files=None,
     """
     if config is None:
         return False, [f"rerun: {NO_CONFIG}"]
+    logged = [p["step"] for p in parse_lines(lines).train if p.get("train_loss") is not None]
+    if logged and logged[0] > steps:  # nothing to compare: said before minutes of running
+        return False, [f"rerun: no train_loss line of steps 1..{steps} in both logs to compare; the log's first is at "
+                       f"step {logged[0]}: pass --rerun {logged[0]} or more"]
     config = dict(config)  # the rerun overrides some fields (device, log dir, ...) in place
     tmp = tempfile.mkdtemp(prefix="verify_")
     try:

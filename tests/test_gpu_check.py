@@ -361,7 +361,7 @@ def test_log_parsing_and_phase_stats():
         "    return 'step:1/4 train_loss:1.0000 train_time:1ms step_avg:1.00ms'",
         gpu_check.SEPARATOR,
         "compile: warm-up plan: 1 model graph key, 1 optimizer",
-        "compile: train [1, 16384, 1] -> [1, 16384, 4] tied:1 took 61234ms, 1 graph(s)",
+        "compile: train [1, 16384, 1] -> [1, 16384, 4] tied:1 attention:FLASH took 61234ms, 1 graph(s)",
         "compile: optimizer NorMuon took 9000ms, 8 graph(s)",
         "compile: warm-up took 71234ms (not in train_time), 9 graphs",
         "step:0/4 val_loss:10.0000 train_time:0ms step_avg:0.00ms phase:1 val_loss_tst:11.0000 tokens:0 flops:0.0e+00",
@@ -373,8 +373,8 @@ def test_log_parsing_and_phase_stats():
         "status:complete",
     ])
     p = gpu_check.parse_log(text)
-    assert p["compile_graphs"] == [dict(what="train [1, 16384, 1] -> [1, 16384, 4] tied:1", ms=61234, graphs=1),
-                                   dict(what="optimizer NorMuon", ms=9000, graphs=8)]
+    assert p["compile_graphs"] == [dict(what="train [1, 16384, 1] -> [1, 16384, 4] tied:1", attention="FLASH", ms=61234,
+                                        graphs=1), dict(what="optimizer NorMuon", attention=None, ms=9000, graphs=8)]
     assert p["warm_up_plan"] == dict(model_graphs=1, optimizers=1, items=2)
     assert [r["step"] for r in p["train"]] == [1, 2, 3, 4]
     assert p["compile_ms"] == 71234 and p["warm_up_graphs"] == 9 and p["switch_step"] == 2
