@@ -720,6 +720,7 @@ def _kill_a_worker_at(proc, moment, stall_pid, pause):
         pytest.fail(f"{moment}: the tool ended or never started a worker: {proc.communicate()[1][-2000:]}")
 
 
+@pytest.mark.slow  # kills a worker at many moments
 def test_worker_killed_at_any_moment_ends_the_run_with_one_line(tmp_path, no_torch):
     """A worker SIGKILLed (as by the out-of-memory killer) before its first batch, mid-batch, while
     the main process waits on its result, idle while the in-flight window is full, or while it

@@ -350,6 +350,7 @@ def run_sh(tmp_path, *args, **env):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # test_data_tools runs run.sh on the CPU too
 def test_run_sh_on_a_cpu_trains_cpu_smoke_on_the_sample(tmp_path):
     small = ["--seq-len", "128", "--batch-tokens", "384", "--num-iterations", "5", "--val-tokens", "1024",
              "--run-id", "c", "--log-dir", str(tmp_path / "logs")]

@@ -79,6 +79,7 @@ def trainer(tmp_path, world, run_id, *extra):
     return read_log(tmp_path / "logs", run_id)
 
 
+@pytest.mark.slow  # 3 runs; the same-count resume: test_distributed
 def test_a_sharded_checkpoint_resumes_exactly_on_the_same_and_another_process_count(tmp_path):
     whole = trainer(tmp_path, 2, "whole", "--save-every", "3")  # 6 steps, a checkpoint at step 3 on the way
     ckpt = tmp_path / "ckpt" / "whole" / "step_000003.pt"

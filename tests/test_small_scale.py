@@ -633,6 +633,7 @@ def quick(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the study's pipeline end to end (the quick fixture's trainer runs)
 def test_quick_study_writes_results_plots_recipes_and_its_command(quick):
     md = (quick / "results.md").read_text()
     for arm in ("baseline", "+tst+aurora"):
@@ -670,6 +671,7 @@ def study_copy(quick, tmp_path):
         (quick / "data.aside").rename(quick / "data")
 
 
+@pytest.mark.slow  # the study's pipeline end to end (the quick fixture's trainer runs)
 def test_verify_rebuilds_a_study_logs_missing_data_from_its_recipe(quick, tmp_path):
     with study_copy(quick, tmp_path) as (_, verify):
         res = subprocess.run(verify, cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -678,6 +680,7 @@ def test_verify_rebuilds_a_study_logs_missing_data_from_its_recipe(quick, tmp_pa
     assert "was missing: rebuilt from its recipe" in res.stdout and "OK" in res.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow  # the study's pipeline end to end (the quick fixture's trainer runs)
 def test_verify_names_the_command_when_a_study_order_cannot_be_rebuilt(quick, tmp_path):
     with study_copy(quick, tmp_path) as (study, verify):
         recipes = json.loads((study / "data_recipes.json").read_text())

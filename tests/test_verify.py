@@ -169,6 +169,7 @@ def test_rerun_is_capped_at_the_logged_steps(tiny):
 # ----------------------------------------------------------------------------------------------
 # machine cases: same CPU, another CPU / thread count, GPU log
 
+@pytest.mark.slow  # two reruns; the drift rule itself: test_judgement_*
 def test_another_cpu_model_gets_the_drift_a_rerun_at_another_thread_count_measures_and_fails_an_edit(tiny, tmp_path):
     cpu = (r"^cpu: .*?  cores:", "cpu: Some Other CPU  cores:")
     proc = run_verify(tiny, edited(tiny, tmp_path, "other_cpu.txt", cpu), "--rerun", 8)
@@ -231,6 +232,7 @@ def test_a_compiled_log_is_rerun_compiled_exactly_on_its_machine_and_an_edit_of_
     assert proc.stdout.endswith("FAILED\n")
 
 
+@pytest.mark.slow  # a compiled and an eager rerun
 def test_a_compiled_log_of_another_cpu_is_judged_with_the_drift_an_eager_rerun_measures(compiled, tmp_path):
     cpu = (r"^cpu: .*?  cores:", "cpu: Some Other CPU  cores:")
     val = float(compiled["val"])
