@@ -7,7 +7,7 @@ docs/METHODS.md has the math.
     python train_gpt.py                                    # one GPU: record #89's recipe (baseline_h200)
     python train_gpt.py --preset record_h200               # ... plus TST and Aurora
     torchrun --standalone --nproc_per_node=8 train_gpt.py --preset record_h200
-    python train_gpt.py --preset cpu_smoke                 # a CPU: the smoke model on data/sample, 2 minutes
+    python train_gpt.py --preset cpu_smoke                 # a CPU: the smoke model on data/sample, ~6 min
 """
 import copy
 import dataclasses
@@ -108,7 +108,7 @@ OPERATIONAL = frozenset({"train_files", "val_files", "micro_batch_seqs", "max_st
 
 CPU_DATA = dict(train_files="data/sample/*_train_*.bin", val_files="data/sample/*_val_*.bin")
 # The CPU presets: record #89's recipe and model roles at the smoke shape on the repository's real-text sample, 2
-# cores, under 2 minutes. cpu_baseline is the small-scale study's baseline (its swept NorMuon lr, 0.046:
+# cores, about 6 minutes. cpu_baseline is the small-scale study's baseline (its swept NorMuon lr, 0.046:
 # records/cpu/2026-12-03_small_scale_89); cpu_smoke adds our methods, as record_h200 does to baseline_h200.
 CPU_BASELINE = dict(CPU_DATA, model="smoke", seq_len=768, batch_tokens=2304, num_iterations=100, extension_steps=2,
                     momentum_warmup_steps=24, momentum_cooldown_steps=4, matrix_lr=0.046, val_tokens=16384,
