@@ -1390,9 +1390,9 @@ def test_tools_find_the_repository_one_way():
     assert not odd, odd
 
 
-@pytest.mark.parametrize("changes, field", [(dict(val_tokens=8192), "val_tokens: 16384 vs 8192"),
-                                            (dict(seq_len=384), "seq_len: "), (dict(vocab_size=50432), "vocab_size: "),
-                                            ("val data", "val data: ")])
+@pytest.mark.parametrize("changes, field", [  # a config field and the data in the default suite; the rest: -m slow
+    (dict(val_tokens=8192), "val_tokens: 16384 vs 8192"), pytest.param(dict(seq_len=384), "seq_len: ", marks=pytest.mark.slow),
+    pytest.param(dict(vocab_size=50432), "vocab_size: ", marks=pytest.mark.slow), ("val data", "val data: ")])
 def test_groups_that_differ_in_what_decides_the_val_loss_get_no_number_against_the_baseline(tmp_path, changes, field):
     # same model, same data, same losses; only what the val loss is measured on differs: no delta, CI or p
     for g in ("A", "B"):

@@ -115,7 +115,8 @@ def test_a_log_of_earlier_code_fails_the_tree_check_but_reruns_from_its_own_code
     assert f"val_loss at step 8: logged {tiny['val']}, rerun {tiny['val']}, diff 0.00e+00: reproduced" in proc.stdout
 
 
-@pytest.mark.parametrize("where", ["step line and summary", "step line", "summary"])
+@pytest.mark.parametrize("where", ["step line and summary", pytest.param("step line", marks=pytest.mark.slow),
+                                   pytest.param("summary", marks=pytest.mark.slow)])  # each alone: -m slow
 def test_full_rerun_fails_an_edited_final_val_loss(tiny, tmp_path, where):
     subs = {"step line and summary": [(FINAL_STEP, r"\g<1>3.2000"), (FINAL_SUMMARY, r"\g<1>3.2000")],
             "step line": [(FINAL_STEP, r"\g<1>3.2000")], "summary": [(FINAL_SUMMARY, r"\g<1>3.2000")]}[where]
