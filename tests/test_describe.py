@@ -132,6 +132,7 @@ print(sum(p.numel() for p in model.parameters()), (hwm() - before) * 1024)
 """
 
 
+@pytest.mark.slow  # a CPU run measured against the estimate
 def test_the_memory_estimate_is_within_15_percent_of_a_cpu_runs_peak(capsys):
     """Measured on an Intel Xeon (1 thread): cpu_smoke (28.7M parameters, stage 3's 2,304 positions) peaks 1,928 MiB
     above the process's start, estimated 1,878 MiB (the issue 45 core: the same formula)."""

@@ -83,6 +83,7 @@ def test_greedy_tokens_are_the_argmax_of_one_float64_forward(ckpt):
     assert len(new) == n and new == want
 
 
+@pytest.mark.slow  # a forward per drawn token
 def test_tokens_are_valid_ids_among_the_top_k_and_stop_at_n(ckpt):
     model, run = sample.load_model(ckpt, torch.device("cpu"))
     ids = prompt_ids("The")

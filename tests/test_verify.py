@@ -187,6 +187,7 @@ def test_another_cpu_model_gets_the_drift_a_rerun_at_another_thread_count_measur
     assert re.search(rf"^\s+8\s+{step8 + 0.01:.4f}\s+{step8:.4f}\s+1.00e-02  > tol$", proc.stdout, re.M)
 
 
+@pytest.mark.slow  # three reruns
 def test_gpu_log_shows_losses_without_judging_them_unless_tol_is_given(tiny, tmp_path):
     step8 = float(re.search(r"^step:8/8 train_loss:(\S+) ", tiny["text"], re.M)[1])
     gpu = edited(tiny, tmp_path, "gpu.txt", (r"device: cpu ", "device: cuda:0 "),
@@ -395,6 +396,7 @@ def test_threads_below_one_is_an_argument_error(tiny):
 # hostile input: nothing left behind, one line naming the flag or file
 
 
+@pytest.mark.slow  # two reruns
 def test_a_failed_rerun_leaves_no_temp_dir_and_keep_keeps_its_code_and_log(tiny, tmp_path):
     temp = tmp_path / "temp"
     temp.mkdir()
