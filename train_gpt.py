@@ -1255,7 +1255,9 @@ def validate(run, step):
     loss = evaluate(run.net, run.val, "full", 1, cfg, rt)
     if not math.isfinite(loss):
         raise FloatingPointError(f"val loss is {loss} at step {step}; lower --matrix-lr or --adam-lr")
-    extra = f" val_loss_tst:{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}" * (stage.phase == 1)
+    extra = ""
+    if stage.phase == 1:  # the TST objective's own val loss, beside the metric
+        extra = f" val_loss_tst:{evaluate(run.net, run.val, stage.mode, stage.bag_size, cfg, rt):.4f}"
     run.log.line(harness.step_line(step, cfg.num_iterations, "val_loss", loss, p.train_time_ms)
                  + f" phase:{stage.phase}{extra} tokens:{p.raw_tokens} flops:{p.flops:.3e}")
     run.log.update(last_val_loss=loss, val_step=step)

@@ -22,10 +22,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,6 +37,7 @@ import threading
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from _paths import BENCH, RECORDS, REPO, use  # noqa: E402
@@ -69,20 +72,33 @@ MODES = {
     "full": dict(
         # 4 arms x 3 orders x 2 seeds and a 3-point sweep: about an hour on 2 idle cores (COST)
         arms=list(ARMS), orders=3, seeds=2, steps=100, batch_tokens=2304, val_tokens=16384, val_frac=0.1,
-        sweep=[0.023, 0.046, 0.092], sweep_extend=1, seq_len=None,
+        sweep=[0.023, 0.046, 0.092], sweep_extend=1, seq_len=None, record_schedule=False,
         out=os.path.join("records", "cpu", "{date}_small_scale")),
+    "full_length": dict(
+        # the record's 1,285 steps and its schedule (RECORD_SCHEDULE) on the smoke model; 128-position sequences
+        # keep every arm under ~1.1 epochs of data/sample (TST's phase 1 reads 4 tokens per position): ~3 h
+        arms=list(ARMS), orders=3, seeds=2, steps=1285, batch_tokens=384, val_tokens=16384, val_frac=0.05,
+        sweep=[0.0115, 0.023, 0.046], sweep_extend=1, seq_len=128, record_schedule=True,
+        out=os.path.join("records", "cpu", "{date}_full_length")),
     "quick": dict(  # the pipeline end to end in seconds (tests/test_small_scale.py): no evidence of anything
         arms=["baseline", "tst_aurora"], orders=2, seeds=1, steps=5, batch_tokens=48, val_tokens=256,
-        val_frac=0.2, sweep=[0.046], sweep_extend=0, seq_len=16,
+        val_frac=0.2, sweep=[0.046], sweep_extend=0, seq_len=16, record_schedule=False,
         out=os.path.join("bench", "out", "small_scale_quick")),
 }
+
+# The schedule fields cpu_baseline shortens for its 100 steps; full_length sets them back to the trainer's defaults
+# (the record's: 15 extension steps, 300 of momentum warmup, 50 of cooldown) so the stage table, warmups, cooldown,
+# extension and TST switch are the 1,285-step record's own.
+RECORD_SCHEDULE = ("extension_steps", "momentum_warmup_steps", "momentum_cooldown_steps")
 
 # Cost model of one trainer process, for the plan printed before anything runs: start-up + seconds per
 # training FLOP + seconds per val (forward) FLOP, on one thread of a 2-core Intel Xeon (torch 2.13.0 CPU,
 # float32), measured on 2026-12-03 with the machine shared (load 3-14) as CPU-seconds per FLOP (3.8e-11
 # to 4.3e-11) plus ~15% for two runs sharing the memory bus: docs/RESULTS.md. results.md
-# reports the measured time / this estimate of every run.
-COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11)
+# reports the measured time / this estimate of every run. Plus the optimizer's elementwise work, which the FLOPs
+# do not count: per step and parameter, measured on 2026-12-07 at the full-length shape (563 ms a step of 128
+# positions, 253 ms of it the FLOP term, over the smoke model's 28.7M parameters; idle machine).
+COST = dict(startup_s=6.0, s_per_train_flop=4.5e-11, s_per_val_flop=4.5e-11, s_per_param_step=1.1e-8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,6 +132,9 @@ def trainer_argv(spec, run_dir, run_id, seed, arm, lr, train_files):
             "--log-every", "5", "--seed", str(seed), "--log-dir", run_dir, "--run-id", run_id]
     if spec["seq_len"] is not None:
         argv += ["--seq-len", str(spec["seq_len"])]
+    if spec["record_schedule"]:
+        defaults = {f.name: f.default for f in dataclasses.fields(trainer_module().Config)}
+        argv += [w for k in RECORD_SCHEDULE for w in ("--" + k.replace("_", "-"), str(defaults[k]))]
     return argv + _methods(*ARMS[arm]) + [LR_FLAG, fmt_lr(lr)] + spec["trainer_args"]
 
 
@@ -170,8 +189,19 @@ def est_parts(job):
         per_val = sched[0].flops_per_position / 3 * cfg.val_tokens
         tst_val = per_val / cfg.tst_bag_size if cfg.tst_bag_size > 1 else 0.0
         val = sum(per_val + (tst_val if max(t - 1, 0) < switch else 0.0) for t in points)
-        parts.append(COST["startup_s"] + COST["s_per_train_flop"] * train + COST["s_per_val_flop"] * val)
+        opt = COST["s_per_param_step"] * n * parameter_count(cfg.model)
+        parts.append(COST["startup_s"] + COST["s_per_train_flop"] * train + COST["s_per_val_flop"] * val + opt)
     return parts
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_count(model):
+    """Parameters of the trainer's model spec ``model``, counted on the meta device (no memory)."""
+    import torch
+    tg = trainer_module()
+    cfg = dataclasses.replace(tg.Config(), model=model)
+    with torch.device("meta"):
+        return sum(p.numel() for p in tg.GPT(cfg).parameters())
 
 
 def print_plan(spec, parallel):
@@ -272,10 +302,67 @@ def same_config(run_dir, run_id, argv, say=True):
     return not diff
 
 
-def is_done(job):
+def is_done(job, say=True):
     """True if the Job's JSON says complete and its log was made with the same config."""
     status = read_json(os.path.join(job.run_dir, job.run_id + ".json")).get("status")
-    return status == "complete" and same_config(job.run_dir, job.run_id, job.argvs[0])
+    return status == "complete" and same_config(job.run_dir, job.run_id, job.argvs[0], say)
+
+
+class Progress:
+    """One progress bar over the study, in estimated seconds (``est_seconds``), so its ETA weighs long runs more.
+
+    A run advances it as the trainer prints its ``step:n/N`` lines; runs an earlier invocation finished
+    (``count_done``) move its start too, so tqdm's rate, and the ETA, count only this invocation's work.
+    """
+
+    def __init__(self, jobs):
+        self.lock, self.frac = threading.Lock(), {}
+        self.est = {job.run_id: est_seconds(job) for job in jobs}
+        self.bar = tqdm(total=round(sum(self.est.values())), unit="s", smoothing=0, mininterval=5.0,
+                        dynamic_ncols=True, desc="study",
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, {remaining} left (est.)")
+
+    def count_done(self, jobs):
+        """Count the ``jobs`` an earlier invocation completed as done before this one started."""
+        with self.lock:
+            for job in jobs:
+                if self.frac.get(job.run_id, 0.0) == 0.0 and is_done(job, say=False):
+                    self.frac[job.run_id] = 1.0
+                    step = round(self.est.get(job.run_id, 0.0))
+                    self.bar.n += step
+                    self.bar.initial += step  # tqdm's rate is (n - initial) / elapsed
+            self.bar.refresh()
+
+    def add(self, job):
+        """A run planned after the bar started (an lr-sweep extension)."""
+        with self.lock:
+            if job.run_id not in self.est:
+                self.est[job.run_id] = est_seconds(job)
+                self.bar.total += round(self.est[job.run_id])
+                self.bar.refresh()
+
+    def advance(self, job, frac):
+        """Set ``job``'s done fraction (0..1; it never goes back) and move the bar by the difference."""
+        with self.lock:
+            old = self.frac.get(job.run_id, 0.0)
+            new = min(max(frac, old), 1.0)
+            self.frac[job.run_id] = new
+            self.bar.update(round(new * self.est.get(job.run_id, 0.0)) - round(old * self.est.get(job.run_id, 0.0)))
+
+    def write(self, text):
+        self.bar.write(text)
+
+    def close(self):
+        self.bar.close()
+
+
+def say(ledger, text):
+    """Print a line without breaking the progress bar."""
+    progress = ledger.get("progress")
+    if progress is None:
+        print(text, flush=True)
+    else:
+        progress.write(text)
 
 
 def train(job, ledger):
@@ -286,10 +373,12 @@ def train(job, ledger):
     """
     os.makedirs(job.run_dir, exist_ok=True)
     if is_done(job):
-        print(f"  {job.run_id}: complete, skipped", flush=True)
+        say(ledger, f"  {job.run_id}: complete, skipped")
     else:
         set_aside(job.run_dir, job.run_id)
         run_trainer(job.argvs[0], job, 0, ledger)
+    if ledger.get("progress"):
+        ledger["progress"].advance(job, 1.0)
     return run_summary(job)
 
 
@@ -308,14 +397,16 @@ def run_trainer(argv, job, part, ledger):
     if ledger.get("threads"):
         env["OMP_NUM_THREADS"] = str(ledger["threads"])
     what = job.run_id + (f" (part {part + 1} of {len(job.argvs)})" if len(job.argvs) > 1 else "")
-    print(f"  {what}: training ... ({shlex.join(argv)})" if ledger.get("verbose") else f"  {what}: training ...",
-          flush=True)
+    say(ledger, f"  {what}: training ... ({shlex.join(argv)})" if ledger.get("verbose") else f"  {what}: training ...")
     t0, load0 = time.time(), load_average()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
     for ln in proc.stdout:
         if " val_loss:" in ln:
-            print("    " + ln.rstrip()[:110], flush=True)
+            say(ledger, f"    {job.run_id} " + ln.rstrip()[:110])
+        step = STEP_LINE.match(ln)
+        if step and ledger.get("progress"):
+            ledger["progress"].advance(job, int(step[1]) / int(step[2]))
     err = proc.stderr.read()
     rc = proc.wait()
     wall, load1 = time.time() - t0, load_average()
@@ -323,10 +414,13 @@ def run_trainer(argv, job, part, ledger):
     record_timing(ledger, dict(run=name, wall_s=round(wall, 1), est_s=round(est_parts(job)[part], 1),
                                load_start=load0, load_end=load1, exit=rc,
                                finished=datetime.datetime.now().isoformat(timespec="seconds")))
-    print(f"  {what}: exit {rc}, {wall:.0f}s wall (1-min load average {load0:.1f} -> {load1:.1f})", flush=True)
+    say(ledger, f"  {what}: exit {rc}, {wall:.0f}s wall (1-min load average {load0:.1f} -> {load1:.1f})")
     if rc != 0:
-        print("    " + "\n    ".join(err.strip().splitlines()[-5:]), flush=True)
+        say(ledger, "    " + "\n    ".join(err.strip().splitlines()[-5:]))
     return rc
+
+
+STEP_LINE = re.compile(r"step:(\d+)/(\d+) ")  # the trainer's train and val lines: how far a run is
 
 
 def record_timing(ledger, entry):
@@ -431,6 +525,9 @@ def lr_sweep(spec, ledger):
 
     def run(lrs):
         jobs = [sweep_job(spec, lr) for lr in lrs]
+        for job in jobs:
+            if ledger.get("progress"):
+                ledger["progress"].add(job)
         for lr, job, s in zip(lrs, jobs, run_all(jobs, ledger)):
             ok = s.get("status") == "complete" and math.isfinite(s.get("final_val_loss", math.nan))
             rows[lr] = (s["final_val_loss"] if ok else None, s.get("train_time_ms"), job.run_id)
@@ -439,19 +536,19 @@ def lr_sweep(spec, ledger):
         lrs = sorted(rows)
         return lrs, min(lrs, key=lambda x: rows[x][0] if rows[x][0] is not None else math.inf)
 
-    print(f"lr sweep {BASELINE} ({LR_FLAG}): {', '.join(map(fmt_lr, spec['sweep']))}", flush=True)
+    say(ledger, f"lr sweep {BASELINE} ({LR_FLAG}): {', '.join(map(fmt_lr, spec['sweep']))}")
     run(list(spec["sweep"]))
     for _ in range(spec["sweep_extend"]):
         lrs, top = best()
         if rows[top][0] is None or len(lrs) < 2 or top not in (lrs[0], lrs[-1]):
             break
         nxt = top / 2 if top == lrs[0] else top * 2
-        print(f"  best lr {fmt_lr(top)} is at the edge of the grid: also trying {fmt_lr(nxt)}", flush=True)
+        say(ledger, f"  best lr {fmt_lr(top)} is at the edge of the grid: also trying {fmt_lr(nxt)}")
         run([nxt])
     lrs, top = best()
     if rows[top][0] is None:
         raise SystemExit(f"lr sweep: every run failed; see the logs in {os.path.join(spec['out'], 'lr_sweep')}")
-    print(f"  -> {LR_FLAG} {fmt_lr(top)} (final val loss {rows[top][0]:.4f})", flush=True)
+    say(ledger, f"  -> {LR_FLAG} {fmt_lr(top)} (final val loss {rows[top][0]:.4f})")
     return dict(flag=LR_FLAG, chosen=top, edge=len(lrs) > 1 and top in (lrs[0], lrs[-1]),
                 rows=[(lr,) + rows[lr] for lr in lrs])
 
@@ -984,7 +1081,11 @@ def min_steps(spec):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--quick", action="store_true", help="the pipeline end to end in tiny runs (no evidence)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the pipeline end to end in tiny runs (no evidence)")
+    mode.add_argument("--full-length", action="store_true",
+                      help="the record's length: 1,285 steps with its schedule (extension, momentum warmup and "
+                           "cooldown), 128-position sequences, 384 positions per step in stage 3 (about 3 hours)")
     ap.add_argument("--orders", type=int, default=None, help="data orders per arm (default: 3)")
     ap.add_argument("--seeds", type=int, default=None, help="init seeds per arm and order (default: 2)")
     ap.add_argument("--arms", default=None, help=f"comma list of arms (default: all); from {', '.join(ARMS)}")
@@ -1017,7 +1118,7 @@ def parse_args(argv=None):
 
 def build_spec(args, argv):
     """The run specification from the mode and the flags; every flag checked (SystemExit, one message)."""
-    mode = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "full_length" if args.full_length else "full"
     spec = dict(MODES[mode], mode=mode)
     for k in ("orders", "seeds", "steps", "batch_tokens", "val_tokens", "sweep_extend"):
         if getattr(args, k) is not None:
@@ -1145,16 +1246,20 @@ def main(argv=None):
         raise SystemExit(f"--out {spec['out']}: cannot write the data orders there ({e.strerror}); "
                          "free some space or name another folder") from None
     ledger = dict(verbose=args.verbose, threads=args.threads, out=spec["out"], jobs=args.jobs, lock=threading.Lock())
+    sweep_jobs, planned = planned_jobs(spec)
+    ledger["progress"] = Progress(sweep_jobs + [j for j in planned if not is_reused(spec, j)])
+    ledger["progress"].count_done(sweep_jobs)
 
     sweep = lr_sweep(spec, ledger)
     jobs = arm_jobs(spec, sweep["chosen"])
+    ledger["progress"].count_done([j for j in jobs if not is_reused(spec, j)])
     for job in jobs:
         if is_reused(spec, job) and not is_done(job):
             set_aside(job.run_dir, job.run_id)
             copy_run(sweep_job(spec, sweep["chosen"]), job)
-            print(f"  {job.run_id}: = lr_sweep/{BASELINE}_lr{fmt_lr(sweep['chosen'])}_seed0 (same flags), copied",
-                  flush=True)
+            say(ledger, f"  {job.run_id}: = lr_sweep/{BASELINE}_lr{fmt_lr(sweep['chosen'])}_seed0 (same flags), copied")
     results = {job.key: s for job, s in zip(jobs, run_all(jobs, ledger))}
+    ledger.pop("progress").close()
 
     def timing_of():
         return record_timing(ledger, dict(invocation=dict(

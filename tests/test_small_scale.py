@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import write_shard
 
@@ -412,17 +413,21 @@ def test_cost_estimate_sums_the_stage_table_and_every_val_point(ss, tmp_path, mo
     job = ss.make_job(spec, "baseline", 0, 1, 0.02)
     cfg = ss.parse_config(job.argvs[0][2:])
     rows = tg.Schedule(cfg).rows
-    monkeypatch.setattr(ss, "COST", dict(startup_s=1.0, s_per_train_flop=1.0, s_per_val_flop=0.0))
+    monkeypatch.setattr(ss, "COST", dict(startup_s=1.0, s_per_train_flop=1.0, s_per_val_flop=0.0, s_per_param_step=0.0))
     by_hand = 1.0
     for t in range(100):  # stages 1, 2, 3: a third, two thirds, all of 2,304 positions
         by_hand += rows[t].stage.batch_tokens * rows[t].flops_per_position
     assert ss.est_seconds(job) == pytest.approx(by_hand)
     assert {r.stage.batch_tokens for r in rows} == {768, 1536, 2304}
-    monkeypatch.setattr(ss, "COST", dict(startup_s=0.0, s_per_train_flop=0.0, s_per_val_flop=1.0))
+    monkeypatch.setattr(ss, "COST", dict(startup_s=0.0, s_per_train_flop=0.0, s_per_val_flop=1.0, s_per_param_step=0.0))
     val = rows[0].flops_per_position / 3 * 16384
     assert ss.est_seconds(job) == pytest.approx(11 * val)  # steps 0, 10, ..., 100
     tst = ss.make_job(spec, "tst", 0, 1, 0.02)  # + the bag objective's val in phase 1 (steps 0, 10, 20, 30)
     assert ss.est_seconds(tst) == pytest.approx(11 * val + 4 * val / 4)
+    monkeypatch.setattr(ss, "COST", dict(startup_s=0.0, s_per_train_flop=0.0, s_per_val_flop=0.0, s_per_param_step=1.0))
+    with torch.device("meta"):  # the optimizer term: every parameter, every step
+        n_params = sum(p.numel() for p in tg.GPT(cfg).parameters())
+    assert ss.est_seconds(job) == pytest.approx(100 * n_params)
 
 
 def test_plan_reuses_the_sweep_run_as_the_baselines_first(ss, tmp_path):
