@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data import shard_format  # the shard format and its checks, defined once (numpy only: the data tools' own)
+
 
 class ConfigError(ValueError):
     """A flag value that cannot work; the message names the flag and the fix."""
@@ -46,30 +48,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------------------------
 # Shards: a 256 x int32 header (magic, version, token count) then uint16 tokens (llm.c / modded-nanogpt format)
 
-SHARD_MAGIC, SHARD_VERSION, HEADER_BYTES = 20240520, 1, 1024
 GPT2_IDS = 50257  # ids 0..50256; the embedding's rows beyond are padding
 GPT2_ENCODER_JSON = os.path.join(HERE, "data", "gpt2_bpe", "encoder.json")
-REMAKE = "re-download or re-tokenize it (data/cached_fineweb10B.py, data/tokenize_text.py)"
+REMAKE = shard_format.REDO  # "re-download or re-tokenize it (...)"
 
 
-def read_shard_header(path):
-    """A shard's token count, after checking its header and size; DataError naming the file and the fix."""
+def read_shard(path):
+    """A shard's tokens (a read-only uint16 memmap) after the data tools' checks of its header, size and every token
+    (``shard_format.check_shard``: no id above 50256, no zero-filled stretch); DataError naming the file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES)[:size // 4 * 4], dtype="<i4")  # a short file: whole ints
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REMAKE}") from None
-    if header.size < HEADER_BYTES // 4:
-        raise DataError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; {REMAKE}")
-    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: not a token shard (magic {header[0]}, version {header[1]}; expected "
-                        f"{SHARD_MAGIC}, {SHARD_VERSION}); {REMAKE}")
-    n = int(header[2])
-    if n < 0 or size != HEADER_BYTES + 2 * n:
-        raise DataError(f"{path}: file is {size} bytes but its header says {n} tokens ({HEADER_BYTES + 2 * n} "
-                        f"bytes); truncated or corrupt, {REMAKE}")
-    return n
+        tokens = shard_format.read_tokens(path)
+        shard_format.check_shard_tokens(path, tokens)  # one pass over the memmap: about a second per 2 GB
+    except shard_format.ShardError as e:
+        raise DataError(str(e)) from None
+    return tokens
 
 
 def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
@@ -128,21 +120,13 @@ def find_data(train_files, val_files):
 
 
 class TokenStream:
-    """The shards of a glob as one token stream with random access; every shard's header and ids checked here,
-    before step 0 (an id >= 50,257 is another tokenizer's). ``wrap``: reads past the end start over (train)."""
+    """The shards of a glob as one token stream with random access; every shard checked whole before step 0
+    (``read_shard``). ``wrap``: reads past the end start over (train)."""
 
     def __init__(self, files, wrap=False):
         self.files = list(files)
-        self.sizes = [read_shard_header(f) for f in self.files]
-        self.shards = [np.memmap(f, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
-                       for f, n in zip(self.files, self.sizes)]
-        for f, shard in zip(self.files, self.shards):
-            for start in range(0, len(shard), 1 << 24):  # one vectorized max per 16M tokens
-                block = np.asarray(shard[start:start + (1 << 24)])
-                if block.max() >= GPT2_IDS:
-                    at = start + int(np.argmax(block >= GPT2_IDS))
-                    raise DataError(f"{f}: token id {shard[at]} at token {at} is >= {GPT2_IDS}: not GPT-2 BPE ids; "
-                                    f"re-tokenize it with data/tokenize_text.py")
+        self.shards = [read_shard(f) for f in self.files]
+        self.sizes = [len(shard) for shard in self.shards]
         self.offsets = np.cumsum([0] + self.sizes)
         self.total, self.wrap = int(self.offsets[-1]), wrap
         if self.total == 0:
@@ -331,7 +315,7 @@ def config_to_argv(config):
 # The run log: one text file per run, a reproducible snapshot (docs/LOGS.md), and a JSON summary beside it
 
 SEPARATOR = "=" * 100  # between the source snapshot and the run
-SOURCE_FILES = ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py")  # what a log snapshots, in order
+SOURCE_FILES = ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py", "data/shard_format.py")  # in a log
 
 
 def source_snapshot():

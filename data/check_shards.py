@@ -24,7 +24,7 @@ def shard_row(path):
     if len(tokens) == 0:
         return (path, "0", "0", "-", "ok"), False
     docs, max_id, run = scan_tokens(tokens)
-    why = token_problem(max_id, run)
+    why = token_problem(max_id, run, tokens)
     return (path, f"{len(tokens):,}", f"{docs:,}", str(max_id), why or "ok"), why is not None
 
 

@@ -3,8 +3,8 @@
 A shard is a 256 x int32 little-endian header, ``[0]`` magic 20240520, ``[1]`` version 1,
 ``[2]`` number of tokens, the rest zero; then the tokens as little-endian uint16. The file is
 exactly ``1024 + 2 * n_tokens`` bytes. This is the format of llm.c and modded-nanogpt, so their
-shards work unchanged. ``train_gpt.read_shard_header`` checks the same rules on the trainer's
-side; tests/test_data_tools.py proves both sides accept and refuse the same files.
+shards work unchanged. It is the one reader: the data tools and the trainer (``harness.TokenStream``,
+which snapshots this file in every run log) check shards here.
 
 Beyond the header, ``check_shard_tokens`` (and ``check_shard``, which reads the file) refuses
 tokens that no GPT-2 shard can hold: an id above 50256 (another tokenizer's ids) and a run of
@@ -65,7 +65,8 @@ def read_header(path):
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+            raw = f.read(HEADER_BYTES)
+        header = np.frombuffer(raw[:len(raw) // 4 * 4], dtype="<i4")  # a short file: its whole ints
     except OSError as e:  # missing, a folder, unreadable
         raise ShardError(f"{path}: cannot read shard ({e.strerror}); check the path, or {REDO}") from None
     if header.size < HEADER_INTS:
@@ -157,10 +158,22 @@ def scan_tokens(tokens, chunk=SCAN_CHUNK):
     return n_eot, top, best
 
 
-def token_problem(max_id, run):
-    """Why a shard's tokens are bad, from ``scan_tokens``'s ``max_id`` and ``run``; None when they are fine."""
+def first_above(tokens, limit, chunk=SCAN_CHUNK):
+    """Index of the first id above ``limit`` in ``tokens`` (read ``chunk`` at a time), or None."""
+    for start in range(0, len(tokens), chunk):
+        block = np.asarray(tokens[start:start + chunk])
+        if block.max() > limit:
+            return start + int(np.argmax(block > limit))
+    return None
+
+
+def token_problem(max_id, run, tokens=None):
+    """Why a shard's tokens are bad, from ``scan_tokens``'s ``max_id`` and ``run``; None when they are fine. Given
+    ``tokens``, an id above 50256 is named at its first position (a second pass, only for a bad shard)."""
     if max_id > GPT2_MAX_ID:
-        return f"token id {max_id} > {GPT2_MAX_ID}: not GPT-2 BPE ids; re-tokenize with data/tokenize_text.py"
+        at = "" if tokens is None else f" (the first at token {first_above(tokens, GPT2_MAX_ID):,})"
+        return (f"token id {max_id} > {GPT2_MAX_ID}{at}: not GPT-2 BPE ids; re-tokenize with "
+                f"data/tokenize_text.py")
     length, start, token = run
     if length:
         what = "zero-filled" if token == 0 else f"one id ({token}) repeated"
@@ -181,7 +194,7 @@ def check_shard_tokens(path, tokens, chunk=SCAN_CHUNK):
             than <|endoftext|> (zero-filled or single-id stretch); the message names the file and the fix.
     """
     _, top, run = scan_tokens(tokens, chunk)
-    why = token_problem(top, run)
+    why = token_problem(top, run, tokens)
     if why:
         raise ShardError(f"{path}: {why}")
 

@@ -87,7 +87,7 @@ def test_shards_that_hold_no_tokens_are_named(tmp_path, shard_dir, capsys):
 
 
 @pytest.mark.parametrize("kind, broken, says", [
-    ("bad header", dict(magic=7), "not a token shard (magic 7, version 1; expected 20240520, 1); re-download"),
+    ("bad header", dict(magic=7), "bad magic 7 (expected 20240520); not a token shard, re-download"),
     ("truncated", dict(truncate=5), "file is 1219 bytes but its header says 100 tokens (1224 bytes); truncated or "
                                     "corrupt, re-download"),
     ("short", dict(truncate=1223), "1 bytes is shorter than the 1024-byte shard header; re-download")])
@@ -105,8 +105,38 @@ def test_a_token_id_beyond_gpt2s_vocabulary_names_the_shard_and_the_position(tmp
     tokens[100] = bad_id
     bad = write_shard(shard_dir / "t_train_000002.bin", tokens)
     line = one_line(capsys, 2, tiny_args(tmp_path, *data_flags(shard_dir)))
-    assert line == (f"train_gpt.py: error: {bad}: token id {bad_id} at token 100 is >= 50257: not GPT-2 BPE ids; "
-                    f"re-tokenize it with data/tokenize_text.py")
+    assert line == (f"train_gpt.py: error: {bad}: token id {bad_id} > 50256 (the first at token 100): not GPT-2 BPE "
+                    f"ids; re-tokenize with data/tokenize_text.py")
+    marked(tmp_path, line)
+
+
+def test_a_bad_id_past_the_first_scan_chunk_is_found(tmp_path, shard_dir, capsys):
+    """The whole shard is scanned before step 0, not its first bytes: an id of another tokenizer in its last token,
+    past the first chunk of the scan (``shard_format.SCAN_CHUNK`` tokens)."""
+    import shard_format
+    n = shard_format.SCAN_CHUNK + 1000
+    tokens = np.arange(n) % 50000
+    tokens[::700] = 50256
+    tokens[-1] = 50300  # below the embedding's 50,304 rows: only the check can tell
+    bad = write_shard(shard_dir / "t_train_000002.bin", tokens)
+    line = one_line(capsys, 2, tiny_args(tmp_path, *data_flags(shard_dir)))
+    assert line == (f"train_gpt.py: error: {bad}: token id 50300 > 50256 (the first at token {n - 1:,}): not GPT-2 "
+                    f"BPE ids; re-tokenize with data/tokenize_text.py")
+    marked(tmp_path, line)
+
+
+@pytest.mark.parametrize("kind", ["val", "train"])
+def test_a_zero_filled_tail_is_refused_as_check_shards_refuses_it(tmp_path, shard_dir, capsys, kind):
+    """A download or copy cut short that kept its size: real tokens, then zeros to the end. The trainer refuses it
+    in the line data/check_shards.py prints for it, naming the file and where the zeros start."""
+    import check_shards
+    tokens = np.concatenate([np.arange(1000) % 50000, np.zeros(9000, dtype=np.int64)])
+    tokens[0] = 50256
+    bad = write_shard(shard_dir / f"t_{kind}_00000{3 if kind == 'train' else 0}.bin", tokens)
+    line = one_line(capsys, 2, tiny_args(tmp_path, *data_flags(shard_dir)))
+    row, refused = check_shards.shard_row(bad)
+    assert refused and line == f"train_gpt.py: error: {bad}: {row[4]}"
+    assert "9,000 tokens from token 1,000 are zero-filled" in line, line
     marked(tmp_path, line)
 
 

@@ -81,7 +81,7 @@ def test_config_to_argv_round_trips_a_config_and_a_logs_config_dict():
 
 def test_a_good_shard_reads_back(tmp_path):
     path = write_shard(tmp_path / "good.bin", [50256, 1, 2, 3])
-    assert H.read_shard_header(path) == 4
+    assert len(H.read_shard(path)) == 4
     assert H.TokenStream([path]).read(0, 4).tolist() == [50256, 1, 2, 3]
 
 
@@ -187,7 +187,7 @@ def test_the_log_is_a_snapshot_then_the_header_steps_phases_and_summary(smoke_ru
     tmp, _, text = smoke_run
     head, rest = text.split(H.SEPARATOR + "\n", 1)
     assert [ln.split()[2] for ln in head.splitlines() if ln.startswith("### file ")] == list(H.SOURCE_FILES)
-    assert H.SOURCE_FILES == ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py")
+    assert H.SOURCE_FILES == ("train_gpt.py", "kernels.py", "aurora_opt.py", "harness.py", "data/shard_format.py")
     assert head == H.source_snapshot()  # every file the run imports, exactly
     lines = rest.splitlines()
     assert lines[0].startswith("python: ") and "\npreset: cpu_smoke\n" in rest
