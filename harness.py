@@ -16,10 +16,13 @@ import platform
 import re
 import resource
 import shlex
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
+import traceback
 import uuid
 from contextlib import contextmanager
 
@@ -364,25 +367,47 @@ class RunLog:
     log; a resumed one appends to its own. ConfigError when the log exists or --log-dir cannot be written."""
 
     def __init__(self, cfg, rt, preset, resume=None):
-        self.rt, self.file, self.path = rt, None, None
+        self.rt, self.file, self.lock = rt, None, None
         self.run_id = cfg.run_id or (resume["run_id"] if resume else
                                      datetime.datetime.now().strftime("%Y%m%d_%H%M%S_") + uuid.uuid4().hex[:6])
+        if rt.distributed:  # rank 0's id on every rank: any rank can name, and if need be mark, the log
+            agreed = [self.run_id]
+            dist.broadcast_object_list(agreed, src=0)
+            self.run_id = agreed[0]
         self.summary = dict(run_id=self.run_id, preset=preset, status="running")
-        if not rt.master:
-            return
         self.path = os.path.join(cfg.log_dir, f"{self.run_id}.txt")
         self.json_path = self.path[:-4] + ".json"
+        refused = None
+        if rt.master:
+            try:
+                self._open(cfg, resume)
+            except ConfigError as e:
+                refused = str(e)
+        if rt.distributed:  # rank 0's refusal stops every rank at once, not at their next collective
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused:
+            raise ConfigError(refused)
+
+    def _open(self, cfg, resume):
+        """Rank 0: take the run's lock, then open its log (a resume appends) and write the snapshot."""
         append = resume is not None and os.path.exists(self.path)
         try:
             os.makedirs(cfg.log_dir, exist_ok=True)
+            self.lock = take_lock(os.path.join(cfg.log_dir, f"{self.run_id}.lock"), self.run_id)
             if append and os.path.exists(self.json_path):
                 with open(self.json_path, encoding="utf-8") as f:
                     self.summary = dict(json.load(f), status="running")
             self.file = open(self.path, "a" if append else "x", encoding="utf-8")  # "x": never overwrite a log
+        except ConfigError:  # the lock: another process runs this run id
+            raise
         except FileExistsError:
+            self.release()
             raise ConfigError(f"--run-id {self.run_id}: {self.path} already exists; choose another --run-id, or "
                               f"continue that run with --resume auto --run-id {self.run_id}") from None
         except (OSError, ValueError) as e:
+            self.release()
             raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e}); choose another "
                               f"--log-dir") from None
         if not append:
@@ -440,6 +465,68 @@ class RunLog:
             if os.path.exists(tmp):
                 os.remove(tmp)
             self.file.close()
+            self.release()
+
+    def release(self):
+        """Remove this run's lock file (see ``take_lock``)."""
+        if self.lock is not None:
+            try:
+                os.remove(self.lock)
+            except OSError:
+                pass
+            self.lock = None
+
+    def mark_for_rank_0(self, status, reason):
+        """A rank other than 0 ends the log rank 0 cannot (it stalled): the status line and a JSON summary."""
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(f"status:{status} reason:{reason} (written by rank {self.rt.rank})\n")
+            with open(self.json_path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(dict(self.summary, status=status, reason=reason, written_by_rank=self.rt.rank), f, indent=1)
+            os.replace(self.json_path + ".tmp", self.json_path)
+        except OSError as e:
+            print(f"train_gpt.py: could not mark the log {self.path} ({e})", file=sys.stderr)
+            return False
+        return True
+
+
+def take_lock(path, run_id):
+    """Create ``<log_dir>/<run_id>.lock`` atomically (O_EXCL) holding this host and pid: one run id, one run at a time.
+    A lock whose process is gone (this host, no such pid) is stale and taken over; a live one is a ConfigError."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    host, pid = (f.read().split() + ["", ""])[:2]
+            except OSError:
+                continue  # removed meanwhile: try again
+            if host == platform.node() and not pid_alive(int(pid) if pid.isdigit() else 0):
+                try:
+                    os.remove(path)  # its process ended without removing it (killed): stale
+                except FileNotFoundError:
+                    pass
+                continue
+            raise ConfigError(f"--run-id {run_id}: another process (pid {pid or '?'} on {host or '?'}) is running "
+                              f"this run ({path}); wait for it to end, or choose another --run-id") from None
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{platform.node()} {os.getpid()}\n")
+        return path
+    raise ConfigError(f"--run-id {run_id}: cannot take the lock {path}; remove it if no run of this id is running")
+
+
+def pid_alive(pid):
+    """Whether a process of this host has ``pid`` (signal 0 checks without sending anything)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def log_header(log, cfg, rt, data, streams):
@@ -491,15 +578,47 @@ def save_checkpoint(state, model, opts, loader, rt, path, log):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(state, tmp)
             os.replace(tmp, path)
-        except OSError as e:
-            raise ConfigError(f"--checkpoint-dir: cannot write {path} ({e.strerror or e}); free space there or choose "
-                              f"another --checkpoint-dir") from None
+        except (OSError, RuntimeError) as e:  # torch.save wraps a failed write (ENOSPC too) in a RuntimeError
+            if isinstance(e, RuntimeError) and not TORCH_WRITE_FAILED.search(str(e)):
+                raise  # not the disk: a bug
+            if os.path.exists(tmp):
+                os.remove(tmp)  # first, so the free space below is what a retry would have
+            raise ConfigError(checkpoint_write_error(path, e, state_bytes(state))) from None
         finally:  # a failed write, or a signal during it, leaves no temporary file
             if os.path.exists(tmp):
                 os.remove(tmp)
         log.line(f"checkpoint: {path}")
     if rt.distributed:
         dist.barrier()
+
+
+TORCH_WRITE_FAILED = re.compile(r"inline_container|file write failed|unexpected pos|PytorchStreamWriter")
+
+
+def state_bytes(obj):
+    """Bytes of the tensors in a nested dict/list/tuple (what a checkpoint of it writes, less its small framing)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+def checkpoint_write_error(path, err, need):
+    """The one line of a checkpoint that could not be written: the cause, the space it needs and has."""
+    folder = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    why = err.strerror if isinstance(err, OSError) and err.strerror else None
+    if why is None:
+        why = "No space left on device" if free is not None and free < need else " ".join(str(err).split())[:120]
+    room = f"; it needs about {need / 2**20:,.1f} MiB" + (f", {free / 2**20:,.1f} MiB are free" if free is not None else "")
+    return (f"--checkpoint-dir: cannot write {path} ({why}{room}); free space there or choose another "
+            f"--checkpoint-dir")
 
 
 def load_resume(cfg, data, operational):
@@ -587,15 +706,28 @@ class NanGuard:
 
 
 class StopFlag:
-    """SIGINT/SIGTERM only set ``signal``: the loop finishes its step, checkpoints when checkpoints are on, and the
-    run ends with status interrupted (exit 130). ``restore`` puts the previous handlers back."""
+    """SIGINT, SIGTERM and SIGHUP (the terminal closed) only set ``signal``: the loop finishes its step, checkpoints
+    when checkpoints are on, and the run ends with status interrupted (``exit_code``: 129 for SIGHUP, else 130).
+    ``restore`` puts the previous handlers back."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.signal = None
-        self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
 
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
+        if signum == signal.SIGHUP:  # the terminal is gone: its writes would fail (EIO); the log keeps every line
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                if stat.S_ISCHR(os.fstat(fd).st_mode):  # a terminal (isatty itself fails on a hung-up one)
+                    os.dup2(devnull, fd)
+            os.close(devnull)
+
+    @property
+    def exit_code(self):
+        return signal_exit_code(self.signal)
 
     def agreed(self, rt):
         """Whether any rank got a signal (an all-reduce under torchrun: every rank stops after the same step)."""
@@ -643,33 +775,89 @@ def projection_lines(flops, machines):
             f"not included" for n, gpu in machines]
 
 
+def signal_exit_code(name):
+    """The exit status of a run a signal stopped: 129 for SIGHUP (128 + 1, as the shell reports it), 130 else (SIGINT,
+    SIGTERM: the trainer's 'interrupted')."""
+    return 129 if str(name or "").startswith("SIGHUP") else 130
+
+
 def failure(err, stop, log):
     """``(status, reason, exit code)`` of an exception that ended a run, its one line printed on stderr: a refusal
-    (ConfigError, DataError) 2, a non-finite loss 1, a signal 130, out of memory or a missing compiler toolchain 2
-    (naming the flag that helps); anything else is a bug: the log is closed incomplete, then it is raised."""
+    (ConfigError, DataError) 2, a non-finite loss 1, a signal 130 (129 SIGHUP), out of memory or a missing compiler
+    toolchain 2 (naming the flag that helps), a collective that timed out or lost a rank 1 (``collective_failure``);
+    anything else is a bug: the log is closed incomplete, then it is raised. Under torchrun a refusal, which comes
+    from the flags and the data and so is the same on every rank, is printed by rank 0 alone."""
     chain, e = [], err
     while e is not None and len(chain) < 20:
         chain.append(e)
         e = e.__cause__ or e.__context__
     names, text = {type(e).__name__ for e in chain}, " ".join(str(e) for e in chain)
+    marked = False  # a collective failure's: this rank ended rank 0's log
     if isinstance(err, SystemExit):  # --help, or argparse's own one line
         return "refused", None, err.code if isinstance(err.code, int) else 2
     if isinstance(err, (ConfigError, DataError, FloatingPointError)):
         status, reason, code = ("refused" if log is None else "incomplete"), str(err), 1 + (
             not isinstance(err, FloatingPointError))
     elif names & {"StopRequested", "KeyboardInterrupt"} or stop.signal:
-        status, reason, code = "interrupted", f"interrupted by {stop.signal or 'KeyboardInterrupt'}", 130
+        status, reason, code = "interrupted", f"interrupted by {stop.signal or 'KeyboardInterrupt'}", stop.exit_code
     elif names & {"OutOfMemoryError", "MemoryError"} or re.search("out of memory|can't allocate memory", text.lower()):
         status, code = "incomplete", 2
         reason = "out of memory; lower --micro-batch-seqs (or --val-batch-seqs, --seq-len)"
     elif names & {"InvalidCxxCompiler", "CppCompileError", "BackendCompilerFailed"}:
         status, code = "incomplete", 2
         reason = "torch.compile could not build the model (no working C/C++ compiler?); install one or run --no-compile"
+    elif dist.is_available() and dist.is_initialized() and COLLECTIVE_BROKE.search(text):
+        status, code, (reason, marked) = "incomplete", 1, collective_failure(err, log)
     else:
         finish(log, "incomplete", f"{type(err).__name__}: {err}")
         raise err
-    sys.stderr.write(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}\n")  # one write: ranks' lines stay whole
+    if code != 2 or int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}\n")  # one write: lines stay whole
+    if code == 1 and marked:
+        print(f"log: {log.path} ({status}, marked by rank {log.rt.rank} for rank 0)", file=sys.stderr)
     return status, reason, code
+
+
+# gloo's words for a collective that waited past the process group's timeout, or whose peer went away (NCCL's
+# watchdog aborts the process instead: that path shows on GPUs only)
+COLLECTIVE_BROKE = re.compile(r"Timed out waiting|timed out|Connection closed by peer|Connection reset by peer")
+
+
+def collective_failure(err, log):
+    """The one line of a collective that failed: which one (the innermost torch.distributed call, else the trainer's
+    function that waited), after how long (--dist-timeout), and the ranks that never reached it. Those are asked of
+    the process group's store: each rank whose collective timed out says so there; a rank that says nothing within
+    a few seconds stalled before it. When rank 0 is one of them, the lowest live rank marks the log."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    frames = [(frame.f_code, line) for frame, line in traceback.walk_tb(err.__traceback__)]
+    c10d = [code.co_name for code, _ in frames if code.co_filename.endswith("distributed_c10d.py")]
+    ours = [f"{code.co_qualname} ({os.path.basename(code.co_filename)}:{line})" for code, line in frames
+            if os.path.dirname(os.path.abspath(code.co_filename)) == HERE]
+    what = (c10d[-1] if c10d else "the wait for a collective") + (f" in {ours[-1]}" if ours else "")
+    if re.search("Connection (closed|reset) by peer", str(err)):
+        return f"rank {rank}: {what} failed: another rank left the run (its own line says why)", False
+    waited = re.search(r"waiting (\d+)ms", str(err))
+    absent = absent_ranks(rank, world)
+    reason = (f"rank {rank}: {what} timed out after --dist-timeout" + (f" {int(waited[1]) / 1000:g} s" if waited else "")
+              + (f"; rank(s) {', '.join(map(str, absent))} never reached it (stalled or hung)" if absent else
+                 "; which ranks did not reach it is unknown") + "; raise --dist-timeout if a rank is only slow")
+    live = [r for r in range(world) if absent and r not in absent]
+    marked = bool(absent) and 0 in absent and rank == min(live, default=-1) and log is not None
+    return reason, marked and log.mark_for_rank_0("incomplete", reason)
+
+
+def absent_ranks(rank, world, grace_s=3.0):
+    """The ranks that did not report a broken collective to the process group's store within ``grace_s`` of this
+    one (the live ranks time out at about the same moment), or None when the store cannot be reached."""
+    key = "train_gpt/collective_timed_out/{}".format
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))  # a store hosted by a stalled rank 0 does not answer
+        store.set(key(rank), "1")
+        time.sleep(grace_s)
+        return [r for r in range(world) if not store.check([key(r)])]
+    except Exception:  # noqa: BLE001 -- the store went with a rank: the ranks cannot be named
+        return None
 
 
 def finish(log, status, reason=None):
@@ -682,3 +870,34 @@ def finish(log, status, reason=None):
         if status in ("complete", "stopped_early") or " after step " in str(reason):  # every rank ended here
             dist.barrier()  # rank 0's log closed first: torchrun kills the other ranks when one exits non-zero
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# torchrun, quietly: the ranks' own line and exit code (run.sh launches several processes through this)
+
+def launch(argv):
+    """``python harness.py [torchrun flags] train_gpt.py [flags]``: ``torch.distributed.run`` (torchrun) as it is, but
+    a failed rank's exit status is the launcher's (2 a refusal, 1 a failure) instead of torchrun's 1 and traceback,
+    and a signal (Ctrl-C, SIGTERM, SIGHUP) is passed to the ranks, which finish their step and checkpoint, then
+    129/130. torchrun's own log lines, which restate the ranks' one line, are left out."""
+    import logging
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read as torchrun's loggers are made (at import, below)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")  # a signalled rank's checkpoint: time to write it
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        _, first = e.get_first_failure()  # the rank that failed first: the others were stopped because of it
+        return first.exitcode if first.exitcode >= 0 else 128 - first.exitcode  # -N: killed by signal N
+    except SignalException as e:
+        return signal_exit_code(e.sigval.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))

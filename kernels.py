@@ -6,6 +6,7 @@ test_attention.py, test_block_mask.py); nothing here imports the trainer. Record
 """
 import importlib.util
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# torch 2.13 deprecates these two for *_single names that torch 2.11 (the lent GPU box's) lacks; both versions run them
+warnings.filterwarnings("ignore", r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+                        FutureWarning)
 
 IGNORE_INDEX = -100  # a label that counts nowhere (padding, the positions past a document's end)
 # A multi-token label past the sequence's end (multi_target_loss): no loss term, but its weight stays in the

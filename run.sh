@@ -18,6 +18,9 @@ else
     nproc=${NPROC:-$nproc}  # a step's 8 sequences split evenly over 1, 2, 4 or 8 processes
 fi
 if ! [[ "$nproc" =~ ^[1-9][0-9]{0,2}$ ]]; then echo "run.sh: NPROC=$nproc: give a process count (1, 2, 4, 8)" >&2; exit 2; fi
+if [ "$n_gpus" -gt 0 ] && [ "$nproc" -gt "$n_gpus" ]; then
+    echo "run.sh: NPROC=$nproc but $n_gpus GPU(s) are visible; set NPROC to at most $n_gpus" >&2; exit 2
+fi
 shopt -s nullglob
 shards=("$DATA_DIR"/*_train_*.bin)
 if [ ${#shards[@]} -eq 0 ] && [ "$n_gpus" -gt 0 ]; then
@@ -30,6 +33,10 @@ elif [ ${#shards[@]} -eq 0 ]; then
 fi
 glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')  # the folder name's own glob characters, escaped
 args=(--preset "$preset" --train-files "$glob/*_train_*.bin" --val-files "$glob/*_val_*.bin" "$@")
+if [ "$nproc" -gt 1 ]; then  # before torchrun: a count the step cannot split gets the trainer's one line (--describe)
+    WORLD_SIZE=$nproc "$PYTHON" train_gpt.py "${args[@]}" --describe >/dev/null || exit $?
+fi
 echo "run.sh: preset $preset on $nproc $([ "$n_gpus" -eq 0 ] && echo CPU || echo GPU) process(es), data $DATA_DIR" >&2
 if [ "$nproc" -eq 1 ]; then exec "$PYTHON" train_gpt.py "${args[@]}"; fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "${args[@]}"
+# torchrun (torch.distributed.run) through harness.py: the ranks' one line and exit status, not torchrun's traceback
+exec "$PYTHON" harness.py --standalone --nproc_per_node="$nproc" train_gpt.py "${args[@]}"

@@ -95,6 +95,22 @@ def config_of(state, path):
     return cfg
 
 
+def state_dict_mismatch(own, saved, show=3):
+    """What keeps ``saved`` from loading into a model whose state dict is ``own``, naming the first keys of each kind
+    (missing, unexpected, another shape); "" when it fits."""
+    def first(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:show]) + (f" and {len(keys) - show} more" if len(keys) > show else "")
+    missing = set(own) - set(saved)
+    extra = set(saved) - set(own)
+    shapes = {k for k in set(own) & set(saved) if tuple(own[k].shape) != tuple(getattr(saved[k], "shape", ()))}
+    parts = [f"{what} {first(keys)}" for what, keys in (("missing", missing), ("unexpected", extra)) if keys]
+    if shapes:
+        k = sorted(shapes)[0]
+        parts.append(f"another shape {first(shapes)} ({k}: {list(saved[k].shape)} saved, {list(own[k].shape)} here)")
+    return "; ".join(parts)
+
+
 def load_model(path, device):
     """The model of a checkpoint on ``device``, in eval mode, with the attention windows of its step and its
     embedding tied to the head or not as at that step.
@@ -112,11 +128,11 @@ def load_model(path, device):
     state = read_checkpoint(path)
     cfg = config_of(state, path)
     model = GPT(cfg)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        first = (str(e).splitlines() or [""])[0][:160]
-        raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({first})") from None
+    mismatch = state_dict_mismatch(model.state_dict(), state["model"])
+    if mismatch:
+        raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({mismatch}); it was not written "
+                          f"by this train_gpt.py, or was edited")
+    model.load_state_dict(state["model"])
     step = min(int(state.get("step", 0)), cfg.num_iterations)
     model.tied = step <= split_step(cfg)  # the run unties after this step's update
     row = Schedule(cfg)[step]  # the windows and RoPE history the weights were trained with

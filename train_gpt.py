@@ -141,13 +141,20 @@ def check_config(cfg):
 def grad_accum_steps(cfg, world):
     """Micro-batches per process per step: every step has stage 1's sequence count (longer sequences later), split
     evenly over ``world`` processes and --micro-batch-seqs; else a ConfigError naming what divides it."""
-    seqs = cfg.batch_tokens // (3 * cfg.seq_len)
-    if seqs % (cfg.micro_batch_seqs * world) == 0:
-        return seqs // (cfg.micro_batch_seqs * world)
-    fits = [w for w in range(1, seqs + 1) if seqs % (w * cfg.micro_batch_seqs) == 0]
-    raise ConfigError(f"{world} process(es) x --micro-batch-seqs {cfg.micro_batch_seqs} do not divide a step's {seqs} "
-                      f"sequence(s) (--batch-tokens / (3 x --seq-len)); " + (f"run {' or '.join(map(str, fits[-3:]))} "
-                      f"process(es), or " if fits else "") + "change --micro-batch-seqs")
+    seqs, micro = cfg.batch_tokens // (3 * cfg.seq_len), cfg.micro_batch_seqs
+    if seqs % (micro * world) == 0:
+        return seqs // (micro * world)
+    counts = [w for w in range(1, seqs + 1) if seqs % (w * micro) == 0]
+    alone = "" if counts else " with --micro-batch-seqs 1"  # --micro-batch-seqs is more than a step holds
+    counts = counts or [w for w in range(1, seqs + 1) if seqs % w == 0]
+    fixes = [f"run {' or '.join(map(str, counts[-4:]))} process(es){alone} (run.sh's NPROC, torchrun's "
+             f"--nproc_per_node)"]
+    if seqs % world == 0:  # this many processes can split it in smaller micro-batches
+        per = seqs // world
+        sizes = [str(m) for m in range(per, 0, -1) if per % m == 0][:3]
+        fixes.append("--micro-batch-seqs " + " or ".join(sizes))
+    raise ConfigError(f"{world} process(es) x --micro-batch-seqs {micro} do not divide a step's {seqs} sequence(s) "
+                      f"(--batch-tokens / (3 x --seq-len)); " + ", or ".join(fixes))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1374,7 +1381,8 @@ def main(argv=None):
     try:
         cfg, preset, machines = harness.parse_flags(Config, PRESETS, argv)
         check_config(cfg)
-        if machines is not None:
+        if machines is not None:  # under WORLD_SIZE (run.sh's check before torchrun) the process count is checked too
+            grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", "1")))
             print(describe(cfg, preset, machines))
             return 0
         rt = harness.setup_runtime(cfg, grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
@@ -1389,7 +1397,7 @@ def main(argv=None):
         graphs = harness.compiled_graphs()
         status, reason = train(run, stop)
         log.update(graphs_compiled_during_training=harness.compiled_graphs() - graphs)
-        code = 130 if status == "interrupted" else 0
+        code = stop.exit_code if status == "interrupted" else 0
     except BaseException as err:  # noqa: BLE001 -- reported in one line, the log kept and marked (a bug: raised)
         status, reason, code = harness.failure(err, stop, log)
     finally:

@@ -73,8 +73,8 @@ A log that cannot be read (a folder named ``*.txt``, a symlink loop, no read per
 listed as an incomplete run of its group with the reason ``unreadable: ...`` and a warning on
 stderr; the other logs are compared as usual. A PATH argument that does not exist is an error.
 
-Exit status: 0 when the table (or JSON, plot) was made, even if some logs were unreadable or
-incomplete; 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
+Exit status: 0 when the table (or JSON, plot) was made from at least one complete log, even if some
+logs were unreadable or incomplete; 1 when every log found is incomplete (the table lists them); 2 on bad arguments (no such PATH, ``--target`` not finite, ``--baseline`` naming
 no group or several, ``--plot`` into a missing folder, an unknown image type or an empty name,
 ``--x`` without ``--plot``, ``--rule`` or the z-test's flags without ``--first-passing``), or when
 no log at all could be read.
@@ -1506,6 +1506,10 @@ def main(argv=None):
         for note in notes:
             print(note, file=sys.stderr)
         print(f"plot: {args.plot}", file=sys.stderr)
+    if not any(r.complete for r in runs):  # a table of incomplete runs only: nothing was compared
+        print(f"compare.py: error: none of the {len(runs)} log(s) is complete (listed above with why); nothing "
+              "was compared", file=sys.stderr)
+        return 1
     return 0
 
 

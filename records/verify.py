@@ -240,7 +240,11 @@ def write_sources(sources, folder):
     if sources:
         os.makedirs(folder, exist_ok=True)
     for name, text in sources.items():
-        with open(os.path.join(folder, name), "w", encoding="utf-8", newline="") as f:
+        path = os.path.normpath(os.path.join(folder, name))
+        if os.path.isabs(name) or not path.startswith(os.path.normpath(folder) + os.sep):
+            raise ValueError(f"the snapshot names a file outside its folder ({name!r}); the log was edited")
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # data/shard_format.py
+        with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
 
 
@@ -777,7 +781,10 @@ def _rerun_in(tmp, lines, rest, sources, config, steps, files, run_dir, tol, thr
     last = min(steps, total) if isinstance(total, int) and total > 0 else steps
     cpu_threads = [m["threads"] for m in logged_machines if m["threads"]]
     threads = threads or (cpu_threads[0] if cpu_threads else None)
-    write_sources(sources, tmp)
+    try:
+        write_sources(sources, tmp)
+    except ValueError as e:
+        return False, [f"rerun: {e}"]
     reads_tokenizer = config.get("objectives") or any(k == "data tokenizer" for k, _ in data_fingerprints(lines, rest))
     if reads_tokenizer and (error := place_tokenizer(repo, tmp)):
         return False, [f"rerun: {error}"]
@@ -949,6 +956,8 @@ def extract_to(folder, sources):
         return f"--extract {folder}: would overwrite {', '.join(clash)} there (different content); pass an empty or new folder"
     try:
         write_sources(sources, folder)
+    except ValueError as e:
+        return f"--extract {folder}: {e}"
     except OSError as e:
         return (f"--extract {folder}: cannot write there ({e.strerror or e}); pass a folder you can write "
                 "(created if missing)")

@@ -167,7 +167,8 @@ def test_a_process_count_that_does_not_split_the_batch_names_the_counts_that_do(
     monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it: refused before joining the group
     line = one_line(capsys, 2, tiny_args(tmp_path, "--batch-tokens", "768"))  # 4 sequences a step
     assert line == ("train_gpt.py: error: 3 process(es) x --micro-batch-seqs 1 do not divide a step's 4 sequence(s) "
-                    "(--batch-tokens / (3 x --seq-len)); run 1 or 2 or 4 process(es), or change --micro-batch-seqs")
+                    "(--batch-tokens / (3 x --seq-len)); run 1 or 2 or 4 process(es) (run.sh's NPROC, torchrun's "
+                    "--nproc_per_node)")
     nothing_written(tmp_path)
     assert T.grad_accum_steps(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path, "--batch-tokens", "768",
                                                                            "--micro-batch-seqs", "2"))[0], 2) == 1
@@ -195,23 +196,6 @@ def test_a_process_group_that_cannot_form_is_one_line_naming_what_to_check(tmp_p
 
 def enospc():
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def test_a_full_disk_while_checkpointing_stops_in_one_line_and_leaves_no_temporary_file(tmp_path, capsys,
-                                                                                         monkeypatch):
-    real_save = torch.save
-
-    def save_half(obj, path):  # the disk fills part way through the file
-        real_save({"part": 1}, path)
-        raise enospc()
-    monkeypatch.setattr(H.torch, "save", save_half)
-    line = one_line(capsys, 2, tiny_args(tmp_path, "--save-every", "2", "--val-every", "0"))
-    path = next((tmp_path / "ckpt").iterdir()) / "step_000002.pt"
-    assert line == (f"train_gpt.py: error: --checkpoint-dir: cannot write {path} (No space left on device); free "
-                    f"space there or choose another --checkpoint-dir")
-    text = marked(tmp_path, line)
-    assert "step:2/8 train_loss" in text and "step:3/8" not in text
-    assert os.listdir(path.parent) == []
 
 
 def test_a_full_disk_under_the_log_stops_in_one_line_and_keeps_what_was_written(tmp_path, capsys, monkeypatch):
@@ -413,14 +397,27 @@ def test_run_sh_with_gpus_downloads_when_empty_then_runs_baseline_h200_under_tor
     assert out.returncode == 0, out.stderr
     glob = str(data).replace("[1]", "[[]1[]]")
     run = (f"--preset baseline_h200 --train-files {glob}/*_train_*.bin --val-files {glob}/*_val_*.bin --max-steps 3")
-    launch = (f"train_gpt.py {run}" if want == 1 else
-              f"-m torch.distributed.run --standalone --nproc_per_node={want} train_gpt.py {run}")
-    assert (tmp_path / "calls").read_text().splitlines() == [f"data/cached_fineweb10B.py 10 --local-dir {data}", launch]
+    launch = ([f"train_gpt.py {run}"] if want == 1 else  # several: the split checked (--describe), then torchrun
+              [f"train_gpt.py {run} --describe", f"harness.py --standalone --nproc_per_node={want} train_gpt.py {run}"])
+    assert (tmp_path / "calls").read_text().splitlines() == [f"data/cached_fineweb10B.py 10 --local-dir {data}",
+                                                             *launch]
     assert f"run.sh: preset baseline_h200 on {want} GPU process(es), data {data}" in out.stderr
     (data / "f_train_000001.bin").write_bytes(b"")  # shards there: no download
     (tmp_path / "calls").unlink()
     assert run_sh(tmp_path, "--max-steps", "3", **env).returncode == 0
-    assert (tmp_path / "calls").read_text().splitlines() == [launch]
+    assert (tmp_path / "calls").read_text().splitlines() == launch
+
+
+def test_run_sh_refuses_more_processes_than_gpus_before_torchrun(tmp_path):
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f_train_000001.bin").write_bytes(b"")
+    out = run_sh(tmp_path, PYTHON=str(python), GPUS="2", CALLS=str(tmp_path / "calls"), DATA_DIR="d", NPROC="4")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "run.sh: NPROC=4 but 2 GPU(s) are visible; set NPROC to at most 2"], out.stderr
+    assert not (tmp_path / "calls").exists()  # nothing launched
 
 
 @pytest.mark.parametrize("env, says", [

@@ -19,6 +19,7 @@ def trainer_copy(tree):
     before its main guard, and GPT-2's encoder.json under data/gpt2_bpe; returns ``tree``."""
     os.makedirs(tree, exist_ok=True)
     for name in harness.SOURCE_FILES:
+        os.makedirs(os.path.dirname(os.path.join(tree, name)), exist_ok=True)  # data/shard_format.py
         shutil.copyfile(os.path.join(REPO, name), os.path.join(tree, name))
     path = os.path.join(tree, "train_gpt.py")
     with open(path, encoding="utf-8") as f:
