@@ -208,17 +208,29 @@ class Aurora(torch.optim.Optimizer):
 
     def _sharded_direction(self, U, group, world, rank):
         """Directions of ``U`` ``[k, m, n]``: this rank computes its equal chunk, then all ranks all-gather."""
+        return self._start_direction(U, group, world, rank)()
+
+    def _start_direction(self, U, group, world, rank):
+        """``_sharded_direction`` in two halves: computes this rank's chunk and starts the all-gather (async), returns
+        the function that waits for it and gives the ``[k, m, n]`` directions. NorMuon computes the next bucket's
+        chunk while this one's gather is under way."""
         k, shape = U.size(0), U.shape[1:]
         chunk = -(-k // world)  # ceil(k / world) matrices per rank
         if world > 1 and chunk * world != k:  # pad so every rank gets an equal chunk
             U = torch.cat([U, U.new_zeros(chunk * world - k, *shape)])
-        mine = self._direction(U[rank * chunk:(rank + 1) * chunk], group["pp_iterations"], group["pp_beta"],
-                               group["ns"], group["eps"], self._dtype(U.device))
+        with torch.profiler.record_function("optimizer: directions"):
+            mine = self._direction(U[rank * chunk:(rank + 1) * chunk], group["pp_iterations"], group["pp_beta"],
+                                   group["ns"], group["eps"], self._dtype(U.device))
         if world == 1:
-            return mine
+            return lambda: mine
         O = U.new_empty(chunk * world, *shape)
-        _all_gather_single(O, mine.contiguous())
-        return O[:k]
+        work = _all_gather_single(O, mine.contiguous(), async_op=True)
+
+        def gathered():
+            with torch.profiler.record_function("optimizer: wait for the directions' gather"):
+                work.wait()
+            return O[:k]
+        return gathered
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,6 +335,7 @@ class NorMuon(Aurora):
             with torch.enable_grad():
                 loss = closure()
         world, rank = self._shards()
+        pending = []  # every bucket's directions first, its gather in flight while the next bucket's are computed
         for group, by_shape in zip(self.param_groups, self._by_shape):
             for (rows, cols), index in by_shape.items():
                 params = [group["params"][i] for i in index]
@@ -330,7 +343,9 @@ class NorMuon(Aurora):
                 # grads and weights are the model's separate tensors anyway) and would need their own state_dict;
                 # foreach ops read a list in one CUDA launch, and U is allocated each step as the polar needs it
                 U = torch.cat(self._momenta(params, group)).view(-1, rows, cols)  # [sum b_i, rows, cols], one view
-                self._apply(params, self._sharded_direction(U, group, world, rank), group)
+                pending.append((params, self._start_direction(U, group, world, rank), group))
+        for params, gathered, group in pending:  # the updates read only the directions: the same bits in any order
+            self._apply(params, gathered(), group)
         return loss
 
     def _apply(self, params, O, group):
@@ -441,6 +456,9 @@ class CautiousAdam(torch.optim.Optimizer):
                 loss = closure()
         update, first = self.updates_next, self.calls % self.every == 0
         self.calls += 1
+        if self.shard is not None:  # the reduce-scattered gradients (started after NorMuon's, waited for here)
+            with torch.profiler.record_function("optimizer: wait for Adam's reduce-scatter"):
+                self.shard.wait("scatter")
         if not update:
             params = [p for group in self.param_groups for p in group["params"]]
             self._accumulate(self._grad_sums(params), self._grads(params), first)

@@ -6,6 +6,7 @@ test_attention.py, test_block_mask.py); nothing here imports the trainer. Record
 """
 import importlib.util
 import math
+import typing
 import warnings
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # torch 2.13 deprecates these two for *_single names that torch 2.11 (the lent GPU box's) lacks; both versions run them
@@ -95,13 +97,29 @@ def fp8_quantize(t, scale, dtype=torch.float8_e4m3fn):
 HEAD_GRAD_LAYOUT = "gx"
 
 
-def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
-    """``(a a_scale) @ (b b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` -> ``[M, N]`` by ``torch._scaled_mm``;
-    ``emulate``: the same product in ``out_dtype`` from the fp8 values (the CPU tests' path)."""
-    if emulate:
-        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+@torch.library.custom_op("train_gpt::scaled_mm", mutates_args=())
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_mm(a, b.T)`` (cuBLASLt) as an op the compiler cannot see into: inductor would lower
+    ``_scaled_mm`` with its own templates and autotune them against cuBLAS during the cold compile; as a custom op
+    it is one extern call (modded-nanogpt keeps its FP8 matmuls in custom ops too). The quantizing around it
+    stays in the graph, where inductor fuses it."""
     return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale, scale_b=b_scale,
                             out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@scaled_mm.register_fake
+def _scaled_mm_fake(a, b, a_scale, b_scale, out_dtype, fast_accum):
+    """Shape and dtype of ``scaled_mm`` for tracing (fake and meta tensors): ``[M, N]`` of ``out_dtype``."""
+    return a.new_empty((a.size(0), b.size(0)), dtype=out_dtype)
+
+
+def fp8_mm(a, a_scale, b, b_scale, out_dtype, fast_accum=False, emulate=False):
+    """``(a a_scale) @ (b b_scale).T`` for fp8 ``a [M, R]``, ``b [N, R]`` -> ``[M, N]`` by ``scaled_mm`` (the forward's
+    and both backward matmuls); ``emulate``: the same product in ``out_dtype`` from the fp8 values (CPU tests)."""
+    if emulate:
+        return (a.to(out_dtype) @ b.to(out_dtype).t()) * (a_scale.to(out_dtype) * b_scale.to(out_dtype))
+    return scaled_mm(a, b, a_scale, b_scale, out_dtype, fast_accum)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -400,14 +418,22 @@ class GradBuckets:
         self.left, self.works = [len(b["params"]) for b in self.buckets], {}
         return [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
-    def finish(self):
-        """Start the buckets the backward did not fill (parameters without a gradient; a scatter bucket always, so
-        every rank calls the same collectives), wait for all, copy back the all-reduced gradients and point
-        ``grad_shard`` at the reduce-scattered ones."""
-        for i, b in enumerate(self.buckets):
-            if i not in self.works and (b["kind"] == "scatter" or any(p.grad is not None for p in b["params"])):
-                self._start(i)
-        for i, (work, grads, flat) in self.works.items():
+    def start_rest(self):
+        """Start the buckets the backward did not (compiled: every one; eager: those with a parameter without a
+        gradient; a scatter bucket always, so every rank calls the same collectives): the all-reduced ones first
+        (NorMuon's matrices: their math waits for them), the reduce-scattered ones last (Adam's tables, the big
+        banks: their transfer runs while NorMuon computes)."""
+        for kind in ("reduce", "scatter"):
+            for i, b in enumerate(self.buckets):
+                if b["kind"] == kind and i not in self.works and (
+                        kind == "scatter" or any(p.grad is not None for p in b["params"])):
+                    self._start(i)
+
+    def wait(self, kind):
+        """Wait for the started buckets of ``kind``: "reduce" copies back the all-reduced gradients, "scatter"
+        points ``grad_shard`` at the reduce-scattered ones."""
+        for i in [i for i in self.works if self.buckets[i]["kind"] == kind]:
+            work, grads, flat = self.works.pop(i)
             work.wait()
             if grads is not None:
                 torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]),
@@ -415,6 +441,12 @@ class GradBuckets:
             else:
                 b = self.buckets[i]
                 self.shards.update({p: b["shard"][off:off + n] for p, off, _, n in self._pieces(b)})
+
+    def finish(self):
+        """Start what is left and wait for every bucket (``start_rest``, then both kinds)."""
+        self.start_rest()
+        self.wait("reduce")
+        self.wait("scatter")
 
     def gather(self):
         """Start all-gathering every sharded parameter from its owners' updated shards (async)."""
@@ -633,6 +665,8 @@ def flash_unavailable_reason(device):
         found = False
     if not found:
         return "the flash-attn-4 package is not installed (pip install -r requirements-gpu.txt)"
+    if "FLASH" not in typing.get_args(getattr(flex_module, "_Backend", None)):  # an older torch: no such backend
+        return f"torch {torch.__version__} has no FLASH backend in FlexAttention"
     if torch.device(device).type != "cuda":
         return "it needs a CUDA GPU"
     major, minor = torch.cuda.get_device_capability(device)

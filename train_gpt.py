@@ -1081,9 +1081,16 @@ def accumulate_gradients(model, micro_batches, rt, weights, divisor, buckets=Non
         for h in handles:
             h.remove()
         total += loss_sum.detach()
+    if not rt.distributed:
+        return total / n_valid.clamp_min(1)
+    sums = torch.stack([total, n_valid.float()])
+    work = dist.all_reduce(sums, async_op=True)  # before the buckets: two numbers do not wait behind the tables
     if buckets is not None:
-        buckets.finish()
-    return all_reduce_sum(total, rt) / all_reduce_sum(n_valid, rt).clamp_min(1)
+        buckets.start_rest()  # Adam's reduce-scatters last: they run while NorMuon computes
+    work.wait()
+    if buckets is not None:
+        buckets.wait("reduce")  # NorMuon's all-reduced gradients; Adam waits for its own in its step
+    return sums[0] / sums[1].clamp_min(1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1334,8 +1341,8 @@ def train(run, stop):
         micro, weights = run.objectives.batches(micro, step, row.stage)
         model.set_loss_divisor(grad_divisor(row.stage))
         loss = accumulate_gradients(run.net, micro, rt, weights, grad_divisor(row.stage), run.buckets)
-        for opt in run.opts:  # Adam first: on several processes its parameters' all-gather overlaps NorMuon's step
-            opt.step()
+        run.opts[1].step()  # NorMuon first: its math overlaps Adam's reduce-scatter, its gathers overlap its math
+        run.opts[0].step()  # Adam: waits for its shards, updates them, starts the all-gather (the big banks, last)
         run.opts[0].wait_gather()
         fp8_refresh(model, step)
         if step == run.split:

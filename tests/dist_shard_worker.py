@@ -3,7 +3,8 @@
 Run under ``torchrun --nproc_per_node=W`` (or alone: W = 1, no process group). Each rank trains on its share of the
 same global batch (rank r: sequences r, r + W, ...), reduce-scatters the Adam gradients and all-reduces NorMuon's
 (``kernels.GradBuckets``), updates its shards, all-gathers; rank 0 saves the weights, the whole Adam state
-(``state_dict``, a collective) and every rank's own Adam state bytes to ``argv[1]``.
+(``state_dict``, a collective) and every rank's own Adam state bytes to ``argv[1]``. ``argv[2]``: ``replicated``
+(Adam unsharded) or ``compiled`` (the sharded Adam compiled as the trainer compiles it; the graph count per step kept).
 """
 import os
 import pathlib
@@ -18,14 +19,14 @@ import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
 from conftest import tiny_args  # noqa: E402  (this folder is the script's: on the path; registers "tiny")
 
-GLOBAL_SEQS, SEQ_LEN, STEPS = 4, 32, 4
+GLOBAL_SEQS, SEQ_LEN, STEPS = 4, 32, 6
 
 
 def state_bytes(opt):
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def main(out):
+def main(out, mode):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
@@ -37,9 +38,12 @@ def main(out):
     model.flex = False
     buckets = None
     if world > 1:
-        sharded = [p for p in model.parameters() if p.opt_group == "adam"] if len(sys.argv) < 3 else []
-        buckets = T.GradBuckets(model.parameters(), rank, world, sharded)  # argv[2]: "replicated", Adam unsharded
-    opts = T.build_optimizers(model, cfg, shard=buckets if len(sys.argv) < 3 else None)
+        sharded = [p for p in model.parameters() if p.opt_group == "adam"] if mode != "replicated" else []
+        buckets = T.GradBuckets(model.parameters(), rank, world, sharded)
+    opts = T.build_optimizers(model, cfg, shard=None if mode == "replicated" else buckets)
+    if mode == "compiled":  # Adam compiled as the trainer compiles it; NorMuon eager, so both runs get the same grads
+        opts[0] = T.build_optimizers(model, cfg, compile=True, shard=buckets)[0]
+    graphs = []
     g = torch.Generator().manual_seed(1)
     row = T.Schedule(cfg)[0]
     model.set_window(row.window, row.yarn)
@@ -54,8 +58,10 @@ def main(out):
             opt.step()
         opts[0].wait_gather()
         if step == 1:
+            first_update = {k: v.clone() for k, v in model.state_dict().items()}  # only the optimizer's math so far
             T.untie(model, opts[0])  # the untie copies the head's (sharded) state to the embedding's
         model.zero_grad(set_to_none=True)
+        graphs.append(harness.compiled_graphs())
     own = state_bytes(opts[0])
     owns = [None] * world
     if world > 1:
@@ -65,11 +71,11 @@ def main(out):
     adam = opts[0].state_dict()  # whole tensors: a collective under several processes
     if rank == 0:
         torch.save(dict(model={k: v.clone() for k, v in model.state_dict().items()}, adam=adam, state_bytes=owns,
-                        losses=losses), out)
+                        losses=losses, graphs=graphs, first_update=first_update), out)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "sharded")

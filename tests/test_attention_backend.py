@@ -72,3 +72,20 @@ def test_flash_is_not_caught_when_the_user_asked_for_it(tmp_path):
         assert kernels.flash_refused(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0].attention_backend, err)
     finally:
         kernels.FLEX_BACKEND[0] = "TRITON"
+
+
+def test_a_torch_without_flexattentions_flash_backend_is_named_and_auto_takes_triton(monkeypatch):
+    """An older torch's FlexAttention has no BACKEND "FLASH" (its ``_Backend`` lists the names it knows): with
+    flash-attn-4 present, FLASH is refused naming the torch version, and auto takes TRITON."""
+    import importlib.util
+    import typing
+    import kernels
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn")
+                        else real(name, *a))
+    monkeypatch.setattr(kernels.flex_module, "_Backend", typing.Literal["AUTO", "TRITON"])
+    why = kernels.flash_unavailable_reason("cpu")
+    assert why == f"torch {torch.__version__} has no FLASH backend in FlexAttention"
+    cuda = torch.device("cuda")  # a device name only: nothing runs
+    assert kernels.choose_flex_backend("auto", cuda, True) == ("TRITON", None)
+    assert kernels.choose_flex_backend("flash", cuda, True) == ("TRITON", why)  # the trainer refuses, naming it

@@ -340,3 +340,33 @@ def test_restore_gives_each_rank_its_own_delayed_scales_and_tolerates_a_resume_a
     harness.restore(state, plain, [], loader, rt)  # the fp8 checkpoint into a model without FP8
     assert all(torch.equal(v, state["model"][k]) for k, v in plain.state_dict().items())
     assert not all(torch.equal(v, bare["model"][k]) for k, v in plain.state_dict().items())  # they did change
+
+
+def test_the_fp8_matmul_is_a_custom_op_whose_fake_kernel_agrees_with_it():
+    """torch.library's opcheck of the fake kernel against the real one on this CPU (its schema check multiplies
+    float8 tensors, which the CPU cannot); the meta device traces through the fake kernel."""
+    a = kernels.fp8_quantize(torch.randn(32, 48), torch.tensor(0.01))
+    b = kernels.fp8_quantize(torch.randn(16, 48), torch.tensor(0.02))
+    torch.library.opcheck(kernels.scaled_mm, (a, b, torch.tensor(0.01), torch.tensor(0.02), torch.bfloat16, True),
+                          test_utils=("test_faketensor",))
+    with torch.device("meta"):
+        y = kernels.scaled_mm(torch.empty(32, 48, dtype=torch.float8_e4m3fn),
+                              torch.empty(16, 48, dtype=torch.float8_e4m3fn), torch.ones(()), torch.ones(()),
+                              torch.float32, False)
+    assert y.shape == (32, 16) and y.dtype == torch.float32
+
+
+def test_a_compiled_fp8_linear_calls_the_op_three_times_and_leaves_inductor_no_scaled_mm_to_lower():
+    """Compiled, the forward holds one call of ``train_gpt::scaled_mm`` and the backward two (dx, dW), as extern
+    calls; aten's ``_scaled_mm``, which inductor lowers to its autotuned templates, is nowhere in the graphs."""
+    from torch._inductor.utils import run_and_get_code
+    x = torch.randn(64, 48, requires_grad=True)
+    w = torch.randn(80, 48, requires_grad=True)
+    fn = torch.compile(lambda x, w: kernels.fp8_linear(x, w, fp8_grad=True).float().sum(), dynamic=False)
+    _, (forward, backward) = run_and_get_code(lambda: fn(x, w).backward())
+    call = "torch.ops.train_gpt.scaled_mm.default("
+    assert forward.count(call) == 1 and backward.count(call) == 2
+    for code in (forward, backward):
+        assert "aten._scaled_mm" not in code and "extern_kernels._scaled_mm" not in code
+    eager = kernels.fp8_linear(x, w, fp8_grad=True).float().sum()
+    assert torch.equal(fn(x, w), eager)  # the same op, the same bits
