@@ -565,18 +565,19 @@ def build_attention_mask(doc_ids, window, flex, block_size=128, paired=False):
 class LayerMasks(NamedTuple):
     """One window's masks: ``plain`` (the sequence), ``paired`` (the doubled sequence of paired-head layers,
     record #58), ``first`` bool ``[B, L]`` True at document starts (the key offset, record #49), ``docs`` the
-    int64 ``[B, L]`` document ids (``dc_attention``); unused: None."""
+    int64 ``[B, L]`` document ids (``dc_attention``); unused: None. ``backend``: FlexAttention's kernels (``attend``)."""
     plain: object
     paired: object = None
     first: object = None
     docs: object = None
+    backend: str = "TRITON"
 
 
-def layer_masks(doc_ids, window, flex, paired=False, first=False, docs=False):
+def layer_masks(doc_ids, window, flex, paired=False, first=False, docs=False, backend="TRITON"):
     """``LayerMasks`` of doc_ids ``[B, L]`` under ``window``, the doubled mask, document starts and ids as asked."""
     doubled = build_attention_mask(doc_ids, window, flex, paired=True) if paired else None
     starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True) if first else None
-    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts, doc_ids if docs else None)
+    return LayerMasks(build_attention_mask(doc_ids, window, flex), doubled, starts, doc_ids if docs else None, backend)
 
 
 def _ordered_blocks(blocks):
@@ -650,12 +651,6 @@ def dc_attention(q, k, v, w1, w2, doc_ids, scale, window=DC_WINDOW, block=128):
     return out.reshape(B, n * C, H, D)[:, :T]
 
 
-# FlexAttention's kernels on CUDA (--attention-backend): "TRITON" (its Triton templates) or "FLASH"
-# (FlashAttention-4 through FlexAttention: CuTe DSL kernels for Hopper and Blackwell, the same mask_mod and block
-# masks; experimental in torch 2.13). Read when a graph is traced: the trainer sets it before the warm-up.
-FLEX_BACKEND = ["TRITON"]
-
-
 def flash_unavailable_reason(device):
     """Why FlexAttention's FLASH backend cannot run on ``device``, or None: it needs the flash-attn-4 package
     (``flash_attn.cute``) and a Hopper or Blackwell GPU (sm_90, sm_100)."""
@@ -682,17 +677,19 @@ def choose_flex_backend(requested, device, compiled):
     return ("TRITON" if why else "FLASH"), (why if requested == "flash" else None)
 
 
-def flash_refused(requested, err):
+def flash_refused(requested, backend, err):
     """Whether ``err`` is FLASH refusing a graph that --attention-backend auto gave it (TRITON then takes over)."""
-    return requested == "auto" and FLEX_BACKEND[0] == "FLASH" and "FLASH" in str(err)
+    return requested == "auto" and backend == "FLASH" and "FLASH" in str(err)
 
 
-def attend(q, k, v, mask=None, scale=None):
+def attend(q, k, v, mask=None, scale=None, backend="TRITON"):
     """``softmax(scale q k^T) v``, q, k, v ``[B, H, T, head_dim]`` -> same in v's dtype; ``mask`` None: causal
-    SDPA, a ``BlockMask``: FlexAttention (q, k cast to v's dtype; ``FLEX_BACKEND``), a bool tensor: masked SDPA."""
+    SDPA, a ``BlockMask``: FlexAttention (q, k cast to v's dtype) with its kernels ``backend``: "TRITON" (its Triton
+    templates) or "FLASH" (FlashAttention-4's CuTe kernels for Hopper and Blackwell, the same masks; experimental
+    in torch 2.13); a bool tensor: masked SDPA."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, BlockMask):
         return flex_attention(q.type_as(v), k.type_as(v), v, block_mask=mask, scale=scale,
-                              kernel_options={"BACKEND": FLEX_BACKEND[0]})
+                              kernel_options={"BACKEND": backend})
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

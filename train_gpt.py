@@ -470,7 +470,8 @@ class CausalSelfAttention(nn.Module):
         if self.key_offset:
             k = offset_keys(k)
         q = q * self.rotary.scale.type_as(q)  # the YaRN scale, a buffer: a rescale changes no graph
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), vs.transpose(1, 2), mask_here, 1.0).transpose(1, 2)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), vs.transpose(1, 2), mask_here, 1.0, mask.backend)
+        y = y.transpose(1, 2)
         y = y.reshape(shape)
         if self.dc_window:  # record #85: the correction over the last 112 keys, added to y
             y = y + dc_attention(q, k, v, *dc, mask.docs, 1.0, self.dc_window).type_as(y)
@@ -612,6 +613,7 @@ class GPT(nn.Module):
         self.register_buffer("windows", torch.tensor(self._window), persistent=False)  # (long, short)
         self.tied = True  # until stage 3 (records #51, #53): the embedding reads the head's weight
         self.flex = None  # FlexAttention block masks: None = on CUDA inputs; False = SDPA's bool masks anywhere
+        self.flex_backend = "TRITON"  # FlexAttention's kernels (--attention-backend: kernels.choose_flex_backend)
         with torch.no_grad():  # the tied head's init: N(0, 0.005^2), the embedding a copy
             nn.init.normal_(self.lm_head.weight, std=0.005)
             self.embed.weight.copy_(self.lm_head.weight)
@@ -671,8 +673,8 @@ class GPT(nn.Module):
         spec, doc_ids = self.spec, latent_document_ids(inputs)
         flex = inputs.is_cuda if self.flex is None else self.flex
         paired = {i in spec.short_window for i in spec.paired_heads}  # the windows paired layers use
-        return tuple(layer_masks(doc_ids, self.windows[j], flex, short in paired, False, bool(spec.dc))
-                     for j, short in enumerate((False, True)))
+        return tuple(layer_masks(doc_ids, self.windows[j], flex, short in paired, False, bool(spec.dc),
+                                 self.flex_backend) for j, short in enumerate((False, True)))
 
     def forward(self, inputs, targets=None, weights=None):
         spec, n = self.spec, self.spec.n_layer
@@ -1156,16 +1158,18 @@ class Run:
     end: int = 0  # the step this invocation stops after (N, or sooner by --max-steps)
 
 
-def build_run(cfg, rt, log, data, resume):
-    """The model, optimizers and data of a run (restored from ``resume``, a checkpoint's state, when given)."""
+def build_run(cfg, rt, log, data, resume, backend="TRITON"):
+    """The model, optimizers and data of a run (restored from ``resume``, a checkpoint's state, when given);
+    ``backend``: FlexAttention's kernels on CUDA (``kernels.choose_flex_backend``)."""
     train_stream, val_stream = harness.open_streams(data)
     harness.log_header(log, cfg, rt, data, (train_stream, val_stream))
     if cfg.fp8 and (why := fp8_unavailable_reason(rt.device)):  # a CPU, or a GPU before sm_89
         log.line(f"fp8: off ({why})")
         cfg = dataclasses.replace(cfg, fp8=False)
-    log.line(f"attention: {'FlexAttention, ' + kernels.FLEX_BACKEND[0] if rt.device.type == 'cuda' else 'SDPA'}")
+    log.line(f"attention: {'FlexAttention, ' + backend if rt.device.type == 'cuda' else 'SDPA'}")
     torch.manual_seed(cfg.seed)
     model = GPT(cfg, torch.bfloat16 if rt.bf16 else None).to(rt.device)
+    model.flex_backend = backend
     if rt.bf16:
         adam_bf16_(model)
     schedule = Schedule(cfg)
@@ -1228,11 +1232,11 @@ def warm_up(run, stop):
             with nullcontext() if train else eval_mode(run.net):
                 loss = run.net(inputs, targets) if weights is None else run.net(inputs, targets, weights)
         except Exception as err:  # noqa: BLE001 -- only FlashAttention-4 refusing a graph under auto is caught
-            if not kernels.flash_refused(run.cfg.attention_backend, err):
+            if not kernels.flash_refused(run.cfg.attention_backend, run.model.flex_backend, err):
                 raise
             run.log.line(f"attention: FLASH refused a graph ({' '.join(str(err).split())[:160]}); auto falls back "
                          f"to TRITON and compiles again")
-            kernels.FLEX_BACKEND[0], run.model.tied = "TRITON", tied0
+            run.model.flex_backend, run.model.tied = "TRITON", tied0
             torch._dynamo.reset()
             return warm_up(run, stop)
         if train:
@@ -1240,7 +1244,7 @@ def warm_up(run, stop):
             run.model.zero_grad(set_to_none=True)
         run.rt.sync()
         run.log.line(f"compile: {'train' if train else 'val'} {list(in_shape)} -> {list(t_shape)} tied:{int(tied)} "
-                     f"attention:{kernels.FLEX_BACKEND[0] if run.rt.device.type == 'cuda' else 'SDPA'} "
+                     f"attention:{run.model.flex_backend if run.rt.device.type == 'cuda' else 'SDPA'} "
                      f"took {1000 * (time.perf_counter() - t1):.0f}ms, {harness.compiled_graphs() - g1} graph(s)")
         stop.raise_if_set()  # between graphs: no step to finish, nothing to save
     run.model.tied = tied0
@@ -1394,12 +1398,12 @@ def main(argv=None):
             return 0
         rt = harness.setup_runtime(cfg, grad_accum_steps(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
         data = harness.find_data(cfg.train_files, cfg.val_files)
-        kernels.FLEX_BACKEND[0], why = kernels.choose_flex_backend(cfg.attention_backend, rt.device, rt.compile)
+        backend, why = kernels.choose_flex_backend(cfg.attention_backend, rt.device, rt.compile)
         if why:
             raise ConfigError(f"--attention-backend flash: {why}; or use --attention-backend triton")
         resume = harness.load_resume(cfg, data, OPERATIONAL) if cfg.resume else None
         log = harness.RunLog(cfg, rt, preset, resume)
-        run = build_run(cfg, rt, log, data, resume)
+        run = build_run(cfg, rt, log, data, resume, backend)
         log.update(compile_time_ms=round(warm_up(run, stop)))
         graphs = harness.compiled_graphs()
         status, reason = train(run, stop)

@@ -30,6 +30,7 @@ injects one):
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -704,7 +705,7 @@ def attention_times(attend, gen, shapes, device, dtype, grad, trials, iters, row
 def attention_backend_check(T, device, backend, shapes=None, ref_len=ATTENTION_REF_LEN, tol=ATTENTION_TOL, trials=5,
                             iters=3, seed=0, dtype=torch.bfloat16, compile_fn=None, backward=None, run_here=False):
     """One ``attention_backends`` row of gpu_check: ``kernels.attend`` under a FlexAttention BlockMask, compiled with
-    ``kernels.FLEX_BACKEND`` = ``backend`` (``torch._dynamo.reset()`` before and after: no graph of the other backend
+    ``backend`` (``torch._dynamo.reset()`` before and after: no graph of the other backend
     is reused), timed at the record's shapes and compared with masked SDPA.
 
     Args:
@@ -736,11 +737,11 @@ def attention_backend_check(T, device, backend, shapes=None, ref_len=ATTENTION_R
     row["shapes"] = dict(zip(("lengths", "windows", "heads", "head_dim", "scale"), shapes), ref_len=ref_len,
                          dtype=str(dtype).replace("torch.", ""), mean_document=ATTENTION_DOC)
     gen = torch.Generator().manual_seed(seed)
-    saved = kernels.FLEX_BACKEND[0], torch._dynamo.config.recompile_limit
-    kernels.FLEX_BACKEND[0] = backend.upper()  # read when a graph is traced
+    saved = torch._dynamo.config.recompile_limit
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = max(saved[1], 64)  # a graph per length, on purpose
-    attend = (compile_fn or (lambda f: torch.compile(f, dynamic=False)))(kernels.attend)
+    torch._dynamo.config.recompile_limit = max(saved, 64)  # a graph per length, on purpose
+    with_backend = functools.partial(kernels.attend, backend=backend.upper())
+    attend = (compile_fn or (lambda f: torch.compile(f, dynamic=False)))(with_backend)
     try:
         ids, q, k, v = attention_inputs(gen, ref_len, *shapes[2:4], device, dtype, grad)
         diffs = attention_diffs(attend, ids, q, k, v, shapes[1], shapes[4], grad)
@@ -751,7 +752,7 @@ def attention_backend_check(T, device, backend, shapes=None, ref_len=ATTENTION_R
     except Exception as err:  # noqa: BLE001 -- a backend refusing a graph is this row's result, not a crash
         row["skipped"] = refusal(err)
     finally:
-        kernels.FLEX_BACKEND[0], torch._dynamo.config.recompile_limit = saved
+        torch._dynamo.config.recompile_limit = saved
         torch._dynamo.reset()
     if row["skipped"] is None:
         row["passed"] = row["max_rel_diff_vs_sdpa"] <= tol

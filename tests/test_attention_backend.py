@@ -44,18 +44,16 @@ def test_auto_falls_back_to_triton_when_flash_refuses_a_graph(tmp_path, monkeypa
 
     class Net(torch.nn.Module):  # what torch.compile raises when inductor's FLASH lowering refuses a mask
         def forward(self, *args):
-            calls.append(kernels.FLEX_BACKEND[0])
-            if kernels.FLEX_BACKEND[0] == "FLASH":
+            calls.append(model.flex_backend)
+            if model.flex_backend == "FLASH":
                 raise RuntimeError("BACKEND='FLASH' but flash attention cannot be used: NYI (simulated)")
             return model(*args)
     run.net = Net()
     monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
     monkeypatch.setattr(T, "warm_step", lambda opt: None)
-    kernels.FLEX_BACKEND[0] = "FLASH"
-    try:
-        T.warm_up(run, H.StopFlag())
-    finally:
-        backend, kernels.FLEX_BACKEND[0] = kernels.FLEX_BACKEND[0], "TRITON"
+    model.flex_backend = "FLASH"
+    T.warm_up(run, H.StopFlag())
+    backend = model.flex_backend
     log.close("complete")
     text = (tmp_path / "logs" / "fallback.txt").read_text().split(H.SEPARATOR)[-1]  # the run, not its source
     assert calls[:3] == ["FLASH", "reset", "TRITON"] and backend == "TRITON"
@@ -66,12 +64,9 @@ def test_auto_falls_back_to_triton_when_flash_refuses_a_graph(tmp_path, monkeypa
 def test_flash_is_not_caught_when_the_user_asked_for_it(tmp_path):
     cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path, "--attention-backend", "flash"))
     err = RuntimeError("BACKEND='FLASH' but flash attention cannot be used")
-    kernels.FLEX_BACKEND[0] = "FLASH"
-    try:
-        assert not kernels.flash_refused(cfg.attention_backend, err)  # --attention-backend flash: the error is the report
-        assert kernels.flash_refused(H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0].attention_backend, err)
-    finally:
-        kernels.FLEX_BACKEND[0] = "TRITON"
+    assert not kernels.flash_refused(cfg.attention_backend, "FLASH", err)  # asked for by name: the error is the report
+    auto = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))[0].attention_backend
+    assert kernels.flash_refused(auto, "FLASH", err) and not kernels.flash_refused(auto, "TRITON", err)
 
 
 def test_a_torch_without_flexattentions_flash_backend_is_named_and_auto_takes_triton(monkeypatch):

@@ -265,3 +265,23 @@ def test_every_parameter_is_routed_where_it_is_created_to_one_optimizer(tmp_path
     assert {g["role"] for g in adam.param_groups} == {p.adam_role for p in model.parameters()
                                                      if p.opt_group == "adam"}
     assert torch.equal(model.embed.weight, model.lm_head.weight) and model.tied  # until the untie
+
+
+@pytest.mark.parametrize("tst", [False, True])
+def test_each_validation_evaluates_the_val_set_once_and_the_tst_objective_once_more_in_phase_1(tmp_path, monkeypatch,
+                                                                                              tst):
+    """A val line costs one pass over the val tokens for the metric, plus, in TST phase 1 only, one for the TST
+    objective's own val loss (step 0 of 8 here: the switch is at step 3 with --tst-frac 0.4)."""
+    calls = []
+    real = T.evaluate
+
+    def counted(model, val, mode, bag_size, cfg, rt):
+        calls.append((mode, bag_size))
+        return real(model, val, mode, bag_size, cfg, rt)
+    monkeypatch.setattr(T, "evaluate", counted)
+    extra = ["--tst-frac", "0.4"] if tst else ["--tst-frac", "0"]
+    assert T.main(tiny_args(tmp_path, *extra, "--run-id", "v")) == 0
+    vals = [ln for ln in read_log(tmp_path / "logs", "v").splitlines() if " val_loss:" in ln]
+    assert [ln.split()[0] for ln in vals] == ["step:0/8", "step:4/8", "step:8/8"]
+    assert calls.count(("full", 1)) == 3 and len(calls) == 3 + (1 if tst else 0), calls
+    assert sum(" val_loss_tst:" in ln for ln in vals) == (1 if tst else 0)
