@@ -3,8 +3,8 @@
     python sample.py --checkpoint checkpoints/<run_id>/step_000100.pt --prompt "The" --max-new-tokens 20 --seed 0
 
 The checkpoint (written by ``train_gpt.py --save-every/--save-final``, or by a signal when checkpoints
-are on) holds the weights and the run's config; the model is ``train_gpt.GPT`` built from that config,
-whose ``--model`` names its spec in ``train_gpt.MODELS``. Whatever TST phase the run was saved in, the
+are on) holds the weights and the run's config; the model is ``train_gpt.build_model`` of that config
+and the spec its ``--model`` names in ``train_gpt.MODELS``. Whatever TST phase the run was saved in, the
 model runs in next-token mode: one token per position (``[1, T, 1]`` inputs), the logits of the last
 position give the next token. The attention windows and the tie of the embedding to the head are those
 of the saved step (the stage table's row; the embedding unties after ``train_gpt.split_step``). The
@@ -33,7 +33,7 @@ try:  # importing torch takes a second or more: a Ctrl-C during it is the same o
     import torch
 
     # Everything taken from the trainer, in one place: the model, its config and specs, the stage table.
-    from train_gpt import EOT_TOKEN, GPT, MODELS, Config, Schedule, split_step
+    from train_gpt import EOT_TOKEN, MODELS, Config, Schedule, build_model, split_step
 
     import _paths  # noqa: E402,F401  (data/ on the path: it is not a package)
     from tokenize_text import TokenizeError, load_encoder  # noqa: E402
@@ -74,24 +74,26 @@ def read_checkpoint(path):
     return state
 
 
-def config_of(state, path):
+def config_of(state, path, models=None):
     """The ``Config`` a checkpoint was trained with (its saved fields, defaults for fields newer than it).
 
     Args:
         state: the dict ``read_checkpoint`` returns.
         path: the checkpoint's path, for messages.
+        models: the specs its ``--model`` may name (None: ``train_gpt.MODELS``).
     Raises:
-        SampleError: fields this trainer does not know, or a ``--model`` spec that ``train_gpt.MODELS`` lacks.
+        SampleError: fields this trainer does not know, or a ``--model`` spec that ``models`` lacks.
     """
+    models = MODELS if models is None else models
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(state["config"]) - known)
     if unknown:
         raise SampleError(f"--checkpoint {path}: made by a trainer with config fields this one lacks "
                           f"({', '.join(unknown)}); sample with that trainer's version of the repository")
     cfg = Config(**state["config"])
-    if cfg.model not in MODELS:
+    if cfg.model not in models:
         raise SampleError(f"--checkpoint {path}: its model spec {cfg.model!r} is not in train_gpt.MODELS "
-                          f"({', '.join(MODELS)}); sample with the code that trained it")
+                          f"({', '.join(models)}); sample with the code that trained it")
     return cfg
 
 
@@ -111,23 +113,26 @@ def state_dict_mismatch(own, saved, show=3):
     return "; ".join(parts)
 
 
-def load_model(path, device):
+def load_model(path, device, models=None):
     """The model of a checkpoint on ``device``, in eval mode, with the attention windows of its step and its
     embedding tied to the head or not as at that step.
 
     Args:
         path: a ``step_N.pt`` file written by ``train_gpt.py``.
         device: a ``torch.device``.
+        models: the specs its ``--model`` may name (None: ``train_gpt.MODELS``).
     Returns:
         ``(model, run)``: ``run.cfg`` the Config, ``run.step`` the saved step, ``run.context`` the positions a
         forward takes (the sequence length of that step's stage).
     Raises:
-        SampleError: the file is missing, not a checkpoint, truncated or corrupt, or its weights do not fit its
-            config.
+        SampleError: the file is missing, not a checkpoint, truncated or corrupt, names a spec ``models`` lacks,
+            or its weights do not fit its config.
     """
+    models = MODELS if models is None else models
     state = read_checkpoint(path)
-    cfg = config_of(state, path)
-    model = GPT(cfg)
+    cfg = config_of(state, path, models)
+    spec = models[cfg.model]
+    model = build_model(cfg, spec)
     mismatch = state_dict_mismatch(model.state_dict(), state["model"])
     if mismatch:
         raise SampleError(f"--checkpoint {path}: its weights do not fit its config ({mismatch}); it was not written "
@@ -135,7 +140,7 @@ def load_model(path, device):
     model.load_state_dict(state["model"])
     step = min(int(state.get("step", 0)), cfg.num_iterations)
     model.tied = step <= split_step(cfg)  # the run unties after this step's update
-    row = Schedule(cfg)[step]  # the windows and RoPE history the weights were trained with
+    row = Schedule(cfg, spec)[step]  # the windows and RoPE history the weights were trained with
     model.set_window(row.window, row.yarn)
     return model.to(device).eval(), SimpleNamespace(cfg=cfg, step=step, context=row.stage.seq_len)
 
@@ -215,22 +220,23 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
-    """Command line: print the prompt and its sampled continuation; returns the exit status (130: Ctrl-C)."""
+def main(argv=None, models=None):
+    """Command line: print the prompt and its sampled continuation; returns the exit status (130: Ctrl-C).
+    ``models``: the specs a checkpoint's ``--model`` may name (None: ``train_gpt.MODELS``)."""
     try:
-        return _sample(argv)
+        return _sample(argv, models)
     except KeyboardInterrupt:  # one line, not a traceback out of torch
         print(INTERRUPTED, file=sys.stderr)
         return 130
 
 
-def _sample(argv):
+def _sample(argv, models=None):
     """``main`` without the Ctrl-C handling."""
     try:
         args = parse_args(argv)
         device = pick_device(args.device)
         encoder = load_encoder()
-        model, run = load_model(args.checkpoint, device)
+        model, run = load_model(args.checkpoint, device, models)
     except (SampleError, TokenizeError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2

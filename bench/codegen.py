@@ -152,10 +152,10 @@ def loss_case(n, v, loss, train=True):
 
 
 def model_case(preset):
-    """One micro-step of ``preset``'s model (``GPT`` in bf16 as a CUDA run builds it, the record's 4 weighted
+    """One micro-step of ``preset``'s model (``build_model`` in bf16 as a CUDA run builds it, the record's 4 weighted
     columns), compiled as the trainer compiles it; returns N x V of its logits."""
     cfg, _, _ = harness.parse_flags(train_gpt.Config, train_gpt.PRESETS, ["--preset", preset])
-    model = train_gpt.GPT(dataclasses.replace(cfg, fp8=False), torch.bfloat16)
+    model = train_gpt.build_model(dataclasses.replace(cfg, fp8=False), train_gpt.MODELS[cfg.model], torch.bfloat16)
     train_gpt.adam_bf16_(model)
     L, V = cfg.seq_len, model.lm_head.weight.size(0)
     inputs = torch.randint(0, 50_257, (1, L, 1))

@@ -35,6 +35,7 @@ Details (what to read, tolerances, the projection, where the time goes): docs/GP
 """
 import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import getpass
@@ -80,14 +81,16 @@ SCHEMA = "gpu_check-2"
 # the multi-token and prefix objectives) on the smoke model's layer roles (every role of record #89's model: paired
 # heads, key offset, XSA, output gate, DC, gated value embeddings, the gated skip, attention from an earlier state,
 # MUDD and its gate MLPs, bigram hash, smear, half RoPE + YaRN) at 64 wide, 4 heads of 16 (FlexAttention's smallest
-# head), windows in blocks of 8 positions: registered as train_gpt.MODELS["check"] here and, in each trainer run of
-# it, by the launcher (REGISTER_CHECK). 1 -> 2 -> 3 sequences of 64 positions a step, one per micro-batch; (short,
-# long) windows (8, 24), (24, 56), (40, 88), then (48, 104): each binds. --dry-run's timing runs use the shape.
+# head), windows in blocks of 8 positions: ``CHECK``, named "check" in ``SPECS`` (the specs --model may name here,
+# train_gpt.MODELS and it) and, in each trainer run of it, in the SPECS that the launcher patch CHECK_SPECS builds in
+# the trainer's process and LAUNCH passes to ``train_gpt.main(argv, models=SPECS)``. 1 -> 2 -> 3 sequences of 64
+# positions a step, one per micro-batch; (short, long) windows (8, 24), (24, 56), (40, 88), then (48, 104): each
+# binds. --dry-run's timing runs use the shape.
 CHECK_SPEC = dict(model_dim=64, bigram_vocab=4096, window_block=8)  # what differs from MODELS["smoke"]
-REGISTER_CHECK = ("import dataclasses, train_gpt; train_gpt.MODELS['check'] = "
-                  f"dataclasses.replace(train_gpt.MODELS['smoke'], **{CHECK_SPEC!r})")
-if T:
-    exec(REGISTER_CHECK)  # noqa: S102 -- the same statement the trainer runs get
+CHECK = dataclasses.replace(T.MODELS["smoke"], **CHECK_SPEC) if T else None
+SPECS = dict(T.MODELS, check=CHECK) if T else {}
+CHECK_SPECS = ("import dataclasses, train_gpt; SPECS = dict(train_gpt.MODELS, check=dataclasses.replace("
+               f"train_gpt.MODELS['smoke'], **{CHECK_SPEC!r}))")  # the same SPECS, in a trainer run's process
 CHECK_SHAPE = ["--model", "check", "--seq-len", "64", "--batch-tokens", "192", "--micro-batch-seqs", "1",
                "--val-seq-len", "0"]
 CHECK_MODEL = ["--preset", "record_h200", *CHECK_SHAPE, "--extension-steps", "1"]
@@ -111,8 +114,13 @@ def config_of(argv):
     """``(Config, preset)`` of trainer words, parsed and checked as ``train_gpt.main`` does (SystemExit 2 or
     ConfigError on words it refuses)."""
     cfg, preset, _ = H.parse_flags(T.Config, T.PRESETS, argv)
-    T.check_config(cfg)
+    T.check_config(cfg, SPECS)
     return cfg, preset
+
+
+def spec_of(cfg):
+    """The ModelSpec a Config's --model names (``SPECS``: the check model too)."""
+    return SPECS[cfg.model]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +148,7 @@ STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, 
 
 
 # Patches a trainer run may be launched with (``python -c "PATCH; ...; LAUNCH" train_gpt.py ARGV``), each one
-# statement: REGISTER_CHECK (above), the check model's spec; EAGER_BACKEND: --dry-run's compiled timing run under
+# statement: CHECK_SPECS (above), the check model's spec; EAGER_BACKEND: --dry-run's compiled timing run under
 # torch.compile(backend="eager"), Dynamo's graphs, guards and recompiles as on CUDA (the warm-up's compile lines,
 # graphs_compiled_during_training) without code generation; FP32_POLAR: the agreement checks' float32 runs with
 # NorMuon's Newton-Schulz in float32 on every device (the trainer's is bf16 on CUDA, float32 on a CPU), so CPU and
@@ -148,7 +156,9 @@ STOP = {"reason": None}  # set on Ctrl-C/SIGTERM: runs still going are stopped, 
 EAGER_BACKEND = "import functools, torch; torch.compile = functools.partial(torch.compile, backend='eager')"
 FP32_POLAR = ("import aurora_opt, torch; "
               "aurora_opt.ns_dtype_on = lambda device, ns_dtype=None: ns_dtype or torch.float32")
-LAUNCH = "import sys, train_gpt; sys.exit(train_gpt.main(sys.argv[2:]))"  # argv: -c, train_gpt.py, ARGV
+# LAUNCH passes the SPECS a patch bound as the specs --model may name (none bound: the trainer's own MODELS)
+LAUNCH = ("import sys, train_gpt; "  # argv: -c, train_gpt.py, ARGV
+          "sys.exit(train_gpt.main(sys.argv[2:], models=globals().get('SPECS')))")
 
 
 def torchrun_procs(n_gpus):
@@ -787,7 +797,7 @@ def correctness(device, data, args, out_dir, deadline):
     compile_ = args.compile if args.compile is not None else kind == "cuda"
     plan, comparisons, skipped = agreement_plan(kind, args.correct_steps, compile_, T.fp8_unavailable_reason(device))
     runs = {name: TrainerRun(name, check_argv(args, data, k, out_dir, name, **kw), out_dir,
-                             patches=[REGISTER_CHECK] + ([] if kw.get("bf16") else [FP32_POLAR]))
+                             patches=[CHECK_SPECS] + ([] if kw.get("bf16") else [FP32_POLAR]))
             for name, (k, kw) in plan.items()}
     limit = min(deadline, time.monotonic() + args.correct_timeout_s)
     for r in runs.values():  # side by side: CPU, device and compile work overlap
@@ -916,7 +926,7 @@ def projection(preset, base_argv, stages):
     when a stage has no timed counterpart (``missing``).
     """
     cfg, _ = config_of(base_argv)
-    table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
+    table, switch = T.Schedule(cfg, spec_of(cfg)), T.tst_switch_step(cfg)
     out = dict(preset=preset, num_iterations=cfg.num_iterations, tst_frac=cfg.tst_frac, switch_step=switch,
                phase1_steps=switch, phase2_steps=cfg.num_iterations - switch, phase1_flops=0, phase2_flops=0,
                stages=[], untimed=[], missing=[], projected_train_time_ms=None, projected_train_time_min=None,
@@ -997,9 +1007,9 @@ def timing(device, data, args, preset, out_dir, end, micro, env, live, window):
         raise RuntimeError(TRAINER_IMPORT_ERROR)
     cfg, _ = config_of(argv)
     T.grad_accum_steps(cfg, args.nproc)  # ConfigError naming what divides a step, before any process starts
-    table = T.Schedule(cfg)
+    table = T.Schedule(cfg, spec_of(cfg))
     run = TrainerRun(f"timing_{preset}", argv, out_dir, on_line=lambda line: note_progress(live, line, run.t0),
-                     patches=[REGISTER_CHECK] * args.dry_run + [EAGER_BACKEND] * eager_backend(args, preset),
+                     patches=[CHECK_SPECS] * args.dry_run + [EAGER_BACKEND] * eager_backend(args, preset),
                      nproc=args.nproc)
     res = run.start().wait(end)  # stopping it (SIGTERM, 20 s, SIGKILL) and the report fit in the reserve
     window.update(stopped_s=round(window["started_s"] + res["wall_s"], 1), cut_short=res["timed_out"])
@@ -1526,7 +1536,7 @@ def skew_row(skew, preset):
 def comm_window(cfg, warm=PROFILE_WARM, steps=PROFILE_STEPS):
     """``(warm, steps)`` of the communication profile of a run of ``cfg``: ``steps`` recorded after ``warm``, all in
     its stage table's first stage (one graph shape) when it is long enough, else fewer (at least one)."""
-    first = T.Schedule(cfg).stages[0]
+    first = T.Schedule(cfg, spec_of(cfg)).stages[0]
     return warm, max(1, min(steps, first.end - warm))
 
 

@@ -270,10 +270,11 @@ def fp8_check(T, device, shapes=(256, 128, 512, 1024), seed=0):
                 emulated=emulate, shapes=dict(zip(("positions", "model_dim", "hidden", "vocab"), shapes)))
 
 
-def fp8_head_fixed_check(T, device, cfg, shapes=(256, 128, 512, 1024), divisor=8, seed=0):
+def fp8_head_fixed_check(T, device, cfg, spec, shapes=(256, 128, 512, 1024), divisor=8, seed=0):
     """The LM head as the FP8 presets run it: ``fp8_linear(fp8_grad=True)`` at the model's fixed ``head_scales``
-    (``GPT(cfg)`` with --fp8, ``cfg`` with record #89's stages, after ``set_loss_divisor(divisor)``), on the head
-    operands of ``fp8_cases`` with the gradient of a loss sum divided by ``divisor`` (softmax minus one-hot / divisor).
+    (``build_model(cfg, spec)`` with --fp8, ``cfg`` with record #89's stages, after ``set_loss_divisor(divisor)``), on
+    the head operands of ``fp8_cases`` with the gradient of a loss sum divided by ``divisor`` (softmax minus one-hot /
+    divisor).
 
     The scales the products used must be record #89's (``RECORD89_HEAD_SCALES``, grad's / ``divisor``), the results
     ``fp8_reference`` at those scales, and near the unquantized products (``_fp8_result``).
@@ -284,7 +285,7 @@ def fp8_head_fixed_check(T, device, cfg, shapes=(256, 128, 512, 1024), divisor=8
         scales_used, scales_expected, divisor, emulated, shapes.
     """
     gen, emulate, dtype = _fp8_setup(device, seed)
-    model = T.GPT(dataclasses.replace(cfg, fp8=True))
+    model = T.build_model(dataclasses.replace(cfg, fp8=True), spec)
     model.set_loss_divisor(divisor)
     # a model without fixed scales leaves the op its current ones, which the check then finds off
     scales = None if model.head_scales is None else model.head_scales.to(device)
@@ -453,10 +454,11 @@ def loss_check(T, device, n=2348, vocab=300, tol=1e-5, seed=0):
     return dict(name="loss_vs_float64", passed=worst <= tol, tol=tol, max_rel_diff=worst, diffs=diffs)
 
 
-def step_batch(T, cfg, row, device, seqs=1, mean_doc=40, seed=0):
+def step_batch(T, cfg, spec, row, device, seqs=1, mean_doc=40, seed=0):
     """``(inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)`` of a step at stage-table ``row`` of ``cfg``
-    (the model's ``seq_len`` positions), on random tokens with documents of mean ``mean_doc``: TST phase 1 its bags,
-    phase 2 the 4 target columns (``objective_targets``) with record #89's stage-1 weights (all 4 non-zero)."""
+    on the model ``spec`` (the model's ``seq_len`` positions), on random tokens with documents of mean ``mean_doc``:
+    TST phase 1 its bags, phase 2 the 4 target columns (``objective_targets``) with record #89's stage-1 weights (all
+    4 non-zero)."""
     gen = torch.Generator().manual_seed(seed)
     s, mode = row.stage.bag_size, row.stage.mode
     toks = torch.randint(0, T.EOT_TOKEN, (seqs, T.sequence_layout(mode, s, cfg.seq_len)[0]), generator=gen)
@@ -464,25 +466,25 @@ def step_batch(T, cfg, row, device, seqs=1, mean_doc=40, seed=0):
     inputs, targets = T.make_batch(toks, mode, s)
     weights = None
     if row.stage.phase == 2:
-        prefix = T.prefix_token_table(T.MODELS[cfg.model].vocab_size)
+        prefix = T.prefix_token_table(spec.vocab_size)
         targets, weights = T.objective_targets(targets[..., 0], prefix), torch.tensor(T.OBJECTIVE_WEIGHTS[0][0])
     return inputs.to(device), targets.to(device), None if weights is None else weights.to(device)
 
 
-def check_batches(T, cfg, device, seqs=2, mean_doc=100, seed=0):
+def check_batches(T, cfg, spec, device, seqs=2, mean_doc=100, seed=0):
     """The model checks' batches (``step_batch``): at the first row of ``cfg``'s stage table (TST phase 1: bags) and
     at its last row (the final validation's windows, the YaRN tables after every long window of the run).
 
     Args:
-        T: the trainer module. cfg: the check model's Config. device: where the tensors go.
+        T: the trainer module. cfg: the check model's Config, spec its ModelSpec. device: where the tensors go.
         seqs: sequences per batch. mean_doc: mean document length of the random tokens (geometric),
             long enough that some 128-blocks lie inside one document. seed: the tokens' seed.
 
     Returns:
         list of ``(row, inputs [seqs, L, k], targets [seqs, L, j], weights [j] or None)``.
     """
-    table = T.Schedule(cfg)
-    return [(row, *step_batch(T, cfg, row, device, seqs, mean_doc, seed + i))
+    table = T.Schedule(cfg, spec)
+    return [(row, *step_batch(T, cfg, spec, row, device, seqs, mean_doc, seed + i))
             for i, row in enumerate((table[0], table[cfg.num_iterations]))]
 
 
@@ -498,11 +500,11 @@ def masks_of_kind(model, use_flex):
         model.flex = original
 
 
-def check_model(T, cfg, device, seed=0):
-    """The check model ``cfg`` in float32 on ``device``, every weight moved by N(0, 0.05^2) noise: the
-    zero-initialized projections, head, gates and tables would otherwise hide differences."""
+def check_model(T, cfg, spec, device, seed=0):
+    """The check model ``cfg`` (its ModelSpec ``spec``) in float32 on ``device``, every weight moved by N(0, 0.05^2)
+    noise: the zero-initialized projections, head, gates and tables would otherwise hide differences."""
     torch.manual_seed(seed)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, spec)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -567,11 +569,11 @@ def _model_check(name, got, want, tol, grad_tol, **info):
                 diffs=diffs, worst_grad_param=worst_param, **info)
 
 
-def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backward=None):
+def model_checks(T, cfg, spec, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backward=None):
     """FlexAttention vs masked SDPA and compiled vs eager on the check model ``cfg``, float32.
 
     Args:
-        T: the trainer module. cfg: the check model's Config (record #89's elements on).
+        T: the trainer module. cfg: the check model's Config (record #89's elements on), spec its ModelSpec.
         device: on CUDA, the compiled model (FlexAttention fused by inductor) vs the eager model under
             SDPA masks (``flex_vs_sdpa_model``) and vs the eager model under eager FlexAttention
             (``compiled_vs_eager_fp32``), loss and every gradient; on CPU, where FlexAttention has no
@@ -586,7 +588,7 @@ def model_checks(T, cfg, device, tol=1e-4, grad_tol=1e-3, compile_fn=None, backw
         that cannot run here has ``passed`` None and ``skipped`` saying why.
     """
     cuda = device.type == "cuda" if backward is None else backward
-    model, batches = check_model(T, cfg, device), check_batches(T, cfg, device)
+    model, batches = check_model(T, cfg, spec, device), check_batches(T, cfg, spec, device)
     info = dict(shape=[len(batches[0][1]), cfg.seq_len], windows=[list(b[0].window) for b in batches])
     with masks_of_kind(model, use_flex=False):
         sdpa = model_outputs(model, model, batches, grads=cuda)
@@ -620,7 +622,8 @@ def attention_shapes(T):
     """``(lengths, windows, heads, head_dim, scale)`` of the record's attention: stage 1's and stage 3's sequence (one
     a micro-batch), stage 3's (long, short) windows in positions, the model's heads, head size and logit scale."""
     cfg = T.Config()
-    spec, recipe, table = T.MODELS[cfg.model], T.recipe_stages(cfg), T.Schedule(cfg)
+    spec = T.MODELS[cfg.model]
+    recipe, table = T.recipe_stages(cfg), T.Schedule(cfg, spec)
     third = next(st for st in table.stages if st.seq_len == recipe[2].seq_len)
     return ((recipe[0].seq_len, recipe[2].seq_len), tuple(table[third.start].window), spec.n_head, spec.head_dim,
             spec.attn_scale)
@@ -797,29 +800,29 @@ def _event_ms(prof, label, cuda):
     return total
 
 
-def profile_model(T, cfg, device):
-    """``(model, optimizers, stage-table row 0)`` as ``train_gpt.build_run`` makes them on ``device``: bf16 activations
-    and Adam matrices on CUDA unless --no-bf16 (no autocast), FP8 where the GPU has it, stage 1's window, YaRN
-    tables, loss divisor and FP8 scales; eager (the profile attributes time to modules)."""
+def profile_model(T, cfg, spec, device):
+    """``(model, optimizers, stage-table row 0)`` of ``cfg`` on ``spec`` as ``train_gpt.build_run`` makes them on
+    ``device``: bf16 activations and Adam matrices on CUDA unless --no-bf16 (no autocast), FP8 where the GPU has it,
+    stage 1's window, YaRN tables, loss divisor and FP8 scales; eager (the profile attributes time to modules)."""
     if cfg.fp8 and T.fp8_unavailable_reason(device):  # as the trainer: no FP8 where the GPU has none
         cfg = dataclasses.replace(cfg, fp8=False)
     bf16 = device.type == "cuda" and cfg.bf16 is not False  # the trainer's default: bf16 on CUDA
     torch.manual_seed(cfg.seed)
-    model = T.GPT(cfg, torch.bfloat16 if bf16 else None).to(device)
+    model = T.build_model(cfg, spec, torch.bfloat16 if bf16 else None).to(device)
     if bf16:
         T.adam_bf16_(model)
-    row = T.Schedule(cfg)[0]
+    row = T.Schedule(cfg, spec)[0]
     model.set_window(row.window, row.yarn)
     model.set_loss_divisor(T.grad_divisor(row.stage))
     T.fp8_refresh(model, -1)
     return model, T.build_optimizers(model, cfg), row
 
 
-def profile_step(T, cfg, device):
+def profile_step(T, cfg, spec, device):
     """One training step of ``cfg`` at its stage-table row 0 (``profile_model``, one micro-batch) under torch.profiler.
 
     Args:
-        T: the trainer module. cfg: the Config to profile (a shape eager attention fits).
+        T: the trainer module. cfg: the Config to profile (a shape eager attention fits), spec its ModelSpec.
         device: torch.device.
 
     Returns:
@@ -827,8 +830,8 @@ def profile_step(T, cfg, device):
         shares of the step, and the profiled shape.
     """
     cuda = device.type == "cuda"
-    model, opts, row = profile_model(T, cfg, device)
-    inputs, targets, weights = step_batch(T, cfg, row, device, cfg.micro_batch_seqs)
+    model, opts, row = profile_model(T, cfg, spec, device)
+    inputs, targets, weights = step_batch(T, cfg, spec, row, device, cfg.micro_batch_seqs)
     handles = []
     for block in model.blocks:
         if block.attn is not None:
@@ -913,11 +916,12 @@ def print_check(c):
           f"vs tolerance {c['tol']}{grad}; {c['diffs']})", flush=True)
 
 
-def run_checks(T, device, check_cfg, report=None):
+def run_checks(T, device, check_cfg, check_spec, report=None):
     """The agreement checks in order; ``report(results)`` after each, so a stopped run keeps the finished ones.
 
     Args:
-        T: the trainer module. device: torch.device. check_cfg: the check model's float32 Config.
+        T: the trainer module. device: torch.device. check_cfg: the check model's float32 Config, check_spec its
+            ModelSpec.
         report: called with the results so far after each check (None: not called).
 
     Returns:
@@ -929,11 +933,11 @@ def run_checks(T, device, check_cfg, report=None):
     results = {}
     fp8_shapes = fp8_record_shapes(T) if device.type == "cuda" else (256, 128, 512, 1024)
     for step in (lambda: [fp8_check(T, device, fp8_shapes)],
-                 lambda: [fp8_head_fixed_check(T, device, check_cfg, fp8_shapes, fp8_head_divisor(T))],
+                 lambda: [fp8_head_fixed_check(T, device, check_cfg, check_spec, fp8_shapes, fp8_head_divisor(T))],
                  lambda: [fp8_down_delayed_check(T, device, fp8_shapes)],
                  lambda: [head_grad_layout_check(T, device, divisor=fp8_head_divisor(T))],
                  lambda: [attention_check(T, device)], lambda: [loss_check(T, device)],
-                 lambda: model_checks(T, check_cfg, device).values()):
+                 lambda: model_checks(T, check_cfg, check_spec, device).values()):
         for c in step():
             results[c["name"]] = c
             print_check(c)
@@ -965,11 +969,12 @@ def main(argv=None):
     out = {}
     if "kernels" in args.parts:
         cfg = G.check_model_config(device.type, *G.MODEL_CHECK_SHAPE)
-        out["kernels"] = run_checks(T, device, cfg, lambda r: write_json(args.json, dict(out, kernels=r)))
+        out["kernels"] = run_checks(T, device, cfg, G.spec_of(cfg),
+                                    lambda r: write_json(args.json, dict(out, kernels=r)))
         write_json(args.json, out)
     if "profile" in args.parts:
         cfg = G.check_model_config(device.type) if args.dry_run else G.profile_config(args.preset, device)
-        out["profile"] = profile_step(T, cfg, device)
+        out["profile"] = profile_step(T, cfg, G.spec_of(cfg), device)
         pf = out["profile"]
         print(f"one step ({pf['timer']} time, seq_len {pf['seq_len']} x {pf['micro_batch_seqs']}): "
               + ", ".join(f"{k} {v:.1f} ms ({100 * pf['share'][k]:.0f}%)" for k, v in pf["ms"].items())

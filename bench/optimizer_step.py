@@ -54,7 +54,7 @@ def matrix_optimizer(cfg, device, compile_):
         ``(NorMuon, [parameters])``.
     """
     with torch.device("meta"):
-        model = T.GPT(cfg)
+        model = T.build_model(cfg, T.MODELS[cfg.model])
     tags = {n: (p.opt_group, p.adam_role) for n, p in model.blocks.named_parameters()}
     model.blocks.to_empty(device=device)  # new parameters: their routing tags put back
     for n, p in model.blocks.named_parameters():
@@ -110,7 +110,7 @@ def count_calls(preset):
     """
     cfg = config_of(["--preset", preset])
     with torch.device("meta"):
-        model = T.GPT(cfg)
+        model = T.build_model(cfg, T.MODELS[cfg.model])
     T.adam_bf16_(model)  # as a CUDA run stores them
     opts = T.build_optimizers(model, cfg)
     mode, calls = _EagerOps(), collections.Counter()
@@ -171,7 +171,7 @@ def timing_rows(model, device, steps, compile_):
         ms = time_step(opt, device, steps)
         base = base or ms
         rows.append([name, f"{len(params)} ({sum(p.numel() for p in params) / 1e6:.1f}M)", f"{ms:.0f}",
-                     f"{T.optimizer_flops(cfg) / (ms / 1e3) / 1e12:.3g}", f"{ms / base:.2f}"])
+                     f"{T.optimizer_flops(cfg, T.MODELS[cfg.model]) / (ms / 1e3) / 1e12:.3g}", f"{ms / base:.2f}"])
         print(f"# {name:15s} {ms:8.0f} ms", file=sys.stderr)
         del opt, params
     return rows

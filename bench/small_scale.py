@@ -182,7 +182,7 @@ def est_parts(job):
     tg, parts = trainer_module(), []
     for argv in job.argvs:
         cfg = parse_config(argv[2:])
-        n, sched = cfg.num_iterations, tg.Schedule(cfg)
+        n, sched = cfg.num_iterations, tg.Schedule(cfg, tg.MODELS[cfg.model])
         train = sum(sched[t].stage.batch_tokens * sched[t].flops_per_position for t in range(n))
         points = {0, n} | {t for t in range(1, n + 1) if cfg.val_every and t % cfg.val_every == 0}
         switch = tg.tst_switch_step(cfg)
@@ -201,7 +201,7 @@ def parameter_count(model):
     tg = trainer_module()
     cfg = dataclasses.replace(tg.Config(), model=model)
     with torch.device("meta"):
-        return sum(p.numel() for p in tg.GPT(cfg).parameters())
+        return sum(p.numel() for p in tg.build_model(cfg, tg.MODELS[model]).parameters())
 
 
 def print_plan(spec, parallel):
@@ -829,6 +829,7 @@ def detail_lines(spec, stats):
 def timing_lines(timing):
     tr, inv = timing["runs"], timing["invocations"]
     loads = [max(r["load_start"], r["load_end"]) for r in tr]
+    walls = [r["wall_s"] for r in tr if r.get("exit") == 0]
     est = [r for r in tr if r.get("est_s")]
     ratio = sum(r["wall_s"] for r in est) / sum(r["est_s"] for r in est) if est else math.nan
     return ["## Timing (from `timing.json`, all invocations on this folder)", "",
@@ -836,6 +837,9 @@ def timing_lines(timing):
             f"(incl. start-up and val), {num(ratio, '.2f')} x the cost model's estimate; {len(inv)} invocation(s) "
             f"of this script, {sum(i['wall_s'] for i in inv) / 60:.1f} min in all "
             f"(the last: {inv[-1]['wall_s'] / 60:.1f} min).",
+            f"* Wall time per trainer process: median {num(np.median(walls) / 60 if walls else None, '.1f')} min "
+            f"(range {num(min(walls, default=math.nan) / 60, '.1f')} to {num(max(walls, default=math.nan) / 60, '.1f')} "
+            "min), `--jobs` of them at a time on the 2 cores (and at times other jobs).",
             f"* 1-min load average at the start/end of the runs: median {num(np.median(loads) if loads else None, '.1f')}, "
             f"max {num(max(loads, default=math.nan), '.1f')}; {sum(x > 2.5 for x in loads)} of {len(tr)} runs saw > "
             "2.5 (other jobs on the 2 cores slow a run down: train times carry that noise, FLOPs do not).", ""]
@@ -858,8 +862,9 @@ def header_lines(spec, stats, corpus):
     tg = trainer_module()
     shape = tg.MODELS[tg.PRESETS[PRESET]["model"]]
     keys = spec["orders"] * spec["seeds"]
+    title = ("at the record's length: 1,285 steps" if spec["mode"] == "full_length" else f"{spec['mode']} mode")
     L = ["# Small-scale study: TST and Aurora on record #89's recipe, paired over data orders and seeds "
-         f"({spec['mode']} mode)", ""]
+         f"({title})", ""]
     if spec["mode"] == "quick":
         L += ["**Quick mode checks the pipeline; its runs are far too short (and its val set too small) "
               "to be evidence for or against any method. The full mode is the study.**", ""]
@@ -882,10 +887,30 @@ def header_lines(spec, stats, corpus):
         f"{spec['val_frac']:.0%} of a run's steps.",
         f"* lr: NorMuon's `{LR_FLAG}` (also aurora_normuon's) from the sweep below, the same in every arm; the "
         "Adam lrs are the preset's.",
+        *schedule_lines(spec),
+        *([f"* **Arms in this report: {', '.join(LABELS[a] for a in spec['arms'])}** (`--arms`); not yet in it: "
+           f"{', '.join(LABELS[a] for a in ARMS if a not in spec['arms'])} (the command without `--arms` trains "
+           "what is missing and reports every arm)."] if set(spec["arms"]) != set(ARMS) else []),
         "* Comparisons are paired per (order, seed) against the baseline: mean difference, 95% "
         "t-interval, paired t-test p (`scipy.stats.ttest_rel`); lower loss is better; *better*/*worse* only where "
         "the interval excludes 0, else *no measurable difference*. First-passing: `records/compare.py "
         "--first-passing` (one-sided t-test, p < 0.01) against the baseline's final mean.", ""]
+
+
+def schedule_lines(spec):
+    """The bullet naming the record's own schedule (full_length), else nothing."""
+    if not spec["record_schedule"]:
+        return []
+    tg = trainer_module()
+    defaults = {f.name: f.default for f in dataclasses.fields(tg.Config)}
+    flags = ", ".join(f"`--{k.replace('_', '-')} {defaults[k]}`" for k in RECORD_SCHEDULE)
+    cfg = parse_config(["--preset", PRESET, "--num-iterations", str(spec["steps"]),
+                        *[w for k in RECORD_SCHEDULE for w in ("--" + k.replace("_", "-"), str(defaults[k]))]])
+    cuts = ", ".join(str(st.start) for st in tg.recipe_stages(cfg)[1:])
+    switch = tg.tst_switch_step(dataclasses.replace(cfg, **{k: trainer_module().OUR_METHODS[k] for k in
+                                                            ("tst_frac", "tst_bag_size")}))
+    return [f"* Schedule: the record's own at {spec['steps']} steps ({flags}, the preset's cooldown and lr floor): "
+            f"stages from steps {cuts}, the TST arms' switch to next-token training at step {switch}."]
 
 
 def arm_table(spec, sweep, stats):
@@ -936,9 +961,31 @@ def sweep_lines(spec, sweep):
     return L + [""]
 
 
+def verdict_lines(spec, rows, passing):
+    """What the study answers, in words: per arm, whether it reaches the baseline's final loss in fewer
+    steps (first-passing, p < 0.01) and the paired final difference; the steps a shorter schedule keeps."""
+    L = ["## What it answers", ""]
+    by_arm = {r["a"]: r for r in rows}
+    for arm in spec["arms"]:
+        if arm == BASELINE or arm not in passing:
+            continue
+        fp, r = passing[arm], by_arm.get(arm)
+        diff = (f"final val loss {num(r['mean'], '+.4f')} vs the baseline's [{num(r['ci'][0], '+.4f')}, "
+                f"{num(r['ci'][1], '+.4f')}] (paired, p {num(r['p'], '.2g')}: {r['verdict']})") if r else ""
+        if fp["step"] is None or fp["steps_saved"] <= 0:
+            L.append(f"* **{LABELS[arm]}** does not reach the baseline's final mean ({fp['target']:.4f}) before step "
+                     f"{fp['steps']} at p < 0.01: no steps saved; {diff}.")
+        else:
+            L.append(f"* **{LABELS[arm]}** passes the baseline's final mean ({fp['target']:.4f}) at step {fp['step']} "
+                     f"of {fp['steps']} (p {num(fp['p'], '.2g')}): {fp['steps_saved']} steps saved, "
+                     f"{fp['step'] / fp['steps']:.3f} of the schedule; {diff}.")
+    return L + [""]
+
+
 def report(spec, sweep, stats, rows, passing, corpus, timing, plots, compare_text, plot_notes=()):
-    """The markdown of results.md (printed too)."""
-    L = header_lines(spec, stats, corpus) + arm_table(spec, sweep, stats) + comparison_table(rows)
+    """The markdown of results.md (full_length: README.md; printed too)."""
+    L = header_lines(spec, stats, corpus) + verdict_lines(spec, rows, passing)
+    L += arm_table(spec, sweep, stats) + comparison_table(rows)
     L += passing_lines(spec, passing) + detail_lines(spec, stats) + sweep_lines(spec, sweep)
     L += ["## Plots", ""] + [f"* `{os.path.basename(p)}`: {what}" for p, what in plots] + [""]
     L += [*plot_notes, ""] if plot_notes else []
@@ -1207,7 +1254,8 @@ def analyse_and_report(spec, sweep, results, timing_of):
     if notes and os.path.exists(os.path.join(out, "val_loss_vs_time.png")):  # drawn by an earlier invocation
         os.remove(os.path.join(out, "val_loss_vs_time.png"))
     md = report(spec, sweep, stats, rows, passing, spec["corpus"], timing, plots + more, compare_text, notes)
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
+    name = "README.md" if spec["mode"] == "full_length" else "results.md"  # a folder of its own: its README
+    with open(os.path.join(out, name), "w", encoding="utf-8") as f:
         f.write(md)
     for r in rows:
         r.update(keys=[list(k) for k in r["keys"]], diffs=r["diffs"].tolist(),
@@ -1267,7 +1315,8 @@ def main(argv=None):
             wall_s=round(time.time() - t_start, 1), command=spec["command"])))
     md = analyse_and_report(spec, sweep, results, timing_of)
     print("\n" + md)
-    print(f"results: {os.path.join(spec['out'], 'results.md')}; this invocation {(time.time() - t_start) / 60:.1f} min",
+    name = "README.md" if spec["mode"] == "full_length" else "results.md"
+    print(f"results: {os.path.join(spec['out'], name)}; this invocation {(time.time() - t_start) / 60:.1f} min",
           flush=True)
     return 0
 

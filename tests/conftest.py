@@ -32,12 +32,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import train_gpt as T  # noqa: E402
 
 # The tests' model: the record's layer roles at the smallest shape that keeps them (half-truncated RoPE needs a
-# head_dim divisible by 4, paired heads an even head count). train_gpt.MODELS holds the product's two shapes; the
-# tests register this third one, by name, in every process that runs the trainer (tests/dist_*_worker.py too).
+# head_dim divisible by 4, paired heads an even head count). train_gpt.MODELS holds the product's two shapes, and
+# only train_gpt.py writes it; the tests' runs name this third one through SPECS, passed to the trainer as
+# ``T.main(argv, models=SPECS)`` (tests/dist_*_worker.py too) and to the model and stage table as a spec.
 TINY = T.ModelSpec(n_layer=4, n_head=2, model_dim=32, no_attn=(), short_window=(0, 1, 2), paired_heads=(0, 2),
                    xsa=(1,), attn_gate=(3,), dc=(3,), ve_layers=(1, 3), value_embeds=2, skip=(1, 2),
                    attn_state_layer=2, bigram_vocab=1024, mudd_gates=2, window_block=8)
-T.MODELS.setdefault("tiny", TINY)
+SPECS = {**T.MODELS, "tiny": TINY}  # what --model may name in the tests: the product's specs and the tiny one
+
+
+def spec_of(cfg):
+    """The ModelSpec a config's --model names (``SPECS``: the tiny one too)."""
+    return SPECS[cfg.model]
 
 
 def sample_args():

@@ -3,7 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import conftest  # noqa: E402,F401  (registers the tiny model)
+import conftest  # noqa: E402  (the tiny model's spec)
 import train_gpt  # noqa: E402
 
 if os.environ.get("RANK") == "1":
@@ -17,4 +17,4 @@ if os.environ.get("RANK") == "1":
         return real_next_batch(self, *args)
     train_gpt.PackedLoader.next_batch = failing_next_batch
 
-sys.exit(train_gpt.main(sys.argv[1:]))
+sys.exit(train_gpt.main(sys.argv[1:], models=conftest.SPECS))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import conftest  # noqa: E402  (this folder is the script's: on the path; registers the tiny model)
+import conftest  # noqa: E402  (this folder is the script's: on the path; the tiny model's spec)
 import harness  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
@@ -43,7 +43,7 @@ def main(out):
     cfg = harness.parse_flags(T.Config, T.PRESETS, ["--model", "tiny", "--seq-len", "16", "--batch-tokens", "192",
                                                     "--val-tokens", "64", "--no-fp8"])[0]
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, conftest.TINY)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -62,7 +62,8 @@ def main(out):
     real_all_reduce = dist.all_reduce
 
     def recording_all_reduce(t, *args, **kwargs):
-        events.append(("all_reduce", t.ndim))  # 0-d: label count, loss; 1-d: a bucket
+        flats = {b["flat"].data_ptr() for b in buckets.buckets if "flat" in b}
+        events.append(("all_reduce", int(t.data_ptr() in flats)))  # 1: a bucket, 0: the loss and label sums
         return real_all_reduce(t, *args, **kwargs)
 
     model.register_forward_pre_hook(lambda m, args: events.append(("forward", 0)))

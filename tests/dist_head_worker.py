@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import conftest  # noqa: E402,F401  (this script's folder, tests/, is on the path; registers the tiny model)
+import conftest  # noqa: E402  (this script's folder, tests/, is on the path; the tiny model's spec)
 import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
 
@@ -42,11 +42,11 @@ def model_of(args):
     """The tiny model in float64, every weight moved off its init, at the final validation's windows."""
     cfg = harness.parse_flags(T.Config, T.PRESETS, args)[0]
     torch.manual_seed(0)
-    model = T.GPT(cfg).double()
+    model = T.build_model(cfg, conftest.TINY).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    row = T.Schedule(cfg)[cfg.num_iterations]
+    row = T.Schedule(cfg, conftest.TINY)[cfg.num_iterations]
     model.set_window(row.window, row.yarn)
     return cfg, model
 

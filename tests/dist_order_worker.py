@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
-from conftest import tiny_args  # noqa: E402  (this folder is the script's: on the path; registers "tiny")
+from conftest import TINY, tiny_args  # noqa: E402  (this folder is the script's: on the path)
 
 
 def main(out, mode):
@@ -29,12 +29,12 @@ def main(out, mode):
     cfg, _, _ = harness.parse_flags(T.Config, T.PRESETS, tiny_args(pathlib.Path(tempfile.gettempdir())))
     rt = harness.Runtime(rank, world, torch.device("cpu"), False)
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, TINY)
     buckets = T.GradBuckets(model.parameters(), rank, world, [p for p in model.parameters() if p.opt_group == "adam"])
     if mode == "at_end":
         buckets.hooks = lambda: []  # as compiled: no bucket starts inside the backward
     adam, normuon = T.build_optimizers(model, cfg, shard=buckets)
-    row = T.Schedule(cfg)[0]
+    row = T.Schedule(cfg, TINY)[0]
     model.set_window(row.window, row.yarn)
     g = torch.Generator().manual_seed(1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

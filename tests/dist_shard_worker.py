@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
 import train_gpt as T  # noqa: E402
-from conftest import tiny_args  # noqa: E402  (this folder is the script's: on the path; registers "tiny")
+from conftest import TINY, tiny_args  # noqa: E402  (this folder is the script's: on the path)
 
 GLOBAL_SEQS, SEQ_LEN, STEPS = 4, 32, 6
 
@@ -34,7 +34,7 @@ def main(out, mode):
     cfg, _, _ = harness.parse_flags(T.Config, T.PRESETS, tiny_args(pathlib.Path(tempfile.gettempdir())))  # no files
     rt = harness.Runtime(rank, world, torch.device("cpu"), False)
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, TINY)
     model.flex = False
     buckets = None
     if world > 1:
@@ -45,7 +45,7 @@ def main(out, mode):
         opts[0] = T.build_optimizers(model, cfg, compile=True, shard=buckets)[0]
     graphs = []
     g = torch.Generator().manual_seed(1)
-    row = T.Schedule(cfg)[0]
+    row = T.Schedule(cfg, TINY)[0]
     model.set_window(row.window, row.yarn)
     losses = []
     for step in range(STEPS):

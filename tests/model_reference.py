@@ -26,11 +26,9 @@ MOVED = dataclasses.replace(TINY, n_layer=6, no_attn=(3,), short_window=(0, 2), 
 
 
 def config(spec, seq_len=16, **kw):
-    """A Config whose --model is ``spec`` (registered in ``T.MODELS`` under a test-only name when it is new)."""
-    name = next((n for n, s in T.MODELS.items() if s == spec), None)
-    if name is None:
-        name = f"test_spec_{len(T.MODELS)}"
-        T.MODELS[name] = spec
+    """A Config of ``spec``: --model its name in ``conftest.SPECS``, or "test_spec" (a name nothing holds) for a
+    spec made here; the caller passes ``spec`` itself to ``T.build_model`` and ``T.Schedule``."""
+    name = next((n for n, s in conftest.SPECS.items() if s == spec), "test_spec")
     base = dict(model=name, seq_len=seq_len, batch_tokens=3 * seq_len, val_seq_len=0, val_tokens=3 * seq_len,
                 fp8=False)
     return dataclasses.replace(T.Config(), **{**base, **kw})
@@ -40,11 +38,11 @@ def random_tokens(shape, seed, p_eot=0.0):
     return conftest.random_tokens(shape, seed, p_eot)
 
 
-def float64_model(cfg, window, yarn=(), seed=0, tied=True):
-    """``T.GPT(cfg)`` in float64, every weight moved off its (often zero or constant) init, at ``window`` (long,
-    short) after the long windows ``yarn``, its RoPE tables rebuilt in float64."""
+def float64_model(cfg, spec, window, yarn=(), seed=0, tied=True):
+    """``T.build_model(cfg, spec)`` in float64, every weight moved off its (often zero or constant) init, at
+    ``window`` (long, short) after the long windows ``yarn``, its RoPE tables rebuilt in float64."""
     torch.manual_seed(seed)
-    model = T.GPT(cfg).double()
+    model = T.build_model(cfg, spec).double()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

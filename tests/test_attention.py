@@ -226,7 +226,7 @@ NO_OFFSET = dataclasses.replace(TINY, short_window=(0, 1, 2, 3))
 def randomized_model(spec, window, seed=0):
     """The spec's GPT (24 positions) with every weight off its init, at windows ``window``."""
     torch.manual_seed(seed)
-    model = T.GPT(config(spec, seq_len=24))
+    model = T.build_model(config(spec, seq_len=24), spec)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

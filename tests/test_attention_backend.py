@@ -9,13 +9,14 @@ import torch
 import harness as H
 import kernels
 import train_gpt as T
-from conftest import REPO, subprocess_env, tiny_args
+from conftest import REPO, SPECS, TINY, subprocess_env, tiny_args
 
 
 def test_flash_without_flash_attn_4_is_one_line_naming_it(tmp_path):
     if kernels.flash_unavailable_reason("cuda") is None:
         pytest.skip("flash-attn-4 is installed and a Hopper/Blackwell GPU is here: nothing refuses")
-    done = subprocess.run([sys.executable, "-c", "import conftest, train_gpt, sys; sys.exit(train_gpt.main(sys.argv[1:]))",
+    driver = "import conftest, train_gpt, sys; sys.exit(train_gpt.main(sys.argv[1:], models=conftest.SPECS))"
+    done = subprocess.run([sys.executable, "-c", driver,
                            *tiny_args(tmp_path, "--attention-backend", "flash")], capture_output=True, text=True,
                           env=subprocess_env(), cwd=f"{REPO}/tests", timeout=300)
     assert done.returncode == 2
@@ -28,7 +29,7 @@ def test_auto_on_a_cpu_runs_sdpa_without_a_word(tmp_path):
     cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path))
     assert cfg.attention_backend == "auto"
     assert kernels.choose_flex_backend(cfg.attention_backend, "cpu", True) == ("TRITON", None)  # unused: SDPA
-    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "auto")) == 0
+    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "auto"), models=SPECS) == 0
     log = (tmp_path / "logs" / "auto.txt").read_text().split(H.SEPARATOR)[-2]  # the run, not its source
     assert "attention: SDPA" in log and "FLASH" not in log
 
@@ -39,7 +40,7 @@ def test_auto_falls_back_to_triton_when_flash_refuses_a_graph(tmp_path, monkeypa
     cfg, _, _ = H.parse_flags(T.Config, T.PRESETS, tiny_args(tmp_path, "--run-id", "fallback"))
     rt = H.Runtime(0, 1, torch.device("cpu"), compile=True)
     log = H.RunLog(cfg, rt, None)  # (the run's own log: the warm-up writes its lines there)
-    run = T.build_run(cfg, rt, log, H.find_data(cfg.train_files, cfg.val_files), None)
+    run = T.build_run(cfg, TINY, rt, log, H.find_data(cfg.train_files, cfg.val_files), None)
     model, calls = run.model, []
 
     class Net(torch.nn.Module):  # what torch.compile raises when inductor's FLASH lowering refuses a mask

@@ -7,12 +7,13 @@ import pytest
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, subprocess_env, tiny_args
+from conftest import REPO, SPECS, subprocess_env, tiny_args
 
 
 def refused(tmp_path, capsys, *argv):
-    """The one stderr line of ``train_gpt.py argv`` (tiny_args, then ``argv``): exit 2, nothing written."""
-    assert T.main(tiny_args(tmp_path, *argv)) == 2
+    """The one stderr line of ``train_gpt.py argv`` (tiny_args, then ``argv``; --model may name the product's specs
+    and the tiny one, ``SPECS``): exit 2, nothing written."""
+    assert T.main(tiny_args(tmp_path, *argv), models=SPECS) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
     [line] = err.splitlines()
@@ -56,7 +57,6 @@ CASES = [  # (flags, the line after "train_gpt.py: error: ")
 def test_a_bad_flag_value_is_one_line_naming_the_flag(tmp_path, capsys, monkeypatch, flags, says):
     if flags[0] == "--device":
         monkeypatch.setattr(H.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(T, "MODELS", {k: T.MODELS[k] for k in ("record", "smoke", "tiny")})  # not other tests' specs
     assert unquoted(refused(tmp_path, capsys, *flags)) == unquoted(f"train_gpt.py: error: {says}")
 
 

@@ -15,14 +15,14 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, SAMPLE_DIR, loss_lines, read_log, subprocess_env, tiny_args
+from conftest import REPO, SAMPLE_DIR, SPECS, loss_lines, read_log, subprocess_env, tiny_args
 
 TST = ("--tst-frac", "0.5")  # phase 1 over steps 0-3, the switch at 4; stages [0, 2), [2, 5), [5, 7), [7, 8); untie
 # after step 5; val at steps 0, 4 and 8
 
 
 def run(tmp_path, *extra):
-    return T.main(tiny_args(tmp_path, *TST, *extra))
+    return T.main(tiny_args(tmp_path, *TST, *extra), models=SPECS)
 
 
 def cfg_of(tmp_path, *extra):
@@ -191,7 +191,7 @@ def test_a_signal_during_a_checkpoint_write_leaves_no_temporary_file(tmp_path, m
 # Signals: a subprocess of 400 steps, signalled once its log shows step 3
 
 
-TINY_MAIN = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.py with the tiny model registered
+TINY_MAIN = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.py, --model able to name the tiny one
 
 
 def interrupt_run(tmp_path, run_id, sig, *extra):
@@ -221,7 +221,7 @@ def test_sigterm_finishes_the_step_checkpoints_marks_the_log_and_the_run_resumes
     assert steps == list(range(1, step + 1))  # the step it was in finished and was logged, no later one began
     assert os.listdir(tmp_path / "ckpt" / "i") == [f"step_{step:06d}.pt"]
     assert T.main(tiny_args(tmp_path, "--num-iterations", "400", "--val-every", "0", "--run-id", "i",
-                            "--save-every", "1000", "--resume", "auto", "--max-steps", "2")) == 0
+                            "--save-every", "1000", "--resume", "auto", "--max-steps", "2"), models=SPECS) == 0
     assert sorted(loss_lines(read_log(tmp_path / "logs", "i")))[-1] == step + 2
 
 

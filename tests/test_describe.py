@@ -14,6 +14,8 @@ import harness as H
 import train_gpt as T
 from conftest import REPO, subprocess_env
 
+RECORD = T.MODELS["record"]  # the defaults' spec (T.Config().model)
+
 
 def describe(capsys, *argv, machines=None):
     """``{first word: line}`` of ``train_gpt.py argv --describe [machines]``'s output (steps: the stage rows,
@@ -42,7 +44,7 @@ def test_baseline_h200s_plan_by_hand(capsys):
     assert out["totals"] == ("totals: 1,285 steps, 338,821,120 positions, 338,821,120 tokens of text, 2.5124e+17 model "
                              "FLOPs + 1.592e+15 in the optimizer's orthogonalizations")
     opt = attn * 2 * 3 * polar(256, d) + attn * 2 * polar(d, d) + layers * 2 * polar(4 * d, d)  # Q, K in head pairs
-    assert T.optimizer_flops(T.Config()) == opt and f"{1285 * opt:.3e}" == "1.592e+15"
+    assert T.optimizer_flops(T.Config(), RECORD) == opt and f"{1285 * opt:.3e}" == "1.592e+15"
     assert [ln.split(":")[0] for ln in out["steps"]] == [f"steps [{a}, {b}) next-token" for a, b in
                                                          ((0, 423), (423, 847), (847, 1270), (1270, 1285))]
     assert out["steps"][2].startswith("steps [847, 1270) next-token: 8 x 49,152 positions, 393,216 tokens of text, "
@@ -67,8 +69,8 @@ def test_tst_and_aurora_change_the_text_read_and_the_optimizers_flops_not_the_po
     assert ours["steps"][0].split(", ")[-1] == base["steps"][0].split(", ")[-1]
     text = 386 * 4 * 131_072 + 37 * 131_072 + 424 * 262_144 + 438 * 393_216
     d = 768  # Aurora: K = 2 polar iterations on the 11 layers' 2 MLP matrices
-    opt = T.optimizer_flops(T.Config()) + 11 * 2 * polar(4 * d, d)
-    assert T.optimizer_flops(T.Config(**T.OUR_METHODS)) == opt
+    opt = T.optimizer_flops(T.Config(), RECORD) + 11 * 2 * polar(4 * d, d)
+    assert T.optimizer_flops(T.Config(**T.OUR_METHODS), RECORD) == opt
     assert ours["totals"] == (f"totals: 1,285 steps, 338,821,120 positions, {text:,} tokens of text, 2.5124e+17 model "
                               f"FLOPs + {1285 * opt:.3e} in the optimizer's orthogonalizations")
     assert text == 490_602_496 and ours["parameters"] == base["parameters"]
@@ -77,7 +79,7 @@ def test_tst_and_aurora_change_the_text_read_and_the_optimizers_flops_not_the_po
 def test_record_89s_utilization_is_its_time_over_its_flops():
     # record #89's table time (1.23 min on 8 x H100, 989 TFLOP/s each) over baseline_h200's FLOPs is 43.0% of peak;
     # the projection uses record #21's 39.6% (RECORD_MFU)
-    table = T.Schedule(T.Config())
+    table = T.Schedule(T.Config(), RECORD)
     flops = sum(r.flops_per_position * r.stage.batch_tokens for r in table.rows[:1285])
     assert f"{flops:.4e}" == "2.5124e+17" and round(flops / (1.23 * 60 * 8 * 989e12), 3) == 0.430
     assert H.RECORD_MFU == 0.396 and H.PEAK_TFLOPS["H200"] == 989.0
@@ -101,9 +103,9 @@ def test_the_val_chunk_is_never_longer_than_the_val_tokens(capsys, argv, chunk):
 
 def test_describe_names_the_one_machine_asked_for(capsys):
     [line] = describe(capsys, machines="4xH100")["projected"]
-    table = T.Schedule(T.Config())
+    table = T.Schedule(T.Config(), RECORD)
     flops = sum(r.flops_per_position * r.stage.batch_tokens for r in table.rows[:1285])
-    seconds = (flops + 1285 * T.optimizer_flops(T.Config())) / (4 * 0.396 * 989e12)
+    seconds = (flops + 1285 * T.optimizer_flops(T.Config(), RECORD)) / (4 * 0.396 * 989e12)
     assert line == (f"projected_train_time: 4 x H100: {seconds / 60:.1f} min at 39.6% of its 989 TFLOP/s bf16 peak "
                     f"(record #21's utilization), compile not included")
 
@@ -120,7 +122,7 @@ torch.manual_seed(0)
 def hwm():  # this process's peak resident KiB (ru_maxrss would start at the forking parent's peak)
     return int(next(ln.split()[1] for ln in open("/proc/self/status") if ln.startswith("VmHWM:")))
 before = hwm()
-model = T.GPT(cfg)
+model = T.build_model(cfg, T.MODELS[cfg.model])
 opts = T.build_optimizers(model, cfg)
 n = 3 * cfg.seq_len  # stage 3's micro-batch: one sequence of 3 x --seq-len
 ids = torch.randint(0, 50257, (1, n + 1))

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, TORCHRUN, loss_lines, read_log, run_torchrun, subprocess_env, tiny_args
 
-WORKER = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.main with the tiny model registered
+WORKER = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.main, --model able to name the tiny one
 ENV = dict(subprocess_env(), OMP_NUM_THREADS="1")  # torchrun's workers: one thread each; the single process too (the
 # thread count changes the summation order of CPU matmuls: differences of ~1e-6 that training grows)
 

@@ -31,11 +31,11 @@ def smoke_batch(cfg, seed=0):
 def smoke_model(dtype):
     cfg = H.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])[0]
     torch.manual_seed(0)
-    model = T.GPT(cfg, dtype if dtype == torch.bfloat16 else None)
+    model = T.build_model(cfg, T.MODELS[cfg.model], dtype if dtype == torch.bfloat16 else None)
     if dtype == torch.bfloat16:
         T.adam_bf16_(model)
     model.flex = False
-    row = T.Schedule(cfg)[0]
+    row = T.Schedule(cfg, T.MODELS[cfg.model])[0]
     model.set_window(row.window, row.yarn)
     return cfg, model
 

@@ -24,6 +24,8 @@ ERAS = {  # era: (log, K: the first logged train loss or a few steps, its Config
         os.path.join(CPU, "2026-12-01_small_scale_model89", "aurora", "aurora_o0_seed0.txt"), 5, 92, 4),
     "2026-12-03 study of record #89's recipe": (
         os.path.join(CPU, "2026-12-03_small_scale_89", "aurora", "aurora_o0_seed0.txt"), 5, 99, 4),
+    "2026-12-07 study at the record's 1,285 steps": (
+        os.path.join(CPU, "2026-12-07_full_length", "lr_sweep", "baseline_lr0.046_seed0.txt"), 5, 41, 4),
 }
 
 
@@ -67,7 +69,7 @@ def test_every_log_under_records_is_of_an_era_and_holds_exactly_its_codes_config
 
 
 # the newest era in the default suite; the record #21-era logs validate 63k tokens at step 0 (a minute each): -m slow
-@pytest.mark.parametrize("era", [pytest.param(e, marks=[] if e.startswith("2026-12-03") else pytest.mark.slow)
+@pytest.mark.parametrize("era", [pytest.param(e, marks=[] if e.startswith("2026-12-07") else pytest.mark.slow)
                                  for e in ERAS])
 def test_a_log_of_each_era_reruns_from_its_own_snapshot(era, tmp_path):
     log, k, _, files = ERAS[era]

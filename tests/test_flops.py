@@ -31,7 +31,7 @@ def spec_named(name):
 def test_matmul_flops_are_six_matmul_weights_per_position(name, L, bag, blocks, tied):
     spec = spec_named(name)
     with torch.device("meta"):
-        model = T.GPT(config(spec, seq_len=L))
+        model = T.build_model(config(spec, seq_len=L), spec)
         inputs = torch.zeros(1, L, bag, dtype=torch.int64)
         targets = torch.zeros(1, L, 4 if bag == 1 else bag, dtype=torch.int64)
     model.tied = tied
@@ -56,13 +56,13 @@ def test_attention_flops_count_the_pairs_the_masks_allow(spec, L, window, monkey
     mask, 12 head_dim flops per pair and head (QK^T and AV, forward and backward); a paired layer's H/2 heads over
     its doubled sequence come as they are called."""
     torch.manual_seed(0)
-    model = T.GPT(config(spec, seq_len=L))
+    model = T.build_model(config(spec, seq_len=L), spec)
     model.set_window(window, (window[0],))
     flops, attend, dc = [], T.attend, T.dc_attention
 
-    def counting_attend(q, k, v, mask, scale):  # q [B, heads, positions, head_dim]; mask bool [B, 1, T, T]
+    def counting_attend(q, k, v, mask, scale, backend):  # q [B, heads, positions, head_dim]; mask bool [B, 1, T, T]
         flops.append(12 * q.size(-1) * q.size(1) * int(mask.sum()))
-        return attend(q, k, v, mask, scale)
+        return attend(q, k, v, mask, scale, backend)
 
     def counting_dc(q, k, v, w1, w2, docs, scale, window):  # q [B, T, H, D]
         B, T_, H, D = q.shape

@@ -18,6 +18,7 @@ import gpu_kernels  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt as T  # noqa: E402
 
+CHECK = gpu_check.CHECK  # the check model's spec (gpu_check.SPECS["check"])
 EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU reference
 
 
@@ -84,7 +85,10 @@ def test_dry_run_exits_zero_and_prints_the_table(dry_run):
 
 def test_the_check_model_is_the_smoke_models_roles_at_64_wide():
     cfg, preset = gpu_check.config_of(gpu_check.CHECK_MODEL)
-    spec, smoke = T.MODELS[cfg.model], T.MODELS["smoke"]
+    spec, smoke = gpu_check.spec_of(cfg), T.MODELS["smoke"]
+    launched = {}
+    exec(gpu_check.CHECK_SPECS, launched)  # noqa: S102 -- the specs the launcher patch gives a trainer run of it
+    assert launched["SPECS"] == gpu_check.SPECS and gpu_check.SPECS["check"] == spec
     assert preset == "record_h200" and cfg.model == "check" and cfg.tst_frac > 0 and cfg.optimizer == "aurora_normuon"
     assert spec == dataclasses.replace(smoke, model_dim=64, bigram_vocab=4096, window_block=8) and spec.head_dim == 16
     for role in ("paired_heads", "xsa", "attn_gate", "dc", "ve_layers", "skip"):  # every role of record #89's model
@@ -174,7 +178,7 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         assert (cfg.model, cfg.num_iterations, cfg.extension_steps, cfg.seq_len) == ("check", 12, 1, 64)
         assert 0 < T.split_step(cfg) < 11  # tied, then untied inside the run: both sides run
         assert cfg.val_tokens == cfg.val_seq_len == 256  # one val chunk (CUDA: the record's 262,144)
-        table = T.Schedule(cfg)
+        table = T.Schedule(cfg, gpu_check.spec_of(cfg))
         assert list(t["stages"]) == [gpu_check.stage_key(st) for st in table.stages]  # every stage was timed
         assert len(t["stages"]) == 4  # the three recipe stages and the extension
         for key, p in t["stages"].items():  # the median of each stage's steps after its first two
@@ -190,7 +194,7 @@ def test_dry_run_times_every_stage_of_both_presets_and_projects_their_full_runs(
         full, _ = gpu_check.config_of(t["run"]["argv"][:t["run"]["argv"].index("--num-iterations")])
         switch = T.tst_switch_step(full)
         assert (pj["num_iterations"], pj["phase1_steps"], pj["phase2_steps"]) == (1285, switch, 1285 - switch)
-        ftable = T.Schedule(full)
+        ftable = T.Schedule(full, gpu_check.spec_of(full))
         want = sum(row.flops_per_position * row.stage.batch_tokens for row in ftable.rows[:1285])
         assert pj["phase1_flops"] + pj["phase2_flops"] == pytest.approx(want, rel=1e-12)
         assert [s["stage"] for s in pj["stages"]] == [gpu_check.stage_key(st) for st in ftable.stages]
@@ -325,7 +329,7 @@ def test_projection_weights_each_stage_by_its_flops_at_its_timed_rate():
     # record_h200's table: TST for round(0.3 x 1285) = 386 steps, inside stage 1 (steps 0-422): stage 1 on both sides
     base = ["--preset", "record_h200"]
     cfg, _ = gpu_check.config_of(base)
-    table, switch = T.Schedule(cfg), T.tst_switch_step(cfg)
+    table, switch = T.Schedule(cfg, gpu_check.spec_of(cfg)), T.tst_switch_step(cfg)
     keys = [gpu_check.stage_key(st) for st in table.stages]
     assert switch == 386 and len(keys) == 5 and keys[0].startswith("phase 1") and keys[1].startswith("phase 2")
     rates = {k: dict(ms_per_step=100.0 * (i + 1), flops_per_step=1e14 * (i + 2)) for i, k in enumerate(keys)}
@@ -483,7 +487,7 @@ def test_checks_fail_on_a_window_off_by_one(monkeypatch, model_check_config):
     monkeypatch.setattr(kernels, "block_mask_from_bounds", _wrong_window(kernels.block_mask_from_bounds))
     bad = gpu_kernels.attention_check(T, cpu)
     assert not bad["passed"] and all(d > 100 * bad["tol"] for d in bad["diffs"].values())
-    model = gpu_kernels.model_checks(T, model_check_config, cpu)["flex_vs_sdpa_model"]
+    model = gpu_kernels.model_checks(T, model_check_config, CHECK, cpu)["flex_vs_sdpa_model"]
     assert not model["passed"] and model["max_rel_diff"] > 10 * model["tol"]
     assert gpu_kernels.loss_check(T, cpu)["passed"]  # only the broken kernel's checks fail
 
@@ -495,7 +499,7 @@ def test_checks_fail_on_a_paired_head_mask_off_by_one(monkeypatch, model_check_c
     bad = gpu_kernels.attention_check(T, cpu)
     assert bad["diffs"]["paired_out"] > 100 * bad["tol"]
     assert bad["diffs"]["short_out"] < bad["tol"] and bad["diffs"]["long_out"] < bad["tol"]
-    model = gpu_kernels.model_checks(T, model_check_config, cpu)["flex_vs_sdpa_model"]
+    model = gpu_kernels.model_checks(T, model_check_config, CHECK, cpu)["flex_vs_sdpa_model"]
     assert not model["passed"] and model["max_rel_diff"] > 10 * model["tol"]
 
 
@@ -504,7 +508,8 @@ def test_the_cuda_branch_of_the_model_checks_runs(monkeypatch, model_check_confi
     # FlexAttention (SDPA masks) and of the compiler (none): the same numbers, so both checks pass exactly
     original = gpu_kernels.masks_of_kind
     monkeypatch.setattr(gpu_kernels, "masks_of_kind", lambda model, use_flex: original(model, False))
-    checks = gpu_kernels.model_checks(T, model_check_config, torch.device("cpu"), compile_fn=lambda m: m, backward=True)
+    checks = gpu_kernels.model_checks(T, model_check_config, CHECK, torch.device("cpu"), compile_fn=lambda m: m,
+                                      backward=True)
     assert list(checks) == ["flex_vs_sdpa_model", "compiled_vs_eager_fp32"]
     for c in checks.values():
         assert c["passed"] and c["diffs"] == dict(loss=0.0, grad=0.0) and c["grad_tol"] == 1e-3, c["name"]
@@ -514,8 +519,8 @@ def test_gradient_comparison_of_the_cuda_checks(monkeypatch, model_check_config)
     # the CUDA checks compare every gradient (FlexAttention has no CPU backward): on CPU's SDPA path,
     # every parameter but the tied embedding's copy is trained, and a window off by one fails them
     cpu = torch.device("cpu")
-    model = gpu_kernels.check_model(T, model_check_config, cpu)
-    batches = gpu_kernels.check_batches(T, model_check_config, cpu)
+    model = gpu_kernels.check_model(T, model_check_config, CHECK, cpu)
+    batches = gpu_kernels.check_batches(T, model_check_config, CHECK, cpu)
     with gpu_kernels.masks_of_kind(model, use_flex=False):
         ref = gpu_kernels.model_outputs(model, model, batches, grads=True)
         original = kernels.attention_mask
@@ -533,7 +538,7 @@ FP8_SMALL = (64, 32, 128, 256)  # positions, model_dim, MLP hidden, vocab
 def _fp8_rows(cfg):
     """The FP8 rows at the presets' scales on CPU (the emulation path), at a small shape."""
     cpu = torch.device("cpu")
-    return (gpu_kernels.fp8_head_fixed_check(T, cpu, cfg, FP8_SMALL, divisor=8),
+    return (gpu_kernels.fp8_head_fixed_check(T, cpu, cfg, CHECK, FP8_SMALL, divisor=8),
             gpu_kernels.fp8_down_delayed_check(T, cpu, FP8_SMALL))
 
 
@@ -575,11 +580,11 @@ kernels_delay, kernels_refresh = kernels.delay_input_scale_, kernels.refresh_dow
 def test_a_model_without_fixed_head_scales_fails_the_head_row(monkeypatch, model_check_config):
     """A model that gives its head no fixed scales leaves the op its current ones: the row fails, no exception."""
     class NoHeadScales(T.GPT):
-        def __init__(self, cfg, dtype=None):
-            super().__init__(cfg, dtype)
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
             self.head_scales = None
     monkeypatch.setattr(T, "GPT", NoHeadScales)
-    head = gpu_kernels.fp8_head_fixed_check(T, torch.device("cpu"), model_check_config, FP8_SMALL, divisor=8)
+    head = gpu_kernels.fp8_head_fixed_check(T, torch.device("cpu"), model_check_config, CHECK, FP8_SMALL, divisor=8)
     assert head["scales_used"] is None and not head["passed"] and head["max_scale_diff"] > 0.5
 
 
@@ -751,9 +756,10 @@ def test_the_cuda_profile_config_is_valid_for_every_gpu_preset(preset):
     """The one-step profile (CUDA only, so the dry run never builds it) must pass the trainer's own checks, and its
     step: one sequence of 4,096 positions, stage 1's, next-token or TST bags as the preset's step 0."""
     cfg = gpu_check.profile_config(preset, torch.device("cpu"))
-    row = T.Schedule(cfg)[0]
+    row = T.Schedule(cfg, gpu_check.spec_of(cfg))[0]
     assert cfg.model == "record" and (cfg.seq_len, row.stage.seq_len, row.stage.batch_tokens) == (4096, 4096, 4096)
-    inputs, targets, weights = gpu_kernels.step_batch(T, cfg, row, torch.device("cpu"), cfg.micro_batch_seqs)
+    inputs, targets, weights = gpu_kernels.step_batch(T, cfg, gpu_check.spec_of(cfg), row, torch.device("cpu"),
+                                                      cfg.micro_batch_seqs)
     s = row.stage.bag_size
     assert inputs.shape == (1, 4096, s) and targets.shape == (1, 4096, 4 if s == 1 else s)
     assert (weights is None) == (preset == "record_h200") and (s == 4) == (preset == "record_h200")
@@ -797,7 +803,8 @@ import types  # noqa: E402
 import gpu_comm  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-REGISTER_TINY = f"import sys; sys.path.insert(0, {TESTS!r}); import conftest"  # a trainer process's tiny model
+# a trainer process's tiny model: the patch binds SPECS, gpu_check.LAUNCH passes it to train_gpt.main
+TINY_SPECS = f"import sys; sys.path.insert(0, {TESTS!r}); import conftest; SPECS = conftest.SPECS"
 
 
 def test_n_gpus_time_under_torchrun_with_the_trainers_own_launch():
@@ -939,9 +946,9 @@ def test_the_communication_profile_runs_steps_of_the_first_stage_of_the_timing_r
                                             str(tmp_path))
     cfg = gpu_check.config_of(argv)[0]  # the last --max-steps and --run-id win
     assert (warm, steps, cfg.max_steps, cfg.run_id, cfg.num_iterations) == (3, 3, 6, "comm_baseline_h200", 40)
-    assert T.Schedule(cfg).stages[0].end >= 6 and T.grad_accum_steps(cfg, 8) == 1
+    assert T.Schedule(cfg, gpu_check.spec_of(cfg)).stages[0].end >= 6 and T.grad_accum_steps(cfg, 8) == 1
     short = dataclasses.replace(cfg, num_iterations=12)  # a first stage of 4 steps: one step recorded
-    assert T.Schedule(short).stages[0].end == 4 and gpu_check.comm_window(short) == (3, 1)
+    assert T.Schedule(short, gpu_check.spec_of(short)).stages[0].end == 4 and gpu_check.comm_window(short) == (3, 1)
 
 
 def test_a_profiled_torchrun_run_reports_each_ranks_step_and_communication(tmp_path):
@@ -951,7 +958,7 @@ def test_a_profiled_torchrun_run_reports_each_ranks_step_and_communication(tmp_p
     from conftest import tiny_args
     argv = tiny_args(tmp_path, "--batch-tokens", "384", "--val-every", "0", "--max-steps", "4", "--run-id", "comm_t")
     rows, meta = gpu_check.comm_profile("comm_t", argv, 2, 2, 2, str(tmp_path), gpu_check.time.monotonic() + 300,
-                                        patches=[REGISTER_TINY])
+                                        patches=[TINY_SPECS])
     assert meta["run"]["rc"] == 0 and meta["run"]["status"] == "stopped_early", meta
     assert meta["profiled_steps"] == [3, 4] and sorted(meta["per_rank_ms_per_step"]) == [0, 1]
     assert all(ms > 0 for ms in meta["per_rank_ms_per_step"].values())

@@ -11,7 +11,7 @@ import torch
 import harness as H
 import kernels
 import train_gpt as T
-from conftest import REPO, run_torchrun, subprocess_env
+from conftest import REPO, TINY, run_torchrun, subprocess_env
 
 
 def run_worker(out):
@@ -42,8 +42,8 @@ def test_bucketed_all_reduce_equals_per_tensor_and_overlaps_the_last_backward(tm
 
 
 def test_buckets_follow_the_backward_order_and_the_cap():
-    model = T.GPT(H.parse_flags(T.Config, T.PRESETS, ["--model", "tiny", "--seq-len", "16", "--batch-tokens", "48",
-                                                       "--val-tokens", "64", "--no-fp8"])[0])
+    model = T.build_model(H.parse_flags(T.Config, T.PRESETS, ["--model", "tiny", "--seq-len", "16", "--batch-tokens",
+                                                               "48", "--val-tokens", "64", "--no-fp8"])[0], TINY)
     params = list(model.parameters())
     b = kernels.GradBuckets(params, cap_bytes=16 * 1024)
     flat = [p for bucket in b.buckets for p in bucket["params"]]

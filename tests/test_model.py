@@ -27,10 +27,10 @@ def targets_of(inputs, seed, J=3):
     return torch.where(torch.rand(y.shape, generator=g) < 0.2, kernels.IGNORE_INDEX, y)
 
 
-def compare(cfg, inputs, targets, weights=None, window=(12, 5), yarn=(6, 12), tied=True):
+def compare(cfg, spec, inputs, targets, weights=None, window=(12, 5), yarn=(6, 12), tied=True):
     """The model against the reference: capped logits, the loss sum (column ``weights``), every gradient; then the
     eval-mode metric (next-token CE sum over the first column)."""
-    model = float64_model(cfg, window, yarn, tied=tied)
+    model = float64_model(cfg, spec, window, yarn, tied=tied)
     logits = model(inputs)
     loss = model(inputs, targets) if weights is None else model(inputs, targets, weights)
     loss.backward()
@@ -69,7 +69,7 @@ def test_model_equals_float64_reference(case):
     tokens = random_tokens((2, cfg.seq_len + 1), seed=len(case), p_eot=0.15)
     inputs, _ = T.make_batch(tokens, "full", 1)
     weights = torch.tensor([1.0, 0.5, 0.3], dtype=torch.float64)
-    compare(cfg, inputs, targets_of(inputs, len(case)), weights, window, yarn, tied)
+    compare(cfg, spec, inputs, targets_of(inputs, len(case)), weights, window, yarn, tied)
 
 
 @pytest.mark.parametrize("mode", ["full", "input", "output"])
@@ -81,7 +81,7 @@ def test_tst_bags_equal_reference(mode):
     raw = random_tokens((2, seq_tokens), seed=3, p_eot=0.03)
     raw[0, 5 * s + 1] = EOT
     inputs, targets = T.make_batch(raw, mode, s)
-    compare(cfg, inputs, targets, tied=mode != "input")
+    compare(cfg, TINY, inputs, targets, tied=mode != "input")
 
 
 @pytest.mark.parametrize("spec", [TINY, MOVED], ids=["tiny", "roles_moved"])
@@ -90,7 +90,7 @@ def test_every_parameter_gets_a_gradient(spec):
     cfg = config(spec)
     inputs, targets = T.make_batch(random_tokens((2, cfg.seq_len + 1), 1, 0.1), "full", 1)
     for tied in (True, False):
-        model = float64_model(cfg, (12, 5), tied=tied)
+        model = float64_model(cfg, spec, (12, 5), tied=tied)
         model(inputs, targets).backward()
         for name, p in model.named_parameters():
             if tied and name == "embed.weight":
@@ -101,7 +101,7 @@ def test_every_parameter_gets_a_gradient(spec):
 
 def test_bags_of_one_are_plain_tokens_exactly():
     cfg = config(TINY)
-    model = float64_model(cfg, (12, 5))
+    model = float64_model(cfg, TINY, (12, 5))
     tokens = random_tokens((2, cfg.seq_len + 1), 9)
     bags, _ = T.make_tst_batch(tokens, 1)
     assert torch.equal(model(bags), model(tokens[:, :-1, None]))
@@ -115,7 +115,8 @@ def test_bags_of_one_are_plain_tokens_exactly():
 
 
 def test_bigram_hash_rows_by_hand():
-    model = T.GPT(config(dataclasses.replace(TINY, bigram_vocab=97))).double()
+    spec = dataclasses.replace(TINY, bigram_vocab=97)
+    model = T.build_model(config(spec), spec).double()
     with torch.no_grad():
         model.bigram.weight.copy_(torch.arange(97, dtype=torch.float64)[:, None].expand(97, TINY.model_dim))
     tokens = torch.tensor([[50256, 7, 50255, 7]])
@@ -136,7 +137,8 @@ def modded_bigram_hash(x, vocab):
 
 
 def test_bigram_rows_and_signs_equal_modded_nanogpts_int32_hash():
-    model = T.GPT(config(dataclasses.replace(TINY, bigram_vocab=377_280), seq_len=64)).double()
+    spec = dataclasses.replace(TINY, bigram_vocab=377_280)
+    model = T.build_model(config(spec, seq_len=64), spec).double()
     with torch.no_grad():
         model.bigram.weight[:, 0] = torch.arange(377_280, dtype=torch.float64)  # a row reads its own number
         model.bigram.weight[:, 1:] = 1.0
@@ -176,7 +178,7 @@ def test_gate_lanes_are_modded_nanogpts_layout():
 
 def test_every_parameter_is_in_one_optimizer_group_by_its_role():
     cfg = config(MOVED)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, MOVED)
     adam, normuon = T.build_optimizers(model, cfg)
     seen = [id(p) for opt in (adam, normuon) for g in opt.param_groups for p in g["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())  # each exactly once
@@ -203,7 +205,7 @@ def test_every_parameter_is_in_one_optimizer_group_by_its_role():
 def test_attention_lambdas_init_and_adam_group_are_modded_nanogpts_scalars():
     """A [0.5, 1.0] pair per attention layer, in Adam's scalars group: betas (0.9, 0.99), lr x5, no decay."""
     cfg, _, _ = harness.parse_flags(T.Config, T.PRESETS, ["--preset", "cpu_smoke"])
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, T.MODELS[cfg.model])
     lambdas = [b.attn.lambdas for b in model.blocks if b.attn is not None]
     assert len(lambdas) == model.spec.n_layer - len(model.spec.no_attn)
     assert all(torch.equal(p, torch.tensor([0.5, 1.0])) for p in lambdas)
@@ -218,7 +220,7 @@ def test_adam_bf16_stores_modded_nanogpts_bf16_parameters():
     """modded-nanogpt casts its Adam matrices to bf16 (embeddings, head, value embeddings, bigram, smear and VE
     gates, MUDD and gate MLPs) and keeps its vectors float32 (scalars, post and residual lambdas, the gate scale)."""
     with torch.device("meta"):
-        model = T.GPT(T.Config())
+        model = T.build_model(T.Config(), T.MODELS["record"])
     T.adam_bf16_(model)
     bf16 = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
     want = {"embed.weight", "lm_head.weight", "bigram.weight", "smear_w", "mudd_w1", "mudd_w2", "mudd_b2",
@@ -234,7 +236,7 @@ def test_adam_bf16_stores_modded_nanogpts_bf16_parameters():
 
 def test_record_parameter_count_on_meta_by_hand():
     with torch.device("meta"):
-        model = T.GPT(T.Config())
+        model = T.build_model(T.Config(), T.MODELS["record"])
     spec = model.spec
     V, d, n = spec.vocab_size, spec.model_dim, spec.n_layer
     tables = (1 + 1 + 5) * V * d + 377280 * d  # embedding, head, 5 value embeddings, bigram
@@ -252,7 +254,7 @@ def test_record_parameter_count_equals_modded_nanogpts():
     """The record's count equals modded-nanogpt's (f411b3d3 GPT.__init__, counted by formula from its shapes), less
     its padding rows (banks padded for 8 ranks) and the entries its forward never reads (docs/METHODS.md)."""
     with torch.device("meta"):
-        ours = sum(p.numel() for p in T.GPT(T.Config()).parameters())
+        ours = sum(p.numel() for p in T.build_model(T.Config(), T.MODELS["record"]).parameters())
     V, d, n, Hh, hd, D = 50304, 768, 11, 6, 128, 3072
     theirs = dict(embed=V * d, lm_head=d * V, value_embeds=5 * V * d, ve_gate_bank=5 * Hh * 12,
                   qk_bank=64 * 2 * hd * d, vo_bank=24 * d * d, mlp_bank=12 * 2 * D * d, smear_gate=12,
@@ -275,18 +277,18 @@ def test_set_window_after_other_windows_equals_a_fresh_model():
     """No stale mask, window or table: moving the windows around first changes nothing."""
     cfg = config(TINY)
     inputs, targets = T.make_batch(random_tokens((2, cfg.seq_len + 1), 4, 0.1), "full", 1)
-    moved = float64_model(cfg, (12, 6), (12,))
+    moved = float64_model(cfg, TINY, (12, 6), (12,))
     for long in (4, 8, 12):
         for w, yarn in (((4, 2), (12, 4)), ((12, 6), (12, 4, 12)), ((long, long // 2), (6, long))):
             moved.set_window(w, yarn)
-        fresh = float64_model(cfg, (long, long // 2), (6, long))
+        fresh = float64_model(cfg, TINY, (long, long // 2), (6, long))
         assert torch.equal(moved(inputs), fresh(inputs))
         assert torch.equal(moved(inputs, targets), fresh(inputs, targets))
 
 
 def test_set_window_changes_the_output():
     cfg = config(TINY)
-    model = float64_model(cfg, (4, 2))
+    model = float64_model(cfg, TINY, (4, 2))
     inputs, _ = T.make_batch(random_tokens((2, cfg.seq_len + 1), 4), "full", 1)
     a = model(inputs)
     model.set_window((12, 6), ())
@@ -307,7 +309,7 @@ def test_accumulation_is_exact_in_float64(s):
         targets[:, -2:] = kernels.IGNORE_INDEX  # no PAST_END: its softmax-only weight is the kernel's (test_objectives)
         weights = torch.tensor([1.0, 0.5, 0.25, 0.25], dtype=torch.float64)
     rt = harness.Runtime(rank=0, world=1, device=torch.device("cpu"), compile=False)
-    model = float64_model(cfg, (12, 5))
+    model = float64_model(cfg, TINY, (12, 5))
     one = T.accumulate_gradients(model, [(inputs, targets)], rt, weights, 4)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

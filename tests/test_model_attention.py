@@ -81,7 +81,7 @@ def smoke_cfg():
 
 def test_schedule_yarn_history_is_the_long_windows_before_the_final_validation():
     cfg = smoke_cfg()
-    rows, N = T.Schedule(cfg).rows, cfg.num_iterations
+    rows, N = T.Schedule(cfg, T.MODELS[cfg.model]).rows, cfg.num_iterations
     longs = [r.window[0] for r in rows]
     for step in range(N):
         seen = [w for i, w in enumerate(longs[:step + 1]) if i == 0 or w != longs[i - 1]]
@@ -94,8 +94,9 @@ def test_resumed_model_has_the_uninterrupted_tables():
     """A run's model that went through every row's set_window has, at each stage start, the tables of a model built
     there (what a resume does), and those of the formula."""
     cfg = smoke_cfg()
-    rows, spec = T.Schedule(cfg).rows, T.MODELS["smoke"]
-    run = T.GPT(cfg)
+    spec = T.MODELS["smoke"]
+    rows = T.Schedule(cfg, spec).rows
+    run = T.build_model(cfg, spec)
     max_len = 2 * max(3 * cfg.seq_len, T.val_chunk(cfg))
     for step, row in enumerate(rows):
         run.set_window(row.window, row.yarn)
@@ -114,7 +115,7 @@ def test_resumed_model_has_the_uninterrupted_tables():
 def test_rescale_changes_buffers_not_the_graph():
     torch.manual_seed(0)
     cfg = config(LAYERS, seq_len=24)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, LAYERS)
     layer = model.blocks[1].attn
     x = torch.randn(2, cfg.seq_len, LAYERS.model_dim)
     model.set_window((9, 4), (6,))
@@ -183,7 +184,7 @@ def layer_model(seq_len=24, seed=0):
     """The LAYERS model in float64, the layers' weights and lambdas moved off their init, float64 RoPE tables after
     the long windows (5, 7, 9) at windows (9, 4)."""
     torch.manual_seed(seed)
-    model = T.GPT(config(LAYERS, seq_len=seq_len)).double()
+    model = T.build_model(config(LAYERS, seq_len=seq_len), LAYERS).double()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.blocks.named_parameters():
@@ -249,7 +250,7 @@ def test_dc_layer_equals_pairwise_reference_past_its_112_keys():
 @pytest.mark.parametrize("window", [1, 37, 200])
 def test_flex_attention_equals_masked_sdpa_for_paired_offset_and_dc_layers(window):
     torch.manual_seed(0)
-    model = T.GPT(config(LAYERS, seq_len=160))
+    model = T.build_model(config(LAYERS, seq_len=160), LAYERS)
     doc = T.latent_document_ids(random_tokens((2, 160, 1), seed=9, p_eot=0.02))
     x = torch.randn(2, 160, 64)
     _, _, _, alpha, gate, (w1, w2) = per_token(160, 10)
@@ -284,8 +285,9 @@ def test_paired_mask_is_the_mask_of_the_doubled_documents(window):
 
 
 def test_model_holds_one_table_that_every_attention_layer_uses():
-    cfg = config(dataclasses.replace(LAYERS, no_attn=(2,)))
-    model = T.GPT(cfg)
+    spec = dataclasses.replace(LAYERS, no_attn=(2,))
+    cfg = config(spec)
+    model = T.build_model(cfg, spec)
     layers = [b.attn for b in model.blocks if b.attn is not None]
     assert len(layers) == 3 and all(a.rotary is model.rotary for a in layers)
     names = [n for n, _ in model.named_buffers()]
@@ -299,7 +301,7 @@ def test_model_holds_one_table_that_every_attention_layer_uses():
 def test_the_shared_table_gives_the_per_layer_tables_result():
     cfg = config(LAYERS)
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, LAYERS)
     model.set_window((9, 4), (5, 9))
     with torch.no_grad():  # every weight off its init (zero-initialized projections included)
         for p in model.parameters():

@@ -21,9 +21,9 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, TORCHRUN_LOGS, read_log, subprocess_env, tiny_args
+from conftest import REPO, SPECS, TORCHRUN_LOGS, read_log, subprocess_env, tiny_args
 
-WORKER = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.main with the tiny model registered
+WORKER = os.path.join(REPO, "tests", "dist_train_worker.py")  # train_gpt.main, --model able to name the tiny one
 ENV = dict(subprocess_env(), OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")  # a stalled rank: 10 s, then
 LAUNCH = [sys.executable, os.path.join(REPO, "harness.py"), "--standalone", "--log-dir", TORCHRUN_LOGS]  # SIGKILL
 
@@ -304,7 +304,7 @@ def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
     gone.wait()
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "st.lock").write_text(f"{os.uname().nodename} {gone.pid}\n")
-    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "st")) == 0
+    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "st"), models=SPECS) == 0
     assert read_log(tmp_path / "logs", "st").splitlines()[-1] == "status:stopped_early reason:--max-steps 1"
     assert not (tmp_path / "logs" / "st.lock").exists()
 
@@ -314,7 +314,7 @@ def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
 
 
 def test_compare_exits_1_when_every_log_it_found_is_incomplete(tmp_path):
-    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "short")) == 0
+    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--run-id", "short"), models=SPECS) == 0
     out = subprocess.run([sys.executable, os.path.join(REPO, "records", "compare.py"), str(tmp_path / "logs")],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert out.returncode == 1, out.stderr
@@ -325,7 +325,7 @@ def test_compare_exits_1_when_every_log_it_found_is_incomplete(tmp_path):
 
 def test_sample_names_the_first_keys_that_do_not_fit(tmp_path):
     import sample
-    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--save-final", "--run-id", "s")) == 0
+    assert T.main(tiny_args(tmp_path, "--max-steps", "1", "--save-final", "--run-id", "s"), models=SPECS) == 0
     path = tmp_path / "ckpt" / "s" / "step_000001.pt"
     state = torch.load(path, weights_only=True)
     weights = state["model"]
@@ -335,7 +335,7 @@ def test_sample_names_the_first_keys_that_do_not_fit(tmp_path):
     weights["lm_head.weight"] = torch.zeros(3, 32)
     torch.save(state, path)
     with pytest.raises(sample.SampleError) as err:
-        sample.load_model(str(path), torch.device("cpu"))
+        sample.load_model(str(path), torch.device("cpu"), SPECS)
     assert str(err.value) == (f"--checkpoint {path}: its weights do not fit its config (missing {dropped}; unexpected "
                               f"extra.weight; another shape lm_head.weight (lm_head.weight: [3, 32] saved, [50304, 32] "
                               f"here)); it was not written by this train_gpt.py, or was edited")

@@ -20,7 +20,7 @@ import torch
 
 import harness as H
 import train_gpt as T
-from conftest import REPO, read_log, subprocess_env, tiny_args, write_shard
+from conftest import REPO, SPECS, read_log, subprocess_env, tiny_args, write_shard
 
 
 def error_lines(err):
@@ -29,8 +29,9 @@ def error_lines(err):
 
 
 def one_line(capsys, code, argv):
-    """Run ``T.main(argv)``; assert its exit status, one error line and no traceback; return the line."""
-    assert T.main(argv) == code
+    """Run ``T.main(argv)`` (--model may name the tiny spec); assert its exit status, one error line and no
+    traceback; return the line."""
+    assert T.main(argv, models=SPECS) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = error_lines(err)

@@ -1,8 +1,9 @@
 """sample.py: text from the checkpoint of a few steps of the tests' tiny model (tests/conftest.py).
 
-The tiny spec is registered in this process by conftest; a subprocess that samples it runs sample.main through a
-driver that imports conftest first (``run_sample``). The command line itself (``python sample.py``) is run where
-no spec is needed, and on the tiny checkpoint to see it refused in one line (its spec is not in train_gpt.MODELS).
+The tiny spec is passed in this process as ``models=conftest.SPECS``; a subprocess that samples it runs
+sample.main through a driver that passes conftest.SPECS too (``run_sample``). The command line itself (``python
+sample.py``) is run where no spec is needed, and on the tiny checkpoint to see it refused in one line (its spec is
+not in train_gpt.MODELS).
 """
 import os
 import signal
@@ -14,14 +15,14 @@ import torch
 
 import sample
 import train_gpt as T
-from conftest import REPO, subprocess_env, tiny_args
+from conftest import REPO, SPECS, subprocess_env, tiny_args
 
-DRIVER = "import sys, conftest, sample\n{patch}sys.exit(sample.main(sys.argv[1:]))\n"
+DRIVER = "import sys, conftest, sample\n{patch}sys.exit(sample.main(sys.argv[1:], models=conftest.SPECS))\n"
 
 
 def checkpoint(root, run_id, *extra):
     """Train the tiny model (8 steps; ``extra`` flags) with --save-final; returns the checkpoint's path."""
-    assert T.main(tiny_args(root, "--run-id", run_id, "--save-final", *extra)) == 0
+    assert T.main(tiny_args(root, "--run-id", run_id, "--save-final", *extra), models=SPECS) == 0
     [name] = os.listdir(root / "ckpt" / run_id)
     return str(root / "ckpt" / run_id / name)
 
@@ -57,22 +58,22 @@ def test_same_seed_same_text_and_another_seed_other_text(ckpt):
     assert a.stdout.startswith("The") and a.stdout.endswith("\n")
     # the continuation is 20 tokens: re-encoding what was printed need not give them back (BPE merges
     # across the boundary), so count through the function the command line calls
-    model, run = sample.load_model(ckpt, torch.device("cpu"))
+    model, run = sample.load_model(ckpt, torch.device("cpu"), SPECS)
     new = sample.generate(model, prompt_ids("The"), 20, run.context, generator=torch.Generator().manual_seed(0))
     assert a.stdout == "The" + sample.load_encoder().decode(new) + "\n"
 
 
 def test_the_model_has_its_steps_windows_tie_and_context(ckpt):
-    model, run = sample.load_model(ckpt, torch.device("cpu"))
-    row = T.Schedule(run.cfg)[4]
-    assert run.step == 4 and run.cfg.model == "tiny" and model.spec == T.MODELS["tiny"]
+    model, run = sample.load_model(ckpt, torch.device("cpu"), SPECS)
+    row = T.Schedule(run.cfg, SPECS["tiny"])[4]
+    assert run.step == 4 and run.cfg.model == "tiny" and model.spec == SPECS["tiny"]
     assert model._window == row.window and model._yarn == row.yarn and model.tied
     assert run.context == row.stage.seq_len == 2 * 64  # stage 2 trains sequences of 2 x --seq-len
     assert not model.training
 
 
 def test_greedy_tokens_are_the_argmax_of_one_float64_forward(ckpt):
-    model, run = sample.load_model(ckpt, torch.device("cpu"))
+    model, run = sample.load_model(ckpt, torch.device("cpu"), SPECS)
     ids = prompt_ids("The history of")
     n = run.context - len(ids)  # the whole sequence fits the context: one forward sees what each draw saw
     new = sample.generate(model, ids, n, run.context, temperature=0)
@@ -85,7 +86,7 @@ def test_greedy_tokens_are_the_argmax_of_one_float64_forward(ckpt):
 
 @pytest.mark.slow  # a forward per drawn token
 def test_tokens_are_valid_ids_among_the_top_k_and_stop_at_n(ckpt):
-    model, run = sample.load_model(ckpt, torch.device("cpu"))
+    model, run = sample.load_model(ckpt, torch.device("cpu"), SPECS)
     ids = prompt_ids("The")
     for n, k in [(1, 0), (7, 5), (run.context + 2, 3)]:  # the last runs past the context: it is cut
         new = sample.generate(model, ids, n, run.context, temperature=1.0, top_k=k,
@@ -103,8 +104,8 @@ def test_tokens_are_valid_ids_among_the_top_k_and_stop_at_n(ckpt):
 
 def test_a_tst_phase_1_checkpoint_samples_in_next_token_mode(tmp_path):
     path = checkpoint(tmp_path, "p1", "--tst-frac", "0.75", "--max-steps", "3")
-    model, run = sample.load_model(path, torch.device("cpu"))
-    assert run.step == 3 and T.Schedule(run.cfg)[2].stage.phase == 1 and run.cfg.tst_bag_size > 1
+    model, run = sample.load_model(path, torch.device("cpu"), SPECS)
+    assert run.step == 3 and T.Schedule(run.cfg, SPECS[run.cfg.model])[2].stage.phase == 1 and run.cfg.tst_bag_size > 1
     new = sample.generate(model, prompt_ids("The"), 5, run.context, generator=torch.Generator().manual_seed(0))
     assert len(new) == 5
 
@@ -114,16 +115,16 @@ def test_a_checkpoint_is_sampled_tied_or_untied_as_at_its_step(tmp_path, steps, 
     # the tiny run unties after step split_step = 5 (stage 3's first, odd): the embedding is then its own weight,
     # a copy of the head's until CautiousAdam's next update (every other step)
     path = checkpoint(tmp_path, "t", "--max-steps", str(steps))
-    model, run = sample.load_model(path, torch.device("cpu"))
+    model, run = sample.load_model(path, torch.device("cpu"), SPECS)
     assert T.split_step(run.cfg) == 5 and run.step == steps and model.tied is tied
     state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     assert tied or not torch.equal(state["embed.weight"], state["lm_head.weight"])  # they differ after the untie
     # the logits are those of the model the run trained (tied as at its step), not of the other tie
     ids = torch.tensor([T.EOT_TOKEN, 464, 3290, 286, 262, 1578, 1829, 13]).view(1, -1, 1)  # [1, T, 1] as sample.py
     logits = {}
-    row = T.Schedule(run.cfg)[steps]
+    row = T.Schedule(run.cfg, SPECS[run.cfg.model])[steps]
     for ref_tied in (True, False):
-        ref = T.GPT(run.cfg)
+        ref = T.build_model(run.cfg, SPECS[run.cfg.model])
         ref.load_state_dict(state)
         ref.tied = ref_tied
         ref.set_window(row.window, row.yarn)
@@ -136,7 +137,7 @@ def test_a_checkpoint_is_sampled_tied_or_untied_as_at_its_step(tmp_path, steps, 
 
 
 def one_error_line(capsys, *argv):
-    assert sample.main(list(map(str, argv))) == 2
+    assert sample.main(list(map(str, argv)), models=SPECS) == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
     [line] = err.strip().splitlines()

@@ -402,7 +402,7 @@ def test_arms_are_the_preset_without_and_with_our_methods(ss, tmp_path):
     assert (cfg["tst_aurora"].optimizer, cfg["tst_aurora"].tst_frac, cfg["tst_aurora"].tst_bag_size) == (
         ours["optimizer"], ours["tst_frac"], ours["tst_bag_size"])  # record_h200's (= cpu_smoke's) methods
     # equal FLOPs: every arm's schedule trains the same positions with the same FLOPs per position
-    flops = {arm: sum(r.stage.batch_tokens * r.flops_per_position for r in tg.Schedule(c).rows[:-1])
+    flops = {arm: sum(r.stage.batch_tokens * r.flops_per_position for r in tg.Schedule(c, tg.MODELS[c.model]).rows[:-1])
              for arm, c in cfg.items()}
     assert max(flops.values()) == pytest.approx(min(flops.values()), rel=1e-12)
 
@@ -412,7 +412,7 @@ def test_cost_estimate_sums_the_stage_table_and_every_val_point(ss, tmp_path, mo
     spec = plan_spec(ss, tmp_path)
     job = ss.make_job(spec, "baseline", 0, 1, 0.02)
     cfg = ss.parse_config(job.argvs[0][2:])
-    rows = tg.Schedule(cfg).rows
+    rows = tg.Schedule(cfg, tg.MODELS[cfg.model]).rows
     monkeypatch.setattr(ss, "COST", dict(startup_s=1.0, s_per_train_flop=1.0, s_per_val_flop=0.0, s_per_param_step=0.0))
     by_hand = 1.0
     for t in range(100):  # stages 1, 2, 3: a third, two thirds, all of 2,304 positions
@@ -426,7 +426,7 @@ def test_cost_estimate_sums_the_stage_table_and_every_val_point(ss, tmp_path, mo
     assert ss.est_seconds(tst) == pytest.approx(11 * val + 4 * val / 4)
     monkeypatch.setattr(ss, "COST", dict(startup_s=0.0, s_per_train_flop=0.0, s_per_val_flop=0.0, s_per_param_step=1.0))
     with torch.device("meta"):  # the optimizer term: every parameter, every step
-        n_params = sum(p.numel() for p in tg.GPT(cfg).parameters())
+        n_params = sum(p.numel() for p in tg.build_model(cfg, tg.MODELS[cfg.model]).parameters())
     assert ss.est_seconds(job) == pytest.approx(100 * n_params)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import harness as H
 import train_gpt as T
-from conftest import read_log, tiny_args
+from conftest import SPECS, TINY, read_log, spec_of, tiny_args
 
 N_SCHED, N_EXT = 1270, 15
 TOTAL = N_SCHED + N_EXT
@@ -23,9 +23,9 @@ MNG = [(131072, 896, (1, 3), 1.0, [1.0, 0.5, 0.25], [1.0, 0.5, 0.0], 0.25, 0.25)
 
 
 def config(*argv):
-    """The checked Config of command-line words."""
+    """The checked Config of command-line words (--model may name the tiny spec)."""
     cfg = H.parse_flags(T.Config, T.PRESETS, list(argv))[0]
-    T.check_config(cfg)
+    T.check_config(cfg, SPECS)
     return cfg
 
 
@@ -89,7 +89,8 @@ def test_boundaries_are_modded_nanogpts():
 
 @pytest.fixture(scope="module")
 def baseline_table():
-    return T.Schedule(config("--preset", "baseline_h200"))
+    cfg = config("--preset", "baseline_h200")
+    return T.Schedule(cfg, spec_of(cfg))
 
 
 @pytest.mark.parametrize("step", boundary_steps())
@@ -121,7 +122,8 @@ def test_tst_splits_the_stage_its_switch_falls_in():
         [(0, switch, 1), (switch, 423, 2), (423, 847, 2), (847, 1270, 2), (1270, TOTAL, 2)]
     assert table[0].bag_size == 4 and table[1].bag_size == 1
     # both halves keep the recipe stage's columns and ramp over the whole recipe stage
-    plain, split = T.Schedule(config()), T.Schedule(cfg)
+    base = config()
+    plain, split = T.Schedule(base, spec_of(base)), T.Schedule(cfg, spec_of(cfg))
     for step in (0, switch - 1, switch, 422):
         a, b = plain[step], split[step]
         assert (a.lr_scale, a.momentum, a.window, a.objective, a.stage.doc_cap) == \
@@ -148,12 +150,12 @@ def test_the_stages_need_thirds_of_the_batch():
 
 
 def test_packed_stages_log_raw_tokens_positions_and_stage_changes(tmp_path):
-    assert T.main(tiny_args(tmp_path, "--run-id", "p", "--val-every", "0")) == 0
+    assert T.main(tiny_args(tmp_path, "--run-id", "p", "--val-every", "0"), models=SPECS) == 0
     s = json.loads((tmp_path / "logs" / "p.json").read_text())
     assert s["positions"] == 2 * 64 + 3 * 128 + 3 * 192
     assert s["raw_tokens"] > s["positions"]  # clipped and cut document tails are read, not trained
     assert s["flops"] == pytest.approx(sum(r.flops_per_position * r.stage.batch_tokens
-                                           for r in T.Schedule(config(*tiny_args(tmp_path))).rows[:8]), rel=1e-12)
+                                           for r in T.Schedule(config(*tiny_args(tmp_path)), TINY).rows[:8]), rel=1e-12)
     text = read_log(tmp_path / "logs", "p")
     for line in ("stage: step 2: batch_tokens 64 -> 128, seq_len 64 -> 128, doc_cap 896 -> 2048, blocks (1, 3) -> "
                  "(3, 7), lr_mul 1.0 -> 1.52;", "stage: step 5: batch_tokens 128 -> 192, seq_len 128 -> 192, "
@@ -171,7 +173,7 @@ def tiny_model(seed=0):
     cfg = config("--model", "tiny", "--seq-len", "16", "--batch-tokens", "96", "--num-iterations", "9",
                  "--extension-steps", "0", "--val-tokens", "64", "--no-fp8")
     torch.manual_seed(seed)
-    model = T.GPT(cfg).double()
+    model = T.build_model(cfg, TINY).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -183,7 +185,7 @@ def test_objective_step_matches_naive_cross_entropies():
     that sum / the step's sequence count (modded-nanogpt's scale), plus its softmax term w_j softmax(z) for the
     multi-token columns past the sequence end (no loss term), float64."""
     cfg, model = tiny_model()
-    table = T.Schedule(cfg)
+    table = T.Schedule(cfg, TINY)
     objectives = T.Objectives(table, model.spec.vocab_size, "cpu")
     g = torch.Generator().manual_seed(3)
     micro = [T.make_batch(torch.randint(0, 50257, (2, 17), generator=g), "full", 1) for _ in range(2)]
@@ -217,7 +219,7 @@ def test_objective_step_matches_naive_cross_entropies():
 
 def test_objective_columns_are_next_tokens_and_prefixes():
     cfg, _ = tiny_model()
-    table = T.Schedule(cfg)
+    table = T.Schedule(cfg, TINY)
     objectives = T.Objectives(table, 50304, "cpu")
     tokens = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(1))
     inputs, targets = T.make_batch(tokens, "full", 1)
@@ -231,7 +233,7 @@ def test_objective_columns_are_next_tokens_and_prefixes():
     step = T.stages(cfg)[1].start
     assert objectives.batches([(inputs, targets)], step, table[step].stage)[1].tolist() == \
         pytest.approx(list(table[step].objective))
-    tst = T.Schedule(dataclasses.replace(cfg, tst_frac=0.5))  # TST phase 1 trains its own objective
+    tst = T.Schedule(dataclasses.replace(cfg, tst_frac=0.5), TINY)  # TST phase 1 trains its own objective
     assert objectives.batches([(inputs, targets)], 0, tst[0].stage) == ([(inputs, targets)], None)
 
 
@@ -260,7 +262,7 @@ def test_split_step_is_the_odd_start_of_stage_3(tmp_path):
 def test_untie_copies_the_weight_and_the_head_adam_state():
     cfg, _ = tiny_model()
     torch.manual_seed(0)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, TINY)
     assert model.tied
     adam, _ = T.build_optimizers(model, cfg)
     tokens = torch.randint(0, 50257, (2, 17), generator=torch.Generator().manual_seed(4))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import harness
 import kernels
 import train_gpt as T
-from conftest import loss_lines, read_log, tiny_args
+from conftest import SPECS, loss_lines, read_log, tiny_args
 from model_reference import TINY, config, random_tokens
 
 V = 50304
@@ -170,7 +170,7 @@ def test_ignored_labels_add_nothing():
 def model_in(dtype, cfg, seed=0):
     """The tiny model with every weight off its init, in ``dtype`` (float64 RoPE tables for a float64 one)."""
     torch.manual_seed(seed)
-    model = T.GPT(cfg)
+    model = T.build_model(cfg, TINY)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -225,7 +225,7 @@ def test_step_gradient_is_the_same_for_1_2_4_micro_batches_with_uneven_labels(mo
 def test_phase_1_covers_the_first_round_r_n_steps_and_splits_the_stage_it_ends_in():
     cfg = config(TINY, num_iterations=10, extension_steps=1, tst_frac=0.4, tst_bag_size=3, tst_mode="output")
     assert T.tst_switch_step(cfg) == 4
-    table = T.Schedule(cfg)
+    table = T.Schedule(cfg, TINY)
     assert [table[i].stage.phase for i in range(11)] == [1] * 4 + [2] * 7  # row N: the final validation's
     rows = [(st.start, st.end, st.phase, st.bag_size, st.mode) for st in table.stages]
     assert rows == [(0, 3, 1, 3, "output"), (3, 4, 1, 3, "output"), (4, 6, 2, 1, "full"), (6, 9, 2, 1, "full"),
@@ -244,7 +244,7 @@ def test_phase_1_covers_the_first_round_r_n_steps_and_splits_the_stage_it_ends_i
 def short_run(root, *extra):
     """``T.main`` of a 4-step tiny run (one step per recipe stage and the extension), TST to step 2; its log."""
     assert T.main(tiny_args(root, "--num-iterations", "4", "--val-every", "2", "--val-tokens", "256", "--tst-frac", "0.5",
-                            *extra)) == 0
+                            *extra), models=SPECS) == 0
     return read_log(root / "logs")
 
 

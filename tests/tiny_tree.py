@@ -1,9 +1,9 @@
 """A copy of the trainer that knows the tests' tiny model, for runs whose log must re-run by itself.
 
 A log snapshots the code that ran; ``records/verify.py --rerun`` runs that snapshot in a fresh process. The tiny
-spec (conftest.TINY) is registered by the tests in their own processes only, so a log of a tiny run re-runs only if
-its snapshot registers the spec too: ``trainer_copy`` writes the trainer's files into a folder with one line added
-to train_gpt.py that does.
+spec (conftest.TINY) reaches the trainer only where the tests pass it (``train_gpt.main(argv, models=conftest.SPECS)``
+in their own processes), so a log of a tiny run re-runs only if its snapshot holds the spec itself: ``trainer_copy``
+writes the trainer's files into a folder with one line added to its train_gpt.py that puts it in its ``MODELS``.
 """
 import os
 import shutil
