@@ -165,6 +165,7 @@ class Runtime:
     compile: bool
     bf16: bool = False
     accum: int = 1
+    dist_timeout: float = 0.0  # s
 
     @property
     def master(self):
@@ -209,7 +210,8 @@ def setup_runtime(cfg, accum):
             why = " ".join(str(e).split())[:160]
             raise JoinError(f"cannot join the process group ({why}); check MASTER_ADDR:MASTER_PORT "
                             f"and --dist-timeout ({cfg.dist_timeout} s)") from None
-    return Runtime(rank, world, device, cuda if cfg.compile is None else cfg.compile, bf16, accum)
+    return Runtime(rank, world, device, cuda if cfg.compile is None else cfg.compile, bf16, accum,
+                   cfg.dist_timeout)
 
 
 def keep_freed_blocks():
@@ -757,8 +759,7 @@ def memory_line(n_params, positions, spec, val_seqs, val_chunk, val_piece):
             f"GiB; lower it with --micro-batch-seqs or --seq-len")
 
 
-# dense bf16 peak TFLOP/s (NVIDIA, SXM); modded-nanogpt's record #21 trained 5.517e17 FLOPs
-# (train_gpt.py's count) in 175.98 s on 8 x H100: 39.6% of peak
+# dense bf16 peak TFLOP/s (NVIDIA, SXM); record #21: 5.517e17 FLOPs in 175.98 s on 8 x H100, 39.6%
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 RECORD_MFU = 0.396
 
@@ -835,10 +836,11 @@ def collective_failure(err, log):
     what = (c10d[-1] if c10d else "the wait for a collective") + (f" in {ours[-1]}" if ours else "")
     if re.search("Connection (closed|reset) by peer", str(err)):
         return f"rank {rank}: {what} failed: another rank left the run (its own line says why)", False
-    waited = re.search(r"waiting (\d+)ms", str(err))
+    waited = re.search(r"waiting (\d+)ms", str(err))  # else the group's
+    timeout = int(waited[1]) / 1000 if waited else (log.rt.dist_timeout if log is not None else 0)
     absent = absent_ranks(rank, world)
     reason = (f"rank {rank}: {what} timed out after --dist-timeout"
-              + (f" {int(waited[1]) / 1000:g} s" if waited else "")
+              + (f" {timeout:g} s" if timeout else "")
               + (f"; rank(s) {', '.join(map(str, absent))} never reached it (stalled or hung)"
                  if absent else "; which ranks did not reach it is unknown")
               + "; raise --dist-timeout if a rank is only slow")
