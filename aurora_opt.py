@@ -120,6 +120,26 @@ def ns_dtype_on(device, ns_dtype=None):
     return torch.float32  # CPUs emulate bf16 matmuls: ~68x slower
 
 
+def compiled_if(fn, compile):
+    """``fn``, or its graph compiled once per shape (``dynamic=False``) when ``compile``."""
+    return torch.compile(fn, dynamic=False) if compile else fn
+
+
+def host_scalars():
+    """Two 0-D float64 CPU tensors a compiled step reads its per-step scalars from."""
+    return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+
+
+def to_host_scalars(held, values):
+    """``values`` (floats) as they go to the step's graph: written into ``held`` (``host_scalars``)
+    when compiled, else as they are."""
+    if held is None:
+        return values
+    for t, value in zip(held, values):
+        t.fill_(value)
+    return held
+
+
 def check_hparams(lr=DEFAULTS["lr"], weight_decay=DEFAULTS["weight_decay"],
                   momentum=DEFAULTS["momentum"], ns=DEFAULTS["ns"],
                   pp_iterations=DEFAULTS["pp_iterations"], pp_beta=DEFAULTS["pp_beta"],
@@ -175,9 +195,7 @@ class Aurora(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 by_shape.setdefault(tuple(p.shape), []).append(i)
             self._by_shape.append(by_shape)
-        self._direction = aurora_direction
-        if compile:
-            self._direction = torch.compile(aurora_direction, dynamic=False)
+        self._direction = compiled_if(aurora_direction, compile)
         floating = isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point
         usable = floating and ns_dtype.itemsize >= 2 and ns_dtype != torch.float16
         if not (ns_dtype is None or usable):
@@ -353,16 +371,11 @@ class NorMuon(Aurora):
                 raise ValueError(f"lr_mul must be >= 0 (got {group['lr_mul']!r})")
         # blocks of one shape are orthogonalized together: per group {block shape: [param index]}
         self._by_shape = [self._block_shapes(group) for group in self.param_groups]
-        self._direction = equalized_polar
-        self._finish = normuon_finish_
-        self._scalars = None
-        if compile:
-            self._direction = torch.compile(equalized_polar, dynamic=False)
-            self._finish = torch.compile(normuon_finish_, dynamic=False)
-            # lr and wd * lr reach the graph as 0-D CPU tensors, filled on the host: a new lr
-            # neither recompiles nor syncs
-            self._scalars = (torch.zeros((), dtype=torch.float64),
-                             torch.zeros((), dtype=torch.float64))
+        self._direction = compiled_if(equalized_polar, compile)
+        self._finish = compiled_if(normuon_finish_, compile)
+        # lr and wd * lr reach the graph as 0-D CPU tensors, filled on the host: a new lr
+        # neither recompiles nor syncs
+        self._scalars = host_scalars() if compile else None
 
     @staticmethod
     def _block_shapes(group):
@@ -423,11 +436,7 @@ class NorMuon(Aurora):
         # a tall block's polar factor has entries of RMS 1/sqrt(rows); sqrt(rows / cols) lifts them
         # to a square or wide block's 1/sqrt(cols) (record #42)
         lr_eff = lr * group["lr_mul"] * math.sqrt(max(1.0, rows / cols))
-        scalars = (lr_eff, group["weight_decay"] * lr)
-        if self._scalars is not None:
-            for t, value in zip(self._scalars, scalars):
-                t.fill_(value)
-            scalars = self._scalars
+        scalars = to_host_scalars(self._scalars, (lr_eff, group["weight_decay"] * lr))
         self._finish(params, O, second_moments, group["beta2"], *scalars)
 
 
@@ -465,15 +474,10 @@ class CautiousAdam(torch.optim.Optimizer):
         self.every = every
         self.shard = shard
         self.calls = 0  # step() calls so far; saved in state_dict
-        self._finish = adam_finish_
-        self._accumulate = grad_sum_
-        self._scalars = None
-        if compile:
-            self._finish = torch.compile(adam_finish_, dynamic=False)
-            self._accumulate = torch.compile(grad_sum_, dynamic=False)
-            # the step size and lr^2 wd reach the graph as 0-D CPU tensors: no recompile, no sync
-            self._scalars = (torch.zeros((), dtype=torch.float64),
-                             torch.zeros((), dtype=torch.float64))
+        self._finish = compiled_if(adam_finish_, compile)
+        self._accumulate = compiled_if(grad_sum_, compile)
+        # the step size and lr^2 wd reach the graph as 0-D CPU tensors: no recompile, no sync
+        self._scalars = host_scalars() if compile else None
 
     @property
     def updates_next(self):
@@ -605,11 +609,7 @@ class CautiousAdam(torch.optim.Optimizer):
         for t, entries in by_step.items():
             ps, gs, ss, ms, vs = map(list, zip(*entries))
             step_size = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-            scalars = (step_size, lr * lr * group["weight_decay"])
-            if self._scalars is not None:
-                for s, value in zip(self._scalars, scalars):
-                    s.fill_(value)
-                scalars = self._scalars
+            scalars = to_host_scalars(self._scalars, (step_size, lr * lr * group["weight_decay"]))
             # every == 1 keeps no sums: the gradients are used as they are
             sums_or_none = None if self.every == 1 else ss
             self._finish(ps, gs, sums_or_none, ms, vs, first, b1, b2, group["eps"], *scalars)
