@@ -28,14 +28,12 @@ if [ ${#shards[@]} -eq 0 ] && [ "$n_gpus" -gt 0 ]; then
     "$PYTHON" data/cached_fineweb10B.py 10 --local-dir "$DATA_DIR"
 elif [ ${#shards[@]} -eq 0 ]; then
     echo "run.sh: DATA_DIR=$DATA_DIR holds no *_train_*.bin shards; point it at a folder of shards" \
-         "(data/tokenize_text.py makes them from text) or unset it for data/sample" >&2
-    exit 2
+         "(data/tokenize_text.py makes them from text) or unset it for data/sample" >&2; exit 2
 fi
 glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')  # the folder name's own glob characters, escaped
 args=(--preset "$preset" --train-files "$glob/*_train_*.bin" --val-files "$glob/*_val_*.bin" "$@")
-if [ "$nproc" -gt 1 ]; then  # before torchrun: a count the step cannot split gets the trainer's one line (--describe)
-    WORLD_SIZE=$nproc "$PYTHON" train_gpt.py "${args[@]}" --describe >/dev/null || exit $?
-fi
+# before torchrun: a process count the step cannot split gets the trainer's one line (--describe)
+if [ "$nproc" -gt 1 ]; then WORLD_SIZE=$nproc "$PYTHON" train_gpt.py "${args[@]}" --describe >/dev/null || exit $?; fi
 echo "run.sh: preset $preset on $nproc $([ "$n_gpus" -eq 0 ] && echo CPU || echo GPU) process(es), data $DATA_DIR" >&2
 if [ "$nproc" -eq 1 ]; then exec "$PYTHON" train_gpt.py "${args[@]}"; fi
 # torchrun (torch.distributed.run) through harness.py: the ranks' one line and exit status, not torchrun's traceback
