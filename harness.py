@@ -759,7 +759,7 @@ def memory_line(n_params, positions, spec, val_seqs, val_chunk, val_piece):
             f"GiB; lower it with --micro-batch-seqs or --seq-len")
 
 
-# dense bf16 peak TFLOP/s (NVIDIA, SXM); record #21: 5.517e17 FLOPs in 175.98 s on 8 x H100, 39.6%
+# dense bf16 peak TFLOP/s (SXM); record #21: 5.517e17 FLOPs in 175.98 s on 8 x H100
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0}
 RECORD_MFU = 0.396
 
@@ -788,10 +788,10 @@ def failure(err, stop, log):
         e = e.__cause__ or e.__context__
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
-    marked = False  # a collective failure's: this rank ended rank 0's log
+    marked = False  # this rank ended rank 0's log
     status = "incomplete"
     code = 2
-    if isinstance(err, SystemExit):  # --help, or argparse's own one line
+    if isinstance(err, SystemExit):  # --help, or argparse's line
         return "refused", None, err.code if isinstance(err.code, int) else 2
     if isinstance(err, (ConfigError, DataError, FloatingPointError)):
         status = "refused" if log is None else "incomplete"
@@ -815,6 +815,8 @@ def failure(err, stop, log):
     if status != "refused" or isinstance(err, JoinError) or int(os.environ.get("RANK", "0")) == 0:
         # one write: lines stay whole
         sys.stderr.write(f"train_gpt.py: {'error: ' if code == 2 else ''}{reason}\n")
+    else:  # torchrun stops all when one exits: rank 0 first
+        time.sleep(3)
     if marked:
         print(f"log: {log.path} ({status}, marked by rank {log.rt.rank} for rank 0)", file=sys.stderr)
     return status, reason, code
@@ -880,7 +882,7 @@ def launch(argv):
     """``python harness.py [torchrun flags] train_gpt.py [flags]``: torchrun, quiet, exiting with
     the first failed rank's status (not 1 and a traceback); a signal goes to the ranks (129/130)."""
     import logging
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read as torchrun's loggers are made (import)
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read when torchrun's loggers are made
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")  # a stopped rank's checkpoint
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
