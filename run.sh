@@ -8,7 +8,7 @@ set -euo pipefail
 if [ -n "${DATA_DIR:-}" ] && [[ "$DATA_DIR" != /* ]]; then DATA_DIR="$PWD/$DATA_DIR"; fi  # as given, from here
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
-n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())") || {
+n_gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || {
     echo "run.sh: torch is not importable by $PYTHON; first: pip install -r requirements.txt" >&2; exit 2; }
 if [ "$n_gpus" -eq 0 ]; then
     preset=cpu_smoke; DATA_DIR=${DATA_DIR:-data/sample}; nproc=${NPROC:-1}

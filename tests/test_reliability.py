@@ -429,3 +429,12 @@ def test_run_sh_refuses_more_processes_than_gpus_before_torchrun(tmp_path):
 def test_run_sh_refuses_in_one_line(tmp_path, env, says):
     out = run_sh(tmp_path, **env)
     assert out.returncode == 2 and out.stderr.splitlines() == [says.format(tmp=tmp_path)], out.stderr
+
+
+def test_run_sh_with_a_python_without_torch_is_one_line_not_its_traceback(tmp_path):
+    python = tmp_path / "python"  # this python without its site-packages: no torch to import
+    python.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    out = run_sh(tmp_path, PYTHON=str(python))
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"run.sh: torch is not importable by {python}; first: pip install -r requirements.txt"], out.stderr
