@@ -25,7 +25,7 @@ ERAS = {  # era: (log, K: the first logged train loss or a few steps, its Config
     "2026-12-03 study of record #89's recipe": (
         os.path.join(CPU, "2026-12-03_small_scale_89", "aurora", "aurora_o0_seed0.txt"), 5, 99, 4),
     "2026-12-07 study at the record's 1,285 steps": (
-        os.path.join(CPU, "2026-12-07_full_length", "lr_sweep", "baseline_lr0.046_seed0.txt"), 5, 41, 4),
+        os.path.join(CPU, "2026-12-07_full_length", "aurora", "aurora_o2_seed0.txt"), 5, 41, 4),
 }
 
 
