@@ -28,3 +28,18 @@ def use(*folders):
 
 
 use(REPO, DATA)
+
+
+def glue_option(argv, flag):
+    """``[flag, value]`` as ``flag=value``, so argparse takes a value that starts with '-'.
+
+    Args:
+        argv: the command line's words (``sys.argv[1:]`` when None).
+        flag: an option whose value is a quoted list of other flags, e.g. ``--trainer-args``.
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
+    for i, word in enumerate(words[:-1]):
+        if word == flag:
+            words[i:i + 2] = [f"{flag}={words[i + 1]}"]
+            break
+    return words

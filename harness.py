@@ -16,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -36,8 +37,7 @@ class JoinError(ConfigError):
     """Joining the process group failed: each rank prints its own."""
 
 
-class DataError(ValueError):
-    """A shard or glob that cannot be used; the message names the file and the fix."""
+DataError = shard_format.ShardError  # a shard, glob or tokenizer file; names it and the fix
 
 
 class StopRequested(Exception):
@@ -49,31 +49,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- Shards: a 256 x int32 header, then uint16 tokens
 
-GPT2_ENCODER_JSON = os.path.join(HERE, "data", "gpt2_bpe", "encoder.json")
+GPT2_ENCODER_JSON = shard_format.GPT2_ENCODER_JSON
 
 
 def read_shard(path):
     """A shard's tokens (read-only uint16 memmap), checked as the data tools do."""
-    try:
-        tokens = shard_format.read_tokens(path)
-        shard_format.check_shard_tokens(path, tokens)  # one pass: about a second per 2 GB
-    except shard_format.ShardError as e:
-        raise DataError(str(e)) from None
+    tokens = shard_format.read_tokens(path)
+    shard_format.check_shard_tokens(path, tokens)  # one pass: about a second per 2 GB
     return tokens
-
-
-def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
-    """``{id: bytes}`` of GPT-2's ordinary tokens (encoder.json; no network)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    others = sorted(set(range(256)) - set(printable))
-    char_to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-    try:
-        with open(path, encoding="utf-8") as f:
-            encoder = json.load(f)
-        return {i: bytes(char_to_byte[c] for c in s) for s, i in encoder.items() if s != "<|endoftext|>"}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: cannot read GPT-2's encoder.json ({type(e).__name__}: {e}); "
-                        f"restore it from the repository (git checkout -- data/gpt2_bpe)") from None
 
 
 def resolve_files(pattern, flag):
@@ -147,11 +130,6 @@ class TokenStream:
             out[done:done + take] = self.shards[i][lo:lo + take]
             done += take
         return out
-
-
-def open_streams(data):
-    """(train stream, val stream)."""
-    return (TokenStream([f for f, _ in data["train"]], wrap=True), TokenStream([f for f, _ in data["val"]]))
 
 
 # ---- The runtime
@@ -370,6 +348,14 @@ def write_json(path, obj):
     os.replace(path + ".tmp", path)
 
 
+def echo_line(text):
+    """stdout; a reader that left (``| head``) silences the rest, not the run."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 class RunLog:
     """``<log_dir>/<run_id>.txt`` and ``.json``: never replaced; a resume appends."""
 
@@ -389,6 +375,7 @@ class RunLog:
                 self._open(cfg, resume)
             except ConfigError as e:
                 refused = str(e)
+                self.release()
         if rt.distributed:  # every rank stops now, not at its next collective
             refused = from_rank_0(refused)
         if refused:
@@ -403,14 +390,18 @@ class RunLog:
             if append and os.path.exists(self.json_path):
                 with open(self.json_path, encoding="utf-8") as f:
                     self.summary = dict(json.load(f), status="running")
+                self.summary.pop("reason", None)  # the last stop's
             self.file = open(self.path, "a" if append else "x", encoding="utf-8")
         except ConfigError:  # the lock's
             raise
-        except FileExistsError:
+        except FileExistsError as e:
             self.release()
+            if e.filename != self.path:  # makedirs: a file has the folder's name
+                raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
+            saved = glob.glob(os.path.join(glob.escape(cfg.checkpoint_dir), self.run_id, "step_*.pt"))
+            more = f", or continue that run with --resume auto --run-id {self.run_id}" if saved else ""
             raise ConfigError(f"--run-id {self.run_id}: {self.path} already exists; choose another "
-                              f"--run-id, or continue that run with --resume auto --run-id "
-                              f"{self.run_id}") from None
+                              f"--run-id{more}") from None
         except (OSError, ValueError) as e:
             self.release()
             raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e}); "
@@ -430,7 +421,7 @@ class RunLog:
         if self.file is None:
             return
         if echo:
-            print(text, flush=True)
+            echo_line(text)
         self.write(text + "\n")
 
     def update(self, **kw):
@@ -466,8 +457,9 @@ class RunLog:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-            self.file.close()
             self.release()
+            with suppress(OSError):  # a full disk: the buffer's last write fails again
+                self.file.close()
 
     def release(self):
         if self.lock is not None:
@@ -593,13 +585,8 @@ TORCH_WRITE_FAILED = re.compile(r"inline_container|file write failed|unexpected 
 
 def state_bytes(obj):
     """Bytes of the tensors in a nested dict/list/tuple."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+    leaves = torch.utils._pytree.tree_leaves(obj)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def checkpoint_write_error(path, err, need):
@@ -631,7 +618,7 @@ def load_resume(cfg, data, operational):
         path = max(found, key=lambda p: int(re.sub(r"\D", "", os.path.basename(p)) or 0))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        assert isinstance(state, dict) and "config" in state and "model" in state
+        assert isinstance(state, dict) and {"config", "model", "data", "counters"} <= state.keys()
     except Exception as e:  # noqa: BLE001 -- torch raises several kinds
         first = str(e).splitlines()[0][:100] if str(e) else "not a checkpoint"
         raise ConfigError(f"--resume {path}: not a readable train_gpt.py checkpoint "
@@ -651,17 +638,22 @@ def load_resume(cfg, data, operational):
 
 def restore(state, model, opts, loader, rt):
     """Load a checkpoint into the run; its step."""
-    ranks = state["rank_buffers"]
-    saved = {**state["model"], **ranks[rt.rank if len(ranks) == rt.world else 0]}
     own = model.state_dict()  # --fp8 may differ on resume: only down_scales may not match
-    model.load_state_dict({k: v for k, v in saved.items() if k in own or not k.endswith("down_scales")},
-                          strict=not any(k.endswith("down_scales") and k not in saved for k in own))
-    for opt, saved in zip(opts, state["optimizers"]):
-        opt.load_state_dict(saved)
-    loader.position = state["loader_position"]
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and rt.device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    try:
+        ranks = state["rank_buffers"]
+        saved = {**state["model"], **ranks[rt.rank if len(ranks) == rt.world else 0]}
+        model.load_state_dict({k: v for k, v in saved.items() if k in own or not k.endswith("down_scales")},
+                              strict=not any(k.endswith("down_scales") and k not in saved for k in own))
+        for opt, saved in zip(opts, state["optimizers"]):
+            opt.load_state_dict(saved)
+        loader.position = state["loader_position"]
+        rng = state["rng"]
+    except (RuntimeError, KeyError, ValueError) as e:  # its config fits: a damaged or hand-made file
+        raise ConfigError(f"--resume {state['path']}: does not fit this run ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:150]})") from None
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and rt.device.type == "cuda":
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"]
 
 
@@ -890,13 +882,16 @@ def launch(argv):
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    logs = tempfile.mkdtemp(prefix="torchrun_")  # torchrun's own folder (its default is kept)
     try:
-        run(parse_args(argv))
+        run(parse_args(["--log-dir", logs] + argv))
     except ChildFailedError as e:
         _, first = e.get_first_failure()  # the others were stopped because of it
         return first.exitcode if first.exitcode >= 0 else 128 - first.exitcode  # -N: signal N
     except SignalException as e:
         return signal_exit_code(e.sigval.name)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 

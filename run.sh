@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The one command. With GPUs: baseline_h200 (record #89's recipe) on 1, 2, 4 or 8 of them under torchrun, on
 # FineWeb in $DATA_DIR (default data/fineweb10B, 10 train shards downloaded when it has none: about 2 GB).
-# Without a GPU: cpu_smoke (record_h200's recipe at the smoke shape) on the repository's sample data/sample.
-#   bash run.sh                          DATA_DIR=data/mytext bash run.sh        bash run.sh --preset record_h200
-# Extra arguments go to train_gpt.py; NPROC sets the process count. Exit status: the trainer's (0: a completed run).
+# Without a GPU: cpu_smoke (record_h200's recipe at the smoke shape) on data/sample. Exit status: the trainer's.
+# Extra arguments go to train_gpt.py (e.g. --preset record_h200); NPROC sets the process count, DATA_DIR the shards.
 set -euo pipefail
 if [ -n "${DATA_DIR:-}" ] && [[ "$DATA_DIR" != /* ]]; then DATA_DIR="$PWD/$DATA_DIR"; fi  # as given, from here
 cd "$(dirname "$0")"
@@ -31,6 +30,7 @@ elif [ ${#shards[@]} -eq 0 ]; then
          "(data/tokenize_text.py makes them from text) or unset it for data/sample" >&2; exit 2
 fi
 glob=$(printf '%s' "$DATA_DIR" | sed 's/[][*?]/[&]/g')  # the folder name's own glob characters, escaped
+prev=; for a in "$@"; do [ "$prev" = --preset ] && preset=$a; [[ $a == --preset=* ]] && preset=${a#*=}; prev=$a; done
 args=(--preset "$preset" --train-files "$glob/*_train_*.bin" --val-files "$glob/*_val_*.bin" "$@")
 # before torchrun: a process count the step cannot split gets the trainer's one line (--describe)
 if [ "$nproc" -gt 1 ]; then WORLD_SIZE=$nproc "$PYTHON" train_gpt.py "${args[@]}" --describe >/dev/null || exit $?; fi

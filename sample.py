@@ -25,6 +25,7 @@ import dataclasses
 import glob
 import math
 import os
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -223,6 +224,7 @@ def parse_args(argv):
 def main(argv=None, models=None):
     """Command line: print the prompt and its sampled continuation; returns the exit status (130: Ctrl-C).
     ``models``: the specs a checkpoint's ``--model`` may name (None: ``train_gpt.MODELS``)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that left (`| head`): stop quietly
     try:
         return _sample(argv, models)
     except KeyboardInterrupt:  # one line, not a traceback out of torch

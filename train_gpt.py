@@ -166,8 +166,8 @@ def check_config(cfg, models=None):
     need(cfg.tst_frac == 0 or cfg.val_tokens >= 2 * cfg.tst_bag_size,
          f"--tst-bag-size {cfg.tst_bag_size} needs --val-tokens >= {2 * cfg.tst_bag_size} (a bag "
          f"and its next bag); lower the bag size")
-    need(cfg.run_id == "" or harness.SAFE_NAME.fullmatch(cfg.run_id),
-         f"--run-id {cfg.run_id!r}: use letters, digits, '.', '_' and '-' (it names files)")
+    need(cfg.run_id == "" or harness.SAFE_NAME.fullmatch(cfg.run_id) and len(cfg.run_id) <= 200,
+         f"--run-id {cfg.run_id[:40]!r}: use up to 200 letters, digits, '.', '_' and '-' (it names files)")
 
 
 def grad_accum_steps(cfg, world):
@@ -1010,7 +1010,7 @@ def prefix_targets(table, targets):
 def prefix_token_table(vocab_size, path=harness.GPT2_ENCODER_JSON):
     """int64 ``[vocab_size]``: each token's longest proper byte prefix that is a token, else ignored
     (record #88): single bytes, <|endoftext|> and padding have none."""
-    token_bytes = harness.gpt2_token_bytes(path)
+    token_bytes = harness.shard_format.gpt2_token_bytes(path)
     ids = {b: i for i, b in token_bytes.items()}
     table = [IGNORE_INDEX] * vocab_size
     for i, b in token_bytes.items():
@@ -1385,7 +1385,8 @@ class Run:
 def build_run(cfg, spec, rt, log, data, resume, backend="TRITON"):
     """The model, optimizers and data of a run (restored from ``resume``, a checkpoint's state, when
     given); ``backend``: FlexAttention's kernels on CUDA (``kernels.choose_flex_backend``)."""
-    train_stream, val_stream = harness.open_streams(data)
+    train_stream = harness.TokenStream([f for f, _ in data["train"]], wrap=True)
+    val_stream = harness.TokenStream([f for f, _ in data["val"]])
     harness.log_header(log, cfg, rt, data, (train_stream, val_stream))
     why = fp8_unavailable_reason(rt.device)  # a CPU, or a GPU before sm_89
     if cfg.fp8 and why:
@@ -1688,7 +1689,7 @@ def main(argv=None, models=None):
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's process count
         accum = grad_accum_steps(cfg, world)
         if machines is not None:  # --describe (run.sh checks a process count with it first)
-            print(describe(cfg, spec, preset, machines))
+            harness.echo_line(describe(cfg, spec, preset, machines))
             return 0
         rt = harness.setup_runtime(cfg, accum)
         data = harness.find_data(cfg.train_files, cfg.val_files)

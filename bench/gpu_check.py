@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from _paths import BENCH, REPO, use  # noqa: E402
+from _paths import BENCH, REPO, glue_option, use  # noqa: E402
 use(BENCH)  # this folder's tools by name, however this module was imported
 TRAINER = os.path.join(REPO, "train_gpt.py")
 import gpu_kernels  # noqa: E402 -- the in-process checks (run as a subprocess; here: why a row cannot run)
@@ -1723,7 +1723,7 @@ def parse_args(argv):
     p.add_argument("--bf16-tol", type=float, default=2e-2, help="absolute loss tolerance, bf16 vs fp32")
     p.add_argument("--fp8-tol", type=float, default=5e-2, help="absolute loss tolerance, bf16 + FP8 vs bf16")
     p.add_argument("--keep-data", action="store_true", help="keep the work folder (logs, synthetic shards)")
-    args = p.parse_args(argv)
+    args = p.parse_args(glue_option(argv, "--trainer-args"))  # its value starts with '-'
     d = args.dry_run
     args.presets = [p for p in args.preset.split(",") if p]
     unknown = [p for p in args.presets if T is not None and p not in T.PRESETS]

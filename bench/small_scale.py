@@ -40,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from _paths import BENCH, RECORDS, REPO, use  # noqa: E402
+from _paths import BENCH, RECORDS, REPO, glue_option, use  # noqa: E402
 use(RECORDS, BENCH)  # records/compare.py and bench's modules, by name
 import compare  # noqa: E402  (records/compare.py: the reader of trainer logs, defined once)
 import harness  # noqa: E402  (its SOURCE_FILES: what a log snapshots)
@@ -1160,7 +1160,7 @@ def parse_args(argv=None):
                          "contention for memory bandwidth, the same for every arm")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands, train nothing")
     ap.add_argument("--verbose", action="store_true", help="print every trainer command line")
-    return ap.parse_args(argv)
+    return ap.parse_args(glue_option(argv, "--trainer-args"))  # its value starts with '-'
 
 
 def build_spec(args, argv):

@@ -5,7 +5,8 @@ why not for each shard. A shard is bad when its header or size is wrong (see sha
 holds a token id above 50256 (not GPT-2 BPE ids), or a run of 8,192 or more copies of one id other
 than <|endoftext|> (a zero-filled or single-id stretch: a partial download or write that kept its
 size; ``shard_format.CORRUPT_RUN``). ``python data/tokenize_text.py --check``
-does the same. Exit status 1 if any shard is bad or a glob matches nothing, 2 on bad arguments.
+does the same. Exit status 1 if any shard is bad, a glob matches nothing or no shard holds an
+<|endoftext|> (the trainer needs documents), 2 on bad arguments.
 """
 import argparse
 import glob
@@ -49,6 +50,11 @@ def check_shards(patterns, out=sys.stdout):
     for r in [header, *rows]:
         print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}",
               file=out)
+    read = [r for r in rows if r[4] == "ok"]
+    if read and all(r[2] == "0" for r in read):  # the trainer's stream needs a document start
+        print(f"no <|endoftext|> (id {GPT2_MAX_ID}) in any of these shards: train_gpt.py refuses them "
+              f"(each document starts with one); re-tokenize with data/tokenize_text.py", file=out)
+        problems += 1
     return problems
 
 

@@ -16,6 +16,7 @@ its repetition filters drop pages made of one repeated string. The scan reads th
 chunks of ``SCAN_CHUNK`` (bounded memory on a memmapped 100M-token shard), and looks for runs only
 inside the rare spans of ``CORRUPT_RUN`` tokens or more without ``<|endoftext|>``.
 """
+import json
 import os
 import stat
 
@@ -32,6 +33,25 @@ SCAN_CHUNK = 1 << 22  # tokens read per step of a scan (8 MiB of uint16)
 
 class ShardError(ValueError):
     """A file that is not a valid shard; the message names the file and the fix."""
+
+
+GPT2_ENCODER_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_bpe", "encoder.json")
+
+
+def gpt2_token_bytes(path=GPT2_ENCODER_JSON):
+    """``{id: bytes}`` of GPT-2's ordinary tokens, from its encoder.json (no network): GPT-2 writes
+    each byte as one printable character, the printable bytes as themselves, the other 68 bytes as
+    chr(256 + i) in byte order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = sorted(set(range(256)) - set(printable))
+    char_to_byte = {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    try:
+        with open(path, encoding="utf-8") as f:
+            encoder = json.load(f)
+        return {i: bytes(char_to_byte[c] for c in s) for s, i in encoder.items() if s != "<|endoftext|>"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{path}: cannot read GPT-2's encoder.json ({type(e).__name__}: {e}); "
+                         f"restore it from the repository (git checkout -- data/gpt2_bpe)") from None
 
 
 def not_a_file(path):

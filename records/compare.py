@@ -89,6 +89,7 @@ import math
 import os
 import re
 import stat
+import signal
 import sys
 import warnings
 
@@ -1445,6 +1446,7 @@ def build_parser():
 
 def main(argv=None):
     """Command line: print the table (or JSON) and optionally draw the plot; see the module docstring."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that left (`| head`): stop quietly
     args = build_parser().parse_args(argv)
 
     def error(message):

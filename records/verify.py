@@ -968,6 +968,7 @@ def extract_to(folder, sources):
 
 def main(argv=None):
     """Command line; returns the exit status (0 only if every check passed)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a reader that left (`| head`): stop quietly
     args = parse_args(argv)
 
     def error(message):

@@ -1140,6 +1140,16 @@ def _fake_python(tmp_path, gpus):
     return calls, python
 
 
+@pytest.mark.parametrize("typed", [["--preset", "record_h200"], ["--preset=cpu_baseline"]])
+def test_run_sh_names_the_preset_the_arguments_give(tmp_path, typed):
+    calls, python = _fake_python(tmp_path, 0)
+    res = _run_sh(tmp_path, {"PYTHON": str(python)}, *typed)
+    preset = typed[-1].split("=")[-1]
+    assert res.returncode == 0 and res.stderr.splitlines() == [
+        f"run.sh: preset {preset} on 1 CPU process(es), data data/sample"], res.stderr
+    assert calls.read_text().split().count(preset) >= 1  # and the trainer gets it, after run.sh's default
+
+
 def test_run_sh_without_gpu_or_data_dir_trains_cpu_smoke_on_the_sample(tmp_path):
     # cpu_smoke (record #89's recipe at the smoke shape, TST and Aurora) cut to 4 steps of 1 -> 2 -> 3 x 32 positions
     small = ["--seq-len", "32", "--batch-tokens", "96", "--num-iterations", "4", "--extension-steps", "0",
@@ -1188,8 +1198,8 @@ def test_run_sh_on_gpus_runs_baseline_h200_on_the_most_processes_that_split_a_st
     data = os.path.join(REPO, "data", "sample")
     res = _run_sh(tmp_path, {"PYTHON": str(python), "DATA_DIR": data}, "--preset", "record_h200", "--seed", "3")
     assert res.returncode == 0, res.stderr
-    assert res.stderr.strip() == f"run.sh: preset baseline_h200 on {nproc} GPU process(es), data {data}", res.stderr
-    args = (f"--preset baseline_h200 --train-files {data}/*_train_*.bin --val-files {data}/*_val_*.bin "
+    assert res.stderr.strip() == f"run.sh: preset record_h200 on {nproc} GPU process(es), data {data}", res.stderr
+    args = (f"--preset record_h200 --train-files {data}/*_train_*.bin --val-files {data}/*_val_*.bin "
             "--preset record_h200 --seed 3")
     # more than one process: the trainer's --describe checks the count first, then harness.py launches torchrun
     expected = [f"train_gpt.py {args}"] if nproc == 1 else [

@@ -67,18 +67,19 @@ def long_run(tmp_path, run_id, *extra):
 # a full disk at a checkpoint: a real tmpfs of 64 KiB under --checkpoint-dir
 
 
-def in_small_filesystem(folder, argv, tmp_path):
+def in_small_filesystem(folder, argv, tmp_path, size="64k"):
     """Run ``argv`` with a 64 KiB tmpfs mounted on ``folder`` in a private mount namespace (unshare; root, or a user
     namespace otherwise); returns (CompletedProcess, the files left in the tmpfs). Skips where no namespace can be
     made (the test then reports skipped, never passed)."""
     unshare = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
-    script = ('d="$1"; shift; mkdir -p "$d" && mount -t tmpfs -o size=64k tmpfs "$d" || exit 99; "$@"; code=$?; '
+    script = ('s="$1"; d="$2"; shift 2; mkdir -p "$d" && mount -t tmpfs -o size="$s" tmpfs "$d" || exit 99; "$@"; '
+              'code=$?; '
               'find "$d" -type f > "$d.files"; exit $code')
-    probe = subprocess.run([*unshare, "sh", "-c", script, "sh", str(tmp_path / "probe"), "true"],
+    probe = subprocess.run([*unshare, "sh", "-c", script, "sh", size, str(tmp_path / "probe"), "true"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here ({probe.stderr.strip()[:200]})")
-    out = subprocess.run([*unshare, "sh", "-c", script, "sh", str(folder), *argv], capture_output=True, text=True,
+    out = subprocess.run([*unshare, "sh", "-c", script, "sh", size, str(folder), *argv], capture_output=True, text=True,
                          env=ENV, cwd=tmp_path, timeout=600)
     return out, open(f"{folder}.files").read().split()
 
@@ -99,6 +100,20 @@ def test_a_real_full_disk_at_a_checkpoint_is_one_line_naming_the_flag_and_the_sp
     assert text.splitlines()[-1] == f"status:incomplete reason:{line.removeprefix('train_gpt.py: error: ')}"
     assert json.loads((tmp_path / "logs" / "full.json").read_text())["status"] == "incomplete"
     assert no_temp_files(tmp_path / "logs") == []
+
+
+@pytest.mark.parametrize("when", ["at the start", "during the run"])
+def test_a_log_disk_that_fills_is_one_line_exit_2_and_no_lock_left(tmp_path, when):
+    logs = tmp_path / "logs"
+    room = len(H.source_snapshot().encode()) + 12 * 1024  # the snapshot, the header and a few step lines
+    size = "64k" if when == "at the start" else f"{-(-room // 4096) * 4}k"
+    out, left = in_small_filesystem(logs, [sys.executable, WORKER, *long_run(tmp_path, "fill")], tmp_path, size)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    [line] = error_lines(out.stderr)
+    assert line.startswith(f"train_gpt.py: error: --log-dir") and "choose another --log-dir" in line, line
+    assert not [f for f in left if f.endswith((".lock", ".tmp"))], left
+    if when == "during the run":  # the log holds the steps written before the disk filled
+        assert any(f.endswith("fill.txt") for f in left), left
 
 
 def test_the_space_a_checkpoint_needs_is_its_tensors_bytes():
@@ -164,7 +179,8 @@ def test_ctrl_c_under_run_sh_with_two_processes_exits_130_without_torchruns_trac
     with open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen(["bash", os.path.join(REPO, "run.sh"), *smoke_under_run_sh(tmp_path, "cc",
                                                                                            "--save-final")],
-                                env=dict(ENV, NPROC="2"), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err)
+                                env=dict(ENV, NPROC="2", TMPDIR=str(tmp_path)), cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_for(lambda: logged_step(tmp_path / "logs" / "cc.txt", 2), what="step 2")
             proc.send_signal(signal.SIGINT)  # run.sh exec'd the launcher: this is the process Ctrl-C reaches
@@ -178,6 +194,7 @@ def test_ctrl_c_under_run_sh_with_two_processes_exits_130_without_torchruns_trac
     assert text.splitlines()[-1] == (f"status:interrupted reason:SIGINT after step {step}; resume with --resume auto "
                                      f"--run-id cc")
     assert os.listdir(tmp_path / "ckpt" / "cc") == [f"step_{step:06d}.pt"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("torchelastic_", "torchrun_"))]  # torchrun's folder
 
 
 # ---------------------------------------------------------------------------------------------

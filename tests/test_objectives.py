@@ -281,7 +281,7 @@ def test_multi_token_targets_match_a_loop(n_predict):
 
 @pytest.fixture(scope="module")
 def vocab():
-    return harness.gpt2_token_bytes()
+    return harness.shard_format.gpt2_token_bytes()
 
 
 @pytest.fixture(scope="module")
