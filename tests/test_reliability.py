@@ -249,7 +249,7 @@ def test_a_log_dir_that_cannot_be_written_is_one_line_and_an_existing_run_id_kee
     (tmp_path / "logs" / "x.txt").write_text("an earlier run's log\n")
     line = one_line(capsys, 2, tiny_args(tmp_path, "--run-id", "x"))
     assert line == (f"train_gpt.py: error: --run-id x: {tmp_path / 'logs' / 'x.txt'} already exists; choose another "
-                    f"--run-id, or continue that run with --resume auto --run-id x")
+                    f"--run-id")  # no checkpoint of it to continue from (test_bad_inputs: one with)
     assert os.listdir(tmp_path / "logs") == ["x.txt"] and (tmp_path / "logs" / "x.txt").read_text() == \
         "an earlier run's log\n"
 
