@@ -49,9 +49,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- Shards: a 256 x int32 header, then uint16 tokens
 
-GPT2_ENCODER_JSON = shard_format.GPT2_ENCODER_JSON
-
-
 def read_shard(path):
     """A shard's tokens (read-only uint16 memmap), checked as the data tools do."""
     tokens = shard_format.read_tokens(path)
@@ -342,14 +339,18 @@ def from_rank_0(value):
 
 
 def write_json(path, obj):
-    """Through a temporary file, renamed: never half a summary."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    """Written whole (a temporary file, renamed) or not at all."""
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(path + ".tmp", path)
+    finally:
+        with suppress(FileNotFoundError):  # renamed, or half-written
+            os.remove(path + ".tmp")
 
 
 def echo_line(text):
-    """stdout; a reader that left (``| head``) silences the rest, not the run."""
+    """print; a closed pipe (``| head``) silences the rest, not the run."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
@@ -395,15 +396,13 @@ class RunLog:
         except ConfigError:  # the lock's
             raise
         except FileExistsError as e:
-            self.release()
-            if e.filename != self.path:  # makedirs: a file has the folder's name
+            if e.filename != self.path:  # makedirs met a file
                 raise ConfigError(f"--log-dir {cfg.log_dir!r} is a file; choose another --log-dir") from None
-            saved = glob.glob(os.path.join(glob.escape(cfg.checkpoint_dir), self.run_id, "step_*.pt"))
+            saved = run_checkpoints(cfg.checkpoint_dir, self.run_id)
             more = f", or continue that run with --resume auto --run-id {self.run_id}" if saved else ""
             raise ConfigError(f"--run-id {self.run_id}: {self.path} already exists; choose another "
                               f"--run-id{more}") from None
         except (OSError, ValueError) as e:
-            self.release()
             raise ConfigError(f"--log-dir {cfg.log_dir!r}: cannot write the log there ({e}); "
                               f"choose another --log-dir") from None
         if not append:
@@ -447,7 +446,6 @@ class RunLog:
         if self.file is None or self.file.closed:
             return
         self.summary.update(status=status, **({"reason": reason} if reason else {}))
-        tmp = self.json_path + ".tmp"
         try:
             self.line(f"status:{status}" + (f" reason:{reason}" if reason else ""), echo=False)
             write_json(self.json_path, self.summary)
@@ -455,10 +453,8 @@ class RunLog:
             if str(e) != reason:  # a failed log write is the run's reason already
                 print(f"train_gpt.py: could not finish the log {self.path} ({e})", file=sys.stderr)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
             self.release()
-            with suppress(OSError):  # a full disk: the buffer's last write fails again
+            with suppress(OSError):  # full disk: the buffer's write fails again
                 self.file.close()
 
     def release(self):
@@ -534,7 +530,7 @@ def log_header(log, cfg, rt, data, streams):
     for kind, stream in zip(("train", "val"), streams):
         for (f, fp), n in zip(data[kind], stream.sizes):
             note(f"data {kind}: {f} tokens:{n} bytes:{os.path.getsize(f)} fingerprint:{fp}")
-    note(f"data tokenizer: data/gpt2_bpe/encoder.json fingerprint:{fingerprint(GPT2_ENCODER_JSON)}")
+    note(f"data tokenizer: data/gpt2_bpe/encoder.json fingerprint:{fingerprint(shard_format.GPT2_ENCODER_JSON)}")
 
 
 def step_line(step, n_steps, what, value, train_time_ms):
@@ -605,12 +601,18 @@ def checkpoint_write_error(path, err, need):
             f"another --checkpoint-dir")
 
 
+def run_checkpoints(checkpoint_dir, run_id):
+    """``<checkpoint_dir>/<run_id>/**/step_*.pt``."""
+    where = glob.escape(os.path.join(checkpoint_dir, run_id))
+    return glob.glob(os.path.join(where, "**", "step_*.pt"), recursive=True)
+
+
 def load_resume(cfg, data, operational):
     """The checkpoint --resume names; ConfigError naming each field and data file that differs."""
     path = cfg.resume
     if path == "auto":
         where = os.path.join(cfg.checkpoint_dir, cfg.run_id)
-        found = glob.glob(os.path.join(glob.escape(where), "**", "step_*.pt"), recursive=True)
+        found = run_checkpoints(cfg.checkpoint_dir, cfg.run_id)
         runs = {os.path.dirname(p) for p in found}
         if len(runs) != 1:
             raise ConfigError(f"--resume auto: {'no checkpoint' if not runs else 'checkpoints of several runs'} under "
@@ -649,8 +651,8 @@ def restore(state, model, opts, loader, rt):
         loader.position = state["loader_position"]
         rng = state["rng"]
     except (RuntimeError, KeyError, ValueError) as e:  # its config fits: a damaged or hand-made file
-        raise ConfigError(f"--resume {state['path']}: does not fit this run ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:150]})") from None
+        raise ConfigError(f"--resume {state['path']}: does not fit this run "
+                          f"({' '.join(str(e).split())[:150]})") from None
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and rt.device.type == "cuda":
         torch.cuda.set_rng_state_all(rng["cuda"])
@@ -770,9 +772,8 @@ def signal_exit_code(name):
 
 
 def failure(err, stop, log):
-    """``(status, reason, exit code)``, its line on stderr: a refusal 2, a NaN 1, a signal 130/129,
-    memory or compiler 2, a broken collective 1; a bug is raised. Rank 0 alone prints a refusal
-    (the same on every rank), each rank a JoinError."""
+    """``(status, reason, exit code)``, its line on stderr (rank 0's for a refusal, each rank's
+    JoinError): a refusal, memory or compiler 2, a NaN or collective 1, a signal 130/129; a bug raises."""
     chain = []
     e = err
     while e is not None and len(chain) < 20:
@@ -872,7 +873,7 @@ def finish(log, status, reason=None):
 
 def launch(argv):
     """``python harness.py [torchrun flags] train_gpt.py [flags]``: torchrun, quiet, exiting with
-    the first failed rank's status (not 1 and a traceback); a signal goes to the ranks (129/130)."""
+    the first failed rank's status, not 1 and a traceback (a signal: 129/130)."""
     import logging
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read when torchrun's loggers are made
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")  # a stopped rank's checkpoint

@@ -1007,7 +1007,7 @@ def prefix_targets(table, targets):
     return torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, table[targets.clamp_min(0)])
 
 
-def prefix_token_table(vocab_size, path=harness.GPT2_ENCODER_JSON):
+def prefix_token_table(vocab_size, path=harness.shard_format.GPT2_ENCODER_JSON):
     """int64 ``[vocab_size]``: each token's longest proper byte prefix that is a token, else ignored
     (record #88): single bytes, <|endoftext|> and padding have none."""
     token_bytes = harness.shard_format.gpt2_token_bytes(path)

@@ -254,7 +254,7 @@ def order_key(pattern):
 
 TRAINER_FILES = harness.SOURCE_FILES  # what a run's log snapshots
 # GPT-2's tokenizer table, read beside the trainer (the prefix-token objective's table): copied too
-TOKENIZER = os.path.relpath(harness.GPT2_ENCODER_JSON, os.path.dirname(os.path.abspath(harness.__file__)))
+TOKENIZER = os.path.relpath(harness.shard_format.GPT2_ENCODER_JSON, os.path.dirname(os.path.abspath(harness.__file__)))
 
 
 def code_hashes(code_dir):
