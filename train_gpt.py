@@ -1627,8 +1627,8 @@ def train(run, stop):
         apply_schedule(run.opts, row)
         model.set_window(row.window, row.yarn)
         micro, weights = run.objectives.batches(micro, step, row.stage)
-        model.set_loss_divisor(grad_divisor(row.stage))
         divisor = grad_divisor(row.stage)
+        model.set_loss_divisor(divisor)
         loss = accumulate_gradients(run.net, micro, rt, weights, divisor, run.buckets)
         normuon.step()  # first: its math runs while Adam's reduce-scatter is in flight
         adam.step()  # waits for its shards, updates them, starts its all-gather (big tables: last)
